@@ -1,0 +1,5 @@
+import sys
+
+from ess_sglang.cli import main
+
+sys.exit(main())

@@ -1,0 +1,295 @@
+"""Per-layer GPU hot pools and the cache manager that turns a layer's exact top-k selection into hot-pool slots.
+
+State (all fixed-size device tensors, so every call below runs inside a captured CUDA graph, with no host
+synchronisation):
+
+    hot_entries[layer, slot, :]   the hot pool: `slots_per_layer` latent entries per layer (FlashMLA reads these)
+    loc_to_slot[layer, loc]       token -> slot map, -1 when the token's entry is not resident
+    slot_to_loc[layer, slot]      slot -> token map, -1 when the slot is free
+    slot_stamp[layer, slot]       recency: the step in which the slot was last selected or filled (FREE_STAMP if free)
+    clock                         the current decode step (a 0-dim device tensor, advanced by `begin_step`)
+    counters[layer, Counter]      hits, misses, bytes, ... (int64; read back asynchronously by the metrics code)
+
+Every map has one extra "sink" element at the end (index `slots_per_layer` / `num_locations`): writes that a mask
+turns off are sent there instead of being skipped, which keeps every shape static. Sinks are never read unmasked.
+
+The data path of one layer, in order (see `resolve`):
+    1. mask bad positions (-1 padding stays; past the sequence length or below -1 -> -1, counted), translate the rest
+       to KV locations through the request table;
+    2. lookup: slot = loc_to_slot[loc]; hits are stamped with the current step, which protects them from eviction;
+    3. deduplicate the misses (the same location may be selected by several query tokens or requests);
+    4. evict the least-recently-used unprotected slots, as many as there are distinct misses, and assign them;
+    5. fetch the missing entries from the host pool with FlashTrans (H2D gather);
+    6. return the slot table, same shape as the selection, -1 where the selection was padding.
+Attention then reads only hot-pool slots, the exact entries the selection named: the output is unchanged.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+
+from ess_sglang.host_pool import HostTotalPool
+from ess_sglang.kernels.flashtrans import copy_rows
+
+FREE_STAMP = -(1 << 40)
+AGE_BUCKETS = 256  # LRU order is exact per step for the last 255 steps; older slots tie (evicted first, by slot index)
+
+
+class Counter(IntEnum):
+    """Per-layer event counts kept on the device."""
+
+    LOOKUPS = 0  # valid selected entries (after masking)
+    HITS = 1  # selected entries already resident
+    MISSES = 2  # distinct missing entries fetched for a selection
+    H2D_ENTRIES = 3  # entries copied host -> device (misses and warm-up)
+    D2H_ENTRIES = 4  # entries written back device -> host (new tokens)
+    BAD_INDICES = 5  # selected positions masked because they were out of range
+    OVERFLOW = 6  # entries that found no free slot (never happens when the config checks passed)
+    WARMUP_ENTRIES = 7  # entries loaded by warm-up
+    EVICTIONS = 8  # resident entries evicted to make room
+    NEW_TOKENS = 9  # newly decoded entries inserted
+
+
+def positions_to_locations(topk_pos: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                           seq_lens: torch.Tensor, num_locations: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [B, Q, K] -> KV locations (int64, -1 where padding or bad) and the mask of bad positions.
+
+    A position is read from the request table only when 0 <= pos < seq_len of its own request, so a selection can
+    name nothing outside its own request; a table entry outside [0, num_locations) is treated as bad too.
+    """
+    B = topk_pos.shape[0]
+    pos = topk_pos.long()
+    width = req_to_token.shape[1]
+    valid = (pos >= 0) & (pos < seq_lens.long().view(B, 1, 1)) & (pos < width)
+    rows = req_pool_indices.long().view(B, 1, 1).expand_as(pos)
+    loc = req_to_token[rows, torch.where(valid, pos, 0)].long()
+    loc_ok = valid & (loc >= 0) & (loc < num_locations)
+    bad = ((pos != -1) & ~valid) | (valid & ~loc_ok)
+    return torch.where(loc_ok, loc, -1), bad
+
+
+class HotPoolCacheManager:
+    def __init__(self, host_pool: HostTotalPool, slots_per_layer: int, device: torch.device | str | None = None,
+                 max_selected: int = 0, copy_impl: str = "auto"):
+        """`max_selected` sizes scratch tensors for the largest selection (batch x q_tokens x top_k) one call sees;
+        `copy_impl` picks FlashTrans's implementation ("auto": the Triton kernel on CUDA, torch on CPU)."""
+        if slots_per_layer <= 0:
+            raise ValueError(f"slots_per_layer must be > 0, got {slots_per_layer}")
+        self.host = host_pool
+        self.copy_impl = copy_impl
+        self.device = torch.device(device) if device is not None else host_pool.device
+        L, S, T = host_pool.num_layers, slots_per_layer, host_pool.num_tokens
+        self.num_layers, self.slots_per_layer, self.num_locations = L, S, T
+        self.entry_bytes = host_pool.entry_bytes
+        dev = self.device
+        self.hot_entries = torch.zeros((L, S, self.entry_bytes), dtype=torch.uint8, device=dev)
+        self.loc_to_slot = torch.full((L, T + 1), -1, dtype=torch.int32, device=dev)
+        self.slot_to_loc = torch.full((L, S + 1), -1, dtype=torch.int32, device=dev)
+        self.slot_stamp = torch.full((L, S + 1), FREE_STAMP, dtype=torch.int64, device=dev)
+        self.clock = torch.zeros((), dtype=torch.int64, device=dev)
+        self.counters = torch.zeros((L, len(Counter)), dtype=torch.int64, device=dev)
+        self._slot_ids = torch.arange(S, dtype=torch.int64, device=dev)
+        self._ones = torch.ones(S, dtype=torch.int64, device=dev)
+        self._age_ids = torch.arange(AGE_BUCKETS, dtype=torch.int64, device=dev)
+        self._entry_ids = torch.arange(max(max_selected, 1), dtype=torch.int64, device=dev)
+
+    # ------------------------------------------------------------------ per step
+    def begin_step(self) -> None:
+        """Advance the clock: entries stamped in earlier steps become evictable again."""
+        self.clock += 1
+
+    def layer_entries(self, layer: int) -> torch.Tensor:
+        """[slots_per_layer, entry_bytes] hot pool of one layer (index it with the slot table)."""
+        return self.hot_entries[layer]
+
+    def resolve(self, layer: int, topk_pos: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                seq_lens: torch.Tensor) -> torch.Tensor:
+        """Make every selected entry resident and return its slot.
+
+        topk_pos: [batch, q_tokens, k] int32, positions within each request, -1 as padding.
+        req_to_token: [rows, max_context] int32, the KV location of each position of each request row.
+        req_pool_indices: [batch], the request row of each batch entry. seq_lens: [batch], tokens of each request.
+        Returns int32 [batch, q_tokens, k]: hot-pool slot of each selected entry, -1 where the input was padding or bad.
+        """
+        if topk_pos.dim() != 3:
+            raise ValueError(f"resolve: topk_pos must be [batch, q_tokens, k], got {tuple(topk_pos.shape)}")
+        B = topk_pos.shape[0]
+        if req_pool_indices.shape != (B,) or seq_lens.shape != (B,):
+            raise ValueError(f"resolve: req_pool_indices and seq_lens must be [{B}], got "
+                             f"{tuple(req_pool_indices.shape)} and {tuple(seq_lens.shape)}")
+        locs, bad = self.translate(topk_pos, req_to_token, req_pool_indices, seq_lens)
+        flat = locs.reshape(-1)
+        cnt = self.counters[layer]
+        cnt[Counter.BAD_INDICES] += bad.sum()
+        cnt[Counter.LOOKUPS] += (flat >= 0).sum()
+        slots, hits, fetched = self._make_resident(layer, flat)
+        cnt[Counter.HITS] += hits
+        cnt[Counter.MISSES] += fetched
+        cnt[Counter.H2D_ENTRIES] += fetched
+        return slots.view(topk_pos.shape).to(torch.int32)
+
+    def translate(self, topk_pos: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                  seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return positions_to_locations(topk_pos, req_to_token, req_pool_indices, seq_lens, self.num_locations)
+
+    def write_new_tokens(self, layer: int, locs: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """Store this step's new entries: D2H into the host pool, and into hot slots (protected this step).
+
+        locs: [n] KV locations (-1 to skip), distinct; entries: [n, entry_bytes] uint8 on the device.
+        Returns the slot of each entry (int64, -1 where skipped).
+        """
+        if locs.dim() != 1 or entries.shape != (locs.shape[0], self.entry_bytes):
+            raise ValueError(f"write_new_tokens wants locs [n] and entries [n, {self.entry_bytes}], got "
+                             f"{tuple(locs.shape)} and {tuple(entries.shape)}")
+        flat = locs.long()
+        flat = torch.where((flat >= 0) & (flat < self.num_locations), flat, -1)
+        n = flat.shape[0]
+        rows = torch.arange(n, device=self.device)
+        copy_rows(entries, self.host.layer(layer), torch.where(flat >= 0, rows, -1), flat, self.copy_impl)  # write-back (D2H)
+        slot = self._lookup(layer, flat)
+        self._protect(layer, slot)
+        new_slot = self._insert(layer, torch.where((flat >= 0) & (slot < 0), flat, -1))
+        slot = torch.where(slot >= 0, slot, new_slot)
+        copy_rows(entries, self.hot_entries[layer], torch.where(slot >= 0, rows, -1), slot, self.copy_impl)  # device -> hot slot
+        cnt = self.counters[layer]
+        cnt[Counter.D2H_ENTRIES] += (flat >= 0).sum()
+        cnt[Counter.NEW_TOKENS] += (new_slot >= 0).sum()
+        return slot
+
+    def warm_up(self, layer: int, locs: torch.Tensor) -> torch.Tensor:
+        """Load the given KV locations (1-D, -1 to skip) of one layer into its hot pool; returns their slots."""
+        flat = locs.reshape(-1).long().to(self.device)
+        flat = torch.where((flat >= 0) & (flat < self.num_locations), flat, -1)
+        slots, _, fetched = self._make_resident(layer, flat)
+        self.counters[layer, Counter.WARMUP_ENTRIES] += fetched
+        self.counters[layer, Counter.H2D_ENTRIES] += fetched
+        return slots
+
+    def release(self, locs: torch.Tensor) -> None:
+        """Forget the given KV locations in every layer (a request finished or was aborted): frees their slots."""
+        flat = locs.reshape(-1).long().to(self.device)
+        ok = (flat >= 0) & (flat < self.num_locations)
+        at = torch.where(ok, flat, self.num_locations).unsqueeze(0).expand(self.num_layers, -1)
+        slot = torch.where(ok, self.loc_to_slot.gather(1, at).long(), -1)
+        to_sink = torch.where(slot >= 0, slot, self.slots_per_layer)
+        self.slot_to_loc.scatter_(1, to_sink, -1)
+        self.slot_stamp.scatter_(1, to_sink, FREE_STAMP)
+        self.loc_to_slot.scatter_(1, at, -1)
+
+    # ------------------------------------------------------------------ internals
+    def _lookup(self, layer: int, flat: torch.Tensor) -> torch.Tensor:
+        """Slot of each location (int64, -1 when not resident or when the location is -1)."""
+        at = torch.where(flat >= 0, flat, self.num_locations)
+        return torch.where(flat >= 0, self.loc_to_slot[layer][at].long(), -1)
+
+    def _protect(self, layer: int, slot: torch.Tensor) -> None:
+        self.slot_stamp[layer].scatter_(0, torch.where(slot >= 0, slot, self.slots_per_layer),
+                                        self.clock.expand(slot.shape[0]))
+
+    def _make_resident(self, layer: int, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Lookup, protect, deduplicate and fetch the misses of `flat` (int64 locations, -1 skipped).
+
+        Returns (slot of every entry, number of hits, number of distinct entries fetched), counts as device tensors.
+        """
+        n = flat.shape[0]
+        if n > self._entry_ids.numel():  # grows outside graph capture only: size it with `max_selected`
+            self._entry_ids = torch.arange(n, dtype=torch.int64, device=self.device)
+        l2s = self.loc_to_slot[layer]
+        sink = self.num_locations
+        slot = self._lookup(layer, flat)
+        hit = slot >= 0
+        self._protect(layer, slot)
+        # Dedup: every missing entry writes its claim (-2 - its index) into the map; one claim per location wins,
+        # and the winner is the representative that gets a slot. The others read that slot afterwards.
+        miss = (flat >= 0) & ~hit
+        miss_at = torch.where(miss, flat, sink)
+        claim = (-2 - self._entry_ids[:n]).to(torch.int32)
+        l2s.scatter_(0, miss_at, claim)
+        rep = miss & (l2s[miss_at] == claim)
+        new_slot = self._insert(layer, torch.where(rep, flat, -1))
+        l2s.scatter_(0, torch.where(rep & (new_slot < 0), flat, sink), -1)  # overflowed claims: back to "absent"
+        slot = torch.where(miss, l2s[miss_at].long().clamp(min=-1), slot)
+        copy_rows(self.host.layer(layer), self.hot_entries[layer], torch.where(new_slot >= 0, flat, -1), new_slot,
+                  self.copy_impl)
+        return slot, hit.sum(), (new_slot >= 0).sum()
+
+    def _insert(self, layer: int, flat: torch.Tensor) -> torch.Tensor:
+        """Give each location in `flat` (distinct, not resident; -1 skipped) a slot, evicting LRU entries.
+
+        Returns the slot of each (int64, -1 where skipped or where no slot was left: counted as overflow).
+        """
+        n = flat.shape[0]
+        need = flat >= 0
+        n_need = need.sum()
+        rank = (need.cumsum(0) - 1).clamp(min=0)
+        victims = self._take_victims(layer, n_need, n)
+        slot = torch.where(need, victims[rank], -1)
+        got = slot >= 0
+        cnt = self.counters[layer]
+        cnt[Counter.OVERFLOW] += (need & ~got).sum()
+        S, T = self.slots_per_layer, self.num_locations
+        slot_at = torch.where(got, slot, S)
+        old = torch.where(got, self.slot_to_loc[layer][slot_at].long(), -1)
+        self.loc_to_slot[layer].scatter_(0, torch.where(old >= 0, old, T), -1)
+        cnt[Counter.EVICTIONS] += (old >= 0).sum()
+        self.slot_to_loc[layer].scatter_(0, slot_at, flat.to(torch.int32))
+        self.loc_to_slot[layer].scatter_(0, torch.where(got, flat, T), slot.to(torch.int32))
+        self.slot_stamp[layer].scatter_(0, slot_at, self.clock.expand(n))
+        return slot
+
+    def _take_victims(self, layer: int, n_need: torch.Tensor, max_need: int) -> torch.Tensor:
+        """The `n_need` least-recently-used unprotected slots, as a list of `max_need` (int64, -1 padded).
+
+        Ages (clock - stamp, clamped to AGE_BUCKETS - 1) are histogrammed; the threshold age T is the largest one with
+        at least n_need slots at or above it. All slots older than T are taken, then slots of age exactly T by slot
+        index until n_need are taken. Age 0 means "selected this step": never taken.
+        """
+        A = AGE_BUCKETS
+        age = (self.clock - self.slot_stamp[layer, : self.slots_per_layer]).clamp(0, A - 1)
+        hist = torch.zeros(A, dtype=torch.int64, device=self.device).scatter_add_(0, age, self._ones)
+        at_or_above = hist.flip(0).cumsum(0).flip(0)
+        eligible = (at_or_above >= n_need) & (self._age_ids >= 1)
+        T = (eligible.long() * self._age_ids).amax().clamp(min=1)
+        n_above = torch.where(T + 1 < A, at_or_above[(T + 1).clamp(max=A - 1)], 0)
+        at_T = age == T
+        take = (age > T) | (at_T & (at_T.cumsum(0) - 1 < n_need - n_above))
+        order = take.cumsum(0) - 1
+        victims = torch.full((max_need + 1,), -1, dtype=torch.int64, device=self.device)
+        victims.scatter_(0, torch.where(take & (order < max_need), order, max_need), self._slot_ids)
+        return victims[:max_need]
+
+    # ------------------------------------------------------------------ checks (tests, debugging; synchronise)
+    def resident_count(self, layer: int) -> int:
+        return int((self.slot_to_loc[layer, : self.slots_per_layer] >= 0).sum())
+
+    def check_invariants(self, live_locs: torch.Tensor | None = None) -> None:
+        """Assert the maps agree: no slot owned twice, token->slot and slot->token are inverse, stamps consistent.
+
+        `live_locs`, when given, are the locations held by live requests: nothing else may be resident.
+        """
+        S, T = self.slots_per_layer, self.num_locations
+        for layer in range(self.num_layers):
+            s2l = self.slot_to_loc[layer, :S].long().cpu()
+            l2s = self.loc_to_slot[layer, :T].long().cpu()
+            stamp = self.slot_stamp[layer, :S].cpu()
+            used = s2l >= 0
+            owners = s2l[used]
+            assert owners.unique().numel() == owners.numel(), f"layer {layer}: a token owns two slots"
+            assert torch.equal(l2s[owners], torch.nonzero(used).view(-1)), f"layer {layer}: slot->token != token->slot"
+            resident = l2s >= 0
+            assert int(resident.sum()) == int(used.sum()), f"layer {layer}: resident counts differ"
+            assert torch.equal(s2l[l2s[resident]], torch.nonzero(resident).view(-1)), (
+                f"layer {layer}: token->slot != slot->token")
+            assert bool((l2s >= -1).all()), f"layer {layer}: a dedup claim was left in the token map"
+            assert bool((stamp[~used] == FREE_STAMP).all()), f"layer {layer}: a free slot has a stamp"
+            assert bool((stamp[used] > FREE_STAMP).all()), f"layer {layer}: a used slot has the free stamp"
+            if live_locs is not None:
+                live = torch.zeros(T, dtype=torch.bool)
+                live[live_locs.long().cpu()] = True
+                assert bool(live[owners].all()), f"layer {layer}: a slot holds a token of no live request"
+
+    @property
+    def hot_pool_bytes(self) -> int:
+        return self.hot_entries.numel()

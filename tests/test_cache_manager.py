@@ -1,0 +1,208 @@
+"""The cache manager's per-layer data path: lookup, protect, dedup, evict LRU, fetch, write-back, release."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ess_sglang.cache_manager import Counter, HotPoolCacheManager
+from ess_sglang.host_pool import HostTotalPool
+from ess_sglang.request_table import RequestTable
+
+
+def make(layers=2, tokens=2048, slots=256, lengths=(300, 500), seed=0, copy_impl="auto"):
+    host = HostTotalPool(layers, tokens, device="cpu")
+    host.entries.copy_(torch.randint(0, 256, host.entries.shape, dtype=torch.uint8,
+                                     generator=torch.Generator().manual_seed(seed)))
+    m = HotPoolCacheManager(host, slots, device="cpu", max_selected=1024, copy_impl=copy_impl)
+    table = RequestTable(8, 1024)
+    rows = []
+    for n in lengths:
+        r = table.alloc_row()
+        table.set(r, 0, host.alloc(n))
+        rows.append(r)
+    return m, host, table, torch.tensor(rows), torch.tensor(list(lengths))
+
+
+def check_slots(m, host, layer, slots, locs):
+    ok = locs >= 0
+    assert torch.equal(slots >= 0, ok)
+    assert torch.equal(m.hot_entries[layer][slots[ok].long()], host.entries[layer][locs[ok]])
+
+
+def test_resolve_fetches_exactly_the_selection_then_hits():
+    m, host, table, rpi, sl = make()
+    pos = torch.stack([torch.arange(64).view(1, 64), torch.arange(100, 164).view(1, 64)]).int()
+    m.begin_step()
+    slots = m.resolve(0, pos, table.req_to_token, rpi, sl)
+    locs, _ = m.translate(pos, table.req_to_token, rpi, sl)
+    check_slots(m, host, 0, slots, locs)
+    c = m.counters[0]
+    assert c[Counter.MISSES] == 128 and c[Counter.HITS] == 0 and c[Counter.H2D_ENTRIES] == 128
+    assert m.resident_count(1) == 0, "another layer's pool was touched"
+    m.begin_step()
+    again = m.resolve(0, pos, table.req_to_token, rpi, sl)
+    assert torch.equal(again, slots)
+    assert c[Counter.HITS] == 128 and c[Counter.MISSES] == 128
+    m.check_invariants()
+
+
+def test_selected_entries_are_never_evicted_in_their_step():
+    # The pool holds exactly one step's selection: every slot is protected, and all selected entries are resident.
+    m, host, table, rpi, sl = make(slots=128)
+    for step in range(6):
+        m.begin_step()
+        pos = torch.stack([torch.randperm(300)[:64], torch.randperm(500)[:64]]).view(2, 1, 64).int()
+        slots = m.resolve(0, pos, table.req_to_token, rpi, sl)
+        locs, _ = m.translate(pos, table.req_to_token, rpi, sl)
+        check_slots(m, host, 0, slots, locs)
+        assert slots[slots >= 0].unique().numel() == 128
+    assert m.counters[0, Counter.OVERFLOW] == 0
+    m.check_invariants()
+
+
+def test_eviction_takes_the_least_recently_used():
+    m, host, table, rpi, sl = make(slots=64, lengths=(300,))
+    rpi, sl = rpi[:1], sl[:1]
+    table_rt = table.req_to_token
+
+    def sel(start):
+        return torch.arange(start, start + 32).view(1, 1, 32).int()
+
+    m.begin_step()
+    m.resolve(0, sel(0), table_rt, rpi, sl)  # A, step 1
+    m.begin_step()
+    m.resolve(0, sel(32), table_rt, rpi, sl)  # B, step 2
+    m.begin_step()
+    m.resolve(0, sel(0), table_rt, rpi, sl)  # A again, step 3: B is now the older
+    m.begin_step()
+    m.resolve(0, sel(64), table_rt, rpi, sl)  # C evicts B, not A
+    a_locs = table_rt[0, 0:32].long()
+    b_locs = table_rt[0, 32:64].long()
+    assert (m.loc_to_slot[0, a_locs] >= 0).all()
+    assert (m.loc_to_slot[0, b_locs] == -1).all()
+    assert m.counters[0, Counter.EVICTIONS] == 32
+    m.check_invariants()
+
+
+def test_duplicates_across_query_tokens_and_requests_share_one_slot():
+    m, host, table, rpi, sl = make(lengths=(300, 300))
+    shared = table.req_to_token[0, :300].clone()
+    table.set(1, 0, shared)  # two requests on one prefix (radix-cache sharing)
+    pos = torch.arange(40).view(1, 1, 40).expand(2, 2, 40).int().contiguous()  # q_tokens = 2, same positions
+    m.begin_step()
+    slots = m.resolve(0, pos, table.req_to_token, rpi, sl)
+    assert torch.equal(slots[0, 0], slots[1, 1])
+    assert m.counters[0, Counter.MISSES] == 40 and m.counters[0, Counter.LOOKUPS] == 160
+    locs, _ = m.translate(pos, table.req_to_token, rpi, sl)
+    check_slots(m, host, 0, slots, locs)
+    m.check_invariants()
+
+
+def test_bad_indices_are_masked_and_counted():
+    m, host, table, rpi, sl = make()
+    pos = torch.full((2, 1, 8), -1, dtype=torch.int32)
+    pos[0, 0, :4] = torch.tensor([0, 300, 299, -2])  # 300 is past request 0's length; -2 is not padding
+    pos[1, 0, :3] = torch.tensor([499, 500, 10**6])
+    m.begin_step()
+    slots = m.resolve(0, pos, table.req_to_token, rpi, sl)
+    assert slots[0, 0].tolist()[:4] == [slots[0, 0, 0].item(), -1, slots[0, 0, 2].item(), -1]
+    assert (slots[0, 0, [0, 2]] >= 0).all() and slots[1, 0, 0] >= 0 and (slots[1, 0, 1:] == -1).all()
+    assert m.counters[0, Counter.BAD_INDICES] == 4
+    assert m.counters[0, Counter.LOOKUPS] == 3
+
+
+def test_a_corrupt_table_entry_is_never_read():
+    m, host, table, rpi, sl = make()
+    table.req_to_token[0, 5] = 10**7  # a location outside the pool
+    m.begin_step()
+    slots = m.resolve(0, torch.tensor([[[5, 6]]]).int().expand(2, 1, 2).contiguous(), table.req_to_token, rpi, sl)
+    assert slots[0, 0, 0] == -1 and slots[0, 0, 1] >= 0
+    assert m.counters[0, Counter.BAD_INDICES] == 1
+
+
+def test_write_new_tokens_reaches_host_and_hot_pool():
+    m, host, table, rpi, sl = make()
+    new = host.alloc(2)
+    entries = torch.randint(0, 256, (2, 656), dtype=torch.uint8)
+    m.begin_step()
+    slots = m.write_new_tokens(1, new, entries)
+    assert torch.equal(host.entries[1][new], entries)
+    assert torch.equal(m.hot_entries[1][slots], entries)
+    assert torch.equal(m.loc_to_slot[1, new].long(), slots)
+    # rewriting a resident token (e.g. a re-verified draft) updates it in place
+    entries2 = torch.randint(0, 256, (2, 656), dtype=torch.uint8)
+    again = m.write_new_tokens(1, new, entries2)
+    assert torch.equal(again, slots) and torch.equal(m.hot_entries[1][slots], entries2)
+    assert m.counters[1, Counter.D2H_ENTRIES] == 4 and m.counters[1, Counter.NEW_TOKENS] == 2
+    m.check_invariants()
+
+
+def test_release_frees_every_layer():
+    m, host, table, rpi, sl = make()
+    pos = torch.arange(64).view(1, 1, 64).expand(2, 1, 64).int().contiguous()
+    m.begin_step()
+    for layer in range(2):
+        m.resolve(layer, pos, table.req_to_token, rpi, sl)
+    m.release(table.req_to_token[0, :300])
+    for layer in range(2):
+        assert m.resident_count(layer) == 64
+    m.release(table.req_to_token[1, :500])
+    assert m.resident_count(0) == m.resident_count(1) == 0
+    m.check_invariants()
+
+
+def test_warm_up_loads_and_counts():
+    m, host, table, rpi, sl = make()
+    locs = table.req_to_token[0, 200:300]
+    slots = m.warm_up(0, torch.cat([locs, locs[:10], torch.tensor([-1], dtype=torch.int32)]))
+    assert torch.equal(m.hot_entries[0][slots[:100]], host.entries[0][locs.long()])
+    assert m.counters[0, Counter.WARMUP_ENTRIES] == 100
+    m.check_invariants()
+
+
+def test_triton_copy_path_matches(monkeypatch):
+    results = []
+    for impl in ("torch", "triton"):
+        m, host, table, rpi, sl = make(seed=3, copy_impl=impl)
+        pos = torch.stack([torch.arange(0, 48), torch.arange(200, 248)]).view(2, 1, 48).int()
+        m.begin_step()
+        slots = m.resolve(0, pos, table.req_to_token, rpi, sl)
+        m.write_new_tokens(0, host.alloc(2), torch.full((2, 656), 9, dtype=torch.uint8))
+        results.append((slots, m.hot_entries.clone(), host.entries.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1], strict=True))
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_no_input_reaches_another_requests_entries(data):
+    """Whatever positions arrive, every slot returned for request b holds one of b's own tokens (< its length)."""
+    lengths = data.draw(st.lists(st.integers(1, 200), min_size=1, max_size=3))
+    m, host, table, rpi, sl = make(tokens=1024, slots=1024, lengths=tuple(lengths))
+    k = data.draw(st.integers(1, 16))
+    q = data.draw(st.integers(1, 2))
+    raw = data.draw(st.lists(st.integers(-(2**31), 2**31 - 1) | st.integers(-3, 260),
+                             min_size=len(lengths) * q * k, max_size=len(lengths) * q * k))
+    pos = torch.tensor(raw, dtype=torch.int64).view(len(lengths), q, k).to(torch.int32)
+    m.begin_step()
+    slots = m.resolve(0, pos, table.req_to_token, rpi, sl)
+    for b, n in enumerate(lengths):
+        own = set(table.req_to_token[rpi[b], :n].tolist())
+        for p, s in zip(pos[b].reshape(-1).tolist(), slots[b].reshape(-1).tolist(), strict=True):
+            if 0 <= p < n:
+                assert s >= 0 and m.slot_to_loc[0, s].item() == table.req_to_token[rpi[b], p].item()
+            else:
+                assert s == -1
+            if s >= 0:
+                assert m.slot_to_loc[0, s].item() in own
+    expected_bad = sum(1 for b, n in enumerate(lengths) for p in pos[b].reshape(-1).tolist() if p != -1 and not 0 <= p < n)
+    assert m.counters[0, Counter.BAD_INDICES] == expected_bad
+    m.check_invariants()
+
+
+def test_shapes_are_checked():
+    m, host, table, rpi, sl = make()
+    with pytest.raises(ValueError, match=r"\[batch, q_tokens, k\]"):
+        m.resolve(0, torch.zeros(2, 8, dtype=torch.int32), table.req_to_token, rpi, sl)
+    with pytest.raises(ValueError, match="seq_lens"):
+        m.resolve(0, torch.zeros(2, 1, 8, dtype=torch.int32), table.req_to_token, rpi, sl[:1])
