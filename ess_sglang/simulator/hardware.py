@@ -1,0 +1,150 @@
+"""Hardware description of one decode node (8 GPUs, their HBM, links and host memory), loaded from YAML.
+
+A hardware file is a flat mapping (``configs/hardware/h200.yaml`` is an example); every number is per GPU
+unless its name says ``node``. Rates are in decimal units (GB/s = 1e9 B/s, TB/s = 1e12 B/s, TFLOPS = 1e12
+FLOP/s); capacities are in GiB (2**30 B), as drivers report them. Unknown fields are errors, and every
+error names its field (``hardware.hbm_bw_tbps: ...``).
+
+Presets are looked up by name in ``configs/hardware/<name>.yaml`` of the checkout: ``h800``, ``h20``,
+``h200``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from ess_sglang.simulator.errors import SimulatorConfigError, read_yaml, validate
+
+GIB = 2**30
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HARDWARE_DIR = REPO_ROOT / "configs" / "hardware"
+
+
+def _positive(v: float) -> float:
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"must be a finite number > 0 (got {v!r})")
+    return v
+
+
+def _fraction(v: float) -> float:
+    if not (math.isfinite(v) and 0 <= v <= 1):
+        raise ValueError(f"must be in [0, 1] (got {v!r})")
+    return v
+
+
+def _non_negative(v: float) -> float:
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"must be a finite number >= 0 (got {v!r})")
+    return v
+
+
+Positive = Annotated[float, Field(strict=False), AfterValidator(_positive)]
+NonNegative = Annotated[float, Field(strict=False), AfterValidator(_non_negative)]
+Fraction = Annotated[float, Field(strict=False), AfterValidator(_fraction)]
+
+
+class Hardware(BaseModel):
+    """One node of the decode cluster. Per GPU unless the name says ``node``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: StrictStr
+    description: StrictStr = ""
+    gpus_per_node: StrictInt = Field(gt=0)
+
+    # --- the GPU
+    hbm_gib: Positive
+    """HBM the driver reports (GiB)."""
+    hbm_bw_tbps: Positive
+    """Peak HBM bandwidth (TB/s)."""
+    fp8_tflops: Positive
+    """Dense FP8 tensor-core peak (TFLOPS, no sparsity)."""
+    bf16_tflops: Positive
+    """Dense BF16 tensor-core peak (TFLOPS, no sparsity)."""
+
+    # --- expert-parallel network
+    nvlink_gbps: Positive
+    """All-to-all bandwidth one GPU achieves to GPUs of its own node (GB/s, one direction)."""
+    nic_gbps: Positive
+    """RDMA bandwidth per GPU to other nodes (GB/s, one direction)."""
+    ep_latency_us: NonNegative
+    """Fixed time of one MoE dispatch or combine, on top of its bytes / bandwidth (us)."""
+
+    # --- PCIe between the GPU and pinned host memory
+    pcie_gen: StrictInt = Field(ge=3, le=7)
+    pcie_bulk_gbps: Positive
+    """Bulk pinned copy rate (GB/s); the ceiling for the two rates below."""
+    pcie_h2d_gbps: Positive
+    """Scattered 656-B host->GPU gather rate that ESS's fetch kernel reaches (GB/s)."""
+    pcie_d2h_gbps: Positive
+    """Scattered 656-B GPU->host scatter rate (GB/s), for writing new tokens back."""
+    pcie_fetch_latency_us: NonNegative = 3.0
+    """Fixed time of one fetch kernel (us)."""
+    overlap_interference: Fraction = 0.19
+    """When a fetch runs beside attention, this fraction of the overlapped time is lost (SM and HBM sharing)."""
+
+    # --- host
+    host_mem_gib_node: Positive
+    """Host memory per node (GiB)."""
+    host_mem_usable_fraction: Fraction = 0.9
+    """Share of host memory that may be pinned for latents (the rest: OS, SGLang, staging)."""
+    host_mem_bw_gbps_node: Positive
+    """Host memory bandwidth per node (GB/s); the GPUs' fetches share it."""
+
+    @property
+    def hbm_bytes(self) -> float:
+        return self.hbm_gib * GIB
+
+    @property
+    def host_latent_bytes_node(self) -> float:
+        return self.host_mem_gib_node * GIB * self.host_mem_usable_fraction
+
+    def h2d_rate(self) -> float:
+        """Effective host->GPU fetch rate per GPU (B/s): the kernel's rate, the link, and the host's share."""
+        return 1e9 * min(self.pcie_h2d_gbps, self.pcie_bulk_gbps, self.host_mem_bw_gbps_node / self.gpus_per_node)
+
+    def d2h_rate(self) -> float:
+        return 1e9 * min(self.pcie_d2h_gbps, self.pcie_bulk_gbps, self.host_mem_bw_gbps_node / self.gpus_per_node)
+
+    def h2d_limited_by(self) -> str:
+        rates = {"pcie": min(self.pcie_h2d_gbps, self.pcie_bulk_gbps),
+                 "host_memory_bw": self.host_mem_bw_gbps_node / self.gpus_per_node}
+        return min(rates, key=rates.__getitem__)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml")) if HARDWARE_DIR.is_dir() else []
+
+
+def resolve_hardware_path(ref: str, base_dir: Path | None = None) -> Path:
+    """A preset name (``h200``) or a path (absolute, or relative to ``base_dir`` or the working directory)."""
+    candidates = []
+    if ref.endswith((".yaml", ".yml")) or "/" in ref:
+        p = Path(ref)
+        candidates += [p] if p.is_absolute() else ([base_dir / p] if base_dir else []) + [p, REPO_ROOT / p]
+    else:
+        candidates += [HARDWARE_DIR / f"{ref}.yaml"]
+        if base_dir is not None:
+            candidates += [base_dir / ".." / "hardware" / f"{ref}.yaml"]
+    for c in candidates:
+        if c.is_file():
+            return c
+    names = ", ".join(preset_names()) or f"none found in {HARDWARE_DIR}"
+    raise SimulatorConfigError(f"hardware: no hardware file {ref!r} (presets: {names})")
+
+
+def load_hardware(ref: str | Path, overrides: dict[str, Any] | None = None, base_dir: Path | None = None,
+                  root: str = "hardware") -> Hardware:
+    """Load a preset or file, apply ``overrides`` (same field names), and validate."""
+    path = resolve_hardware_path(str(ref), base_dir)
+    data = read_yaml(path, root)
+    if overrides:
+        unknown = [k for k in overrides if k not in Hardware.model_fields]
+        if unknown:
+            raise SimulatorConfigError([f"scenario.hardware_overrides.{k}: unknown hardware field" for k in unknown])
+        data.update(overrides)
+    return validate(Hardware, data, root)

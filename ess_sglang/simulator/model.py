@@ -1,0 +1,377 @@
+"""DeepSeek-V3.2-Exp decode-step cost model: one GPU of a PD-disaggregated decode cluster.
+
+Deployment modelled: attention data-parallel (every GPU holds its own ``B`` requests and their KV
+cache), experts spread over ``ep`` GPUs (DeepEP-style dispatch and combine), MTP speculative decoding
+that verifies ``q`` tokens per request and step, optionally two-batch overlap (TBO). Everything here
+is per GPU and per decode step; docs/simulator.md derives every term.
+
+Every GPU kernel is a roofline term scaled by one efficiency ``eta`` (the fitted constant, see
+``calibration.py``)::
+
+    time(op) = max(flops / (peak(precision) * eta), bytes / (hbm_bw * eta))
+
+Per layer and micro-batch of ``b`` requests (``t = q * b`` query tokens, context ``L``):
+
+    attention projections  fp8   flops 2 t P_attn          bytes P_attn (weights)
+    absorbed W_UK / W_UV   bf16  flops 2 t P_absorb        bytes 2 P_absorb
+    indexer logits         fp8   flops 2 t 64*128 L        bytes b L 132 + t L 4
+    top-k                        bytes t L 4
+    sparse MLA (FlashMLA)  bf16  flops t 128 k (2*576 + 2*512)    bytes t k 656          (k = 2048)
+    dense FFN (3 layers)   fp8   flops 2 t P_dense         bytes P_dense
+    MoE (58 layers)        fp8   flops 2 t (8 + 1) P_exp   bytes (active local experts + shared) P_exp
+    dispatch + combine     net   bytes t 8 (7168 + 224) + t 8 7168*2, split remote (NIC) / local (NVLink)
+    ESS fetch (misses)     PCIe  bytes b m 656 / h2d rate, exposed according to the overlap mode
+
+With TBO the two micro-batches' compute overlaps the other's communication, so a layer takes
+``max(sum compute + exposed fetch, sum network, PCIe link busy)``; without TBO the three add up
+(compute + exposed fetch + network). A step is the 61 layers, the LM head over ``q B`` tokens, and the
+MTP draft (the MTP layer over ``q B`` tokens plus an LM head over ``B`` tokens). Output per request and
+step is the MTP acceptance ``a`` tokens, so per-request rate = a / step time and per-node throughput =
+gpus_per_node x B x a / step time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ess_sglang.simulator.hardware import Hardware
+
+# Bytes per token per layer. The authoritative layouts are in ess_sglang.formats (which imports torch);
+# these copies keep the simulator torch-free, and tests/test_simulator.py checks that they agree.
+LATENT_ENTRY_BYTES = 656  # FlashMLA "V32": 512 fp8 no-rope values + 4 fp32 scales + 64 bf16 rope values
+INDEXER_ENTRY_BYTES = 132  # indexer K: 128 fp8 values + 1 fp32 scale
+
+OVERLAP_MODES = ("sync", "da", "dba", "auto")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """DeepSeek-V3.2-Exp (config.json of deepseek-ai/DeepSeek-V3.2-Exp; DESIGN.md section 2)."""
+
+    hidden: int = 7168
+    num_layers: int = 61
+    num_dense_layers: int = 3  # first_k_dense_replace
+    num_mtp_layers: int = 1  # num_nextn_predict_layers; has its own (DSA) KV cache
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_dim: int = 128
+    qk_rope_dim: int = 64
+    v_head_dim: int = 128
+    num_heads: int = 128
+    dense_intermediate: int = 18432
+    moe_intermediate: int = 2048
+    num_routed_experts: int = 256
+    num_shared_experts: int = 1
+    experts_per_token: int = 8
+    vocab: int = 129280
+    index_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    latent_bytes: int = LATENT_ENTRY_BYTES
+    indexer_bytes: int = INDEXER_ENTRY_BYTES
+
+    # ---- parameter counts (weights are fp8 except where noted)
+    @property
+    def attn_fp8_params(self) -> int:
+        """MLA projections (q_a, q_b, kv_a, o) plus the indexer's (wq_b, wk, weights_proj)."""
+        h, n = self.hidden, self.num_heads
+        mla = (h * self.q_lora_rank + self.q_lora_rank * n * (self.qk_nope_dim + self.qk_rope_dim)
+               + h * (self.kv_lora_rank + self.qk_rope_dim) + n * self.v_head_dim * h)
+        indexer = self.q_lora_rank * self.index_heads * self.index_head_dim + h * self.index_head_dim \
+            + h * self.index_heads
+        return mla + indexer
+
+    @property
+    def absorb_bf16_params(self) -> int:
+        """kv_b_proj split into W_UK and W_UV, absorbed into the query / output path (kept in bf16)."""
+        return self.num_heads * self.kv_lora_rank * (self.qk_nope_dim + self.v_head_dim)
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden * self.moe_intermediate
+
+    @property
+    def dense_ffn_params(self) -> int:
+        return 3 * self.hidden * self.dense_intermediate
+
+    @property
+    def router_params(self) -> int:
+        return self.hidden * self.num_routed_experts  # kept in fp32
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a KV cache: the main layers and the MTP layer."""
+        return self.num_layers + self.num_mtp_layers
+
+    @property
+    def sparse_attn_flops_per_token(self) -> int:
+        """QK over 576 dims and PV over 512 dims, for every head and selected entry."""
+        d_qk = self.kv_lora_rank + self.qk_rope_dim
+        return self.num_heads * self.index_topk * (2 * d_qk + 2 * self.kv_lora_rank)
+
+    @property
+    def dispatch_bytes_per_copy(self) -> int:
+        """FP8 hidden state plus one fp32 scale per 128 values."""
+        return self.hidden + 4 * (self.hidden // 128)
+
+    @property
+    def combine_bytes_per_copy(self) -> int:
+        return 2 * self.hidden  # bf16
+
+
+DSV32 = ModelArch()
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """How the model is spread over the decode cluster (what a scenario fixes besides the batch)."""
+
+    ep: int
+    gpus_per_node: int
+    experts_per_gpu: int
+    mtp_tokens: int  # q: tokens verified per request and step (1 = no MTP)
+    mtp_acceptance: float  # a: tokens emitted per request and step
+    two_batch_overlap: bool
+    overlap_mode: str = "auto"
+
+
+@dataclass
+class Breakdown:
+    """Where the time of one decode step goes (seconds). The shares add up to ``step``."""
+
+    step: float = 0.0
+    hbm_bound: float = 0.0  # kernels limited by HBM bandwidth
+    flops_bound: float = 0.0  # kernels limited by tensor-core rate
+    network: float = 0.0  # EP dispatch / combine time not hidden behind compute
+    pcie: float = 0.0  # ESS fetch time not hidden (exposed), plus time the PCIe link alone sets
+    pcie_busy: float = 0.0  # total H2D link time (for utilisation)
+    d2h_busy: float = 0.0
+    network_busy: float = 0.0  # total dispatch + combine time
+    per_op: dict[str, float] = field(default_factory=dict)
+
+    def add_op(self, name: str, seconds: float) -> None:
+        self.per_op[name] = self.per_op.get(name, 0.0) + seconds
+
+    def bottleneck(self) -> str:
+        shares = {"HBM bandwidth": self.hbm_bound, "compute": self.flops_bound, "network": self.network,
+                  "PCIe": self.pcie}
+        return max(shares, key=shares.__getitem__)
+
+
+class Roofline:
+    """Kernel times on one GPU at efficiency ``eta``."""
+
+    def __init__(self, hw: Hardware, eta: float):
+        if not 0 < eta <= 1:
+            raise ValueError(f"kernel efficiency must be in (0, 1] (got {eta})")
+        self.peak = {"fp8": hw.fp8_tflops * 1e12 * eta, "bf16": hw.bf16_tflops * 1e12 * eta}
+        self.bw = hw.hbm_bw_tbps * 1e12 * eta
+
+    def time(self, flops: float, nbytes: float, precision: str = "bf16") -> tuple[float, bool]:
+        """(seconds, limited by HBM?)"""
+        tc = flops / self.peak[precision]
+        tm = nbytes / self.bw
+        return max(tc, tm), tm >= tc
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer, one micro-batch."""
+
+    compute: float  # kernels, seconds
+    hbm_part: float  # of which HBM-bound
+    network: float  # dispatch + combine
+    fetch: float  # ESS H2D time on the link
+    exposed: float  # of ``fetch``, what the compute stream waits for (after overlap)
+    writeback: float  # D2H of the new tokens' latents
+    ops: dict[str, float]
+
+
+def _active_experts(local: int, tokens_global: float, arch: ModelArch) -> float:
+    """Expected local experts that receive at least one token (uniform routing)."""
+    p_idle = (1.0 - arch.experts_per_token / arch.num_routed_experts) ** tokens_global
+    return local * (1.0 - p_idle)
+
+
+def exposed_fetch(mode: str, fetch: float, attn: float, attn_hit_share: float, indexer: float,
+                  kappa: float, merge: float = 0.0) -> tuple[float, str]:
+    """Time the compute stream waits for the ESS fetch of one layer (and micro-batch), and the mode used.
+
+    sync: fetch, then attend (what SGLang HiSparse does): all of it is exposed.
+    da:   dual attention: attend over the hits while the misses are in flight, then over the misses, then
+          merge the two partial results (``merge`` seconds, added to the exposed time).
+    dba:  dual-batch attention: half A's fetch runs beside half B's indexer, half B's beside half A's attention.
+    auto: per layer, the cheapest of da, dba and sync (what ESS's offline profiling picks; sync only wins
+          when the fetch is so small that DA's merge costs more than it hides).
+    ``kappa`` of every overlapped second is lost to SM / HBM sharing (measured, hardware.overlap_interference).
+    """
+    if mode not in OVERLAP_MODES:
+        raise ValueError(f"unknown overlap mode {mode!r} (expected one of {', '.join(OVERLAP_MODES)})")
+    if fetch <= 0:
+        return 0.0, mode
+    if mode == "sync":
+        return fetch, "sync"
+    hits = attn * attn_hit_share
+    da = max(0.0, fetch - hits) + kappa * min(fetch, hits) + merge
+    half = fetch / 2
+    dba = (max(0.0, half - indexer / 2) + kappa * min(half, indexer / 2)
+           + max(0.0, half - attn / 2) + kappa * min(half, attn / 2))
+    if mode == "da":
+        return da, "da"
+    if mode == "dba":
+        return dba, "dba"
+    return min((da, "da"), (dba, "dba"), (fetch, "sync"))  # auto
+
+
+def layer_cost(arch: ModelArch, hw: Hardware, roof: Roofline, dep: Deployment, requests: float, tokens: float,
+               context: int, kind: str, ess: bool = False, misses: float = 0.0, mode: str = "auto") -> LayerCost:
+    """Cost of one layer for one micro-batch of ``requests`` requests and ``tokens`` query tokens.
+
+    kind: "dense" or "moe". ess: latents live in host memory (new tokens are written back); misses: ESS
+    misses per request for this layer and step; mode: the overlap mode for the fetch (``exposed_fetch``).
+    """
+    b, t, L = requests, tokens, context
+    ops: dict[str, float] = {}
+    hbm_part = 0.0
+
+    def run(name: str, flops: float, nbytes: float, precision: str = "bf16") -> float:
+        nonlocal hbm_part
+        s, mem = roof.time(flops, nbytes, precision)
+        ops[name] = ops.get(name, 0.0) + s
+        if mem:
+            hbm_part += s
+        return s
+
+    run("attn_proj", 2 * t * arch.attn_fp8_params, arch.attn_fp8_params, "fp8")
+    run("attn_absorb", 2 * t * arch.absorb_bf16_params, 2 * arch.absorb_bf16_params, "bf16")
+    idx = run("indexer", 2 * t * arch.index_heads * arch.index_head_dim * L,
+              b * L * arch.indexer_bytes + t * L * 4, "fp8")
+    idx += run("topk", 0.0, t * L * 4)
+    k = min(arch.index_topk, L)
+    attn = run("sparse_mla", t * arch.sparse_attn_flops_per_token * k / arch.index_topk,
+               t * k * arch.latent_bytes, "bf16")
+
+    network = 0.0
+    if kind == "dense":
+        run("dense_ffn", 2 * t * arch.dense_ffn_params, arch.dense_ffn_params, "fp8")
+    else:
+        run("router", 2 * t * arch.router_params, 4 * arch.router_params, "bf16")
+        copies = t * arch.experts_per_token  # token copies this GPU sends (and, balanced, receives)
+        active = _active_experts(dep.experts_per_gpu, t * dep.ep, arch)
+        run("moe_experts", 2 * copies * arch.expert_params, active * arch.expert_params, "fp8")
+        run("shared_expert", 2 * t * arch.num_shared_experts * arch.expert_params,
+            arch.num_shared_experts * arch.expert_params, "fp8")
+        if dep.ep > 1:
+            local_gpus = min(dep.gpus_per_node, dep.ep)
+            remote = (dep.ep - local_gpus) / dep.ep
+            local = (local_gpus - 1) / dep.ep  # copies to the GPU itself cross no link
+            for per_copy in (arch.dispatch_bytes_per_copy, arch.combine_bytes_per_copy):
+                nbytes = copies * per_copy
+                network += max(nbytes * remote / (hw.nic_gbps * 1e9), nbytes * local / (hw.nvlink_gbps * 1e9))
+                network += hw.ep_latency_us * 1e-6
+
+    fetch = exposed = writeback = 0.0
+    if ess:
+        writeback = t * arch.latent_bytes / hw.d2h_rate()  # the new tokens' latents go to the host pool
+    if ess and misses > 0:
+        fetch = b * misses * arch.latent_bytes / hw.h2d_rate() + hw.pcie_fetch_latency_us * 1e-6
+        # hot-pool bookkeeping: read the selected indices, probe the slot map, write the slot table
+        run("ess_lookup", 0.0, t * k * 12)
+        selected = max(1.0, dep.mtp_tokens * k)  # entries selected per request (upper bound: disjoint top-k)
+        hit_share = max(0.0, 1.0 - misses / selected)
+        # DA's log-sum-exp merge of two partial attentions: read two partial outputs, write one
+        merge, _ = roof.time(0.0, 3 * t * arch.num_heads * (arch.kv_lora_rank * 2 + 4))
+        exposed, used = exposed_fetch(mode, fetch, attn, hit_share, idx, hw.overlap_interference, merge)
+        ops["ess_exposed_" + used] = exposed
+    compute = sum(v for n, v in ops.items() if not n.startswith("ess_exposed_"))
+    return LayerCost(compute=compute, hbm_part=hbm_part, network=network, fetch=fetch, exposed=exposed,
+                     writeback=writeback, ops=ops)
+
+
+def decode_step(arch: ModelArch, hw: Hardware, dep: Deployment, eta: float, batch: float, context: int,
+                misses_per_layer: Sequence[float] | None = None,
+                modes_per_layer: Sequence[str] | None = None) -> Breakdown:
+    """Time of one decode step on one GPU holding ``batch`` requests of ``context`` tokens.
+
+    misses_per_layer: ESS misses per request and step for each of the ``num_kv_layers`` layers (main layers
+    first, then the MTP layer); None runs without ESS (all latents in HBM). modes_per_layer overrides the
+    deployment's overlap mode per layer.
+    """
+    if batch <= 0:
+        raise ValueError(f"batch must be > 0 (got {batch})")
+    roof = Roofline(hw, eta)
+    q = dep.mtp_tokens
+    n_mb = 2 if dep.two_batch_overlap and batch >= 2 else 1
+    b = batch / n_mb
+    out = Breakdown()
+    ess = misses_per_layer is not None
+    if ess and len(misses_per_layer) != arch.num_kv_layers:
+        raise ValueError(f"misses_per_layer needs {arch.num_kv_layers} values, got {len(misses_per_layer)}")
+
+    def account(costs: list[LayerCost], overlapped: bool) -> None:
+        """Add one layer (all its micro-batches) to ``out``."""
+        comp = sum(c.compute for c in costs)
+        hbm = sum(c.hbm_part for c in costs)
+        expo = sum(c.exposed for c in costs)
+        net = sum(c.network for c in costs)
+        link = sum(c.fetch for c in costs)
+        d2h = sum(c.writeback for c in costs)
+        for c in costs:
+            for k, v in c.ops.items():
+                out.add_op(k, v)
+        out.pcie_busy += link
+        out.d2h_busy += d2h
+        out.network_busy += net
+        gpu = comp + expo
+        if overlapped:  # TBO: each micro-batch's compute hides the other's network time
+            over_net = max(0.0, net - gpu)
+            over_link = max(0.0, max(link, d2h) - max(gpu, net))
+        else:
+            over_net = net
+            over_link = max(0.0, max(link, d2h) - (gpu + net))
+        out.step += gpu + over_net + over_link
+        out.hbm_bound += hbm
+        out.flops_bound += comp - hbm
+        out.pcie += expo + over_link
+        out.network += over_net
+
+    for layer in range(arch.num_layers):
+        kind = "dense" if layer < arch.num_dense_layers else "moe"
+        m = misses_per_layer[layer] if ess else 0.0
+        mode = modes_per_layer[layer] if modes_per_layer else dep.overlap_mode
+        cost = layer_cost(arch, hw, roof, dep, b, q * b, context, kind, ess, m, mode)
+        account([cost] * n_mb, overlapped=n_mb == 2)
+
+    def head(tokens: float) -> None:
+        params = arch.vocab * arch.hidden
+        s, mem = roof.time(2 * tokens * params, 2 * params, "bf16")
+        out.step += s
+        out.add_op("lm_head", s)
+        out.hbm_bound += s if mem else 0.0
+        out.flops_bound += 0.0 if mem else s
+
+    head(q * batch)
+    if q > 1:
+        # MTP draft: the MTP layer extends over the q verified tokens (proposing the next draft), no TBO,
+        # then an LM head over one position per request.
+        for j in range(arch.num_mtp_layers):
+            idx = arch.num_layers + j
+            m = misses_per_layer[idx] if ess else 0.0
+            mode = modes_per_layer[idx] if modes_per_layer else dep.overlap_mode
+            cost = layer_cost(arch, hw, roof, dep, batch, q * batch, context, "moe", ess, m, mode)
+            account([cost], overlapped=False)
+        head(batch)
+    return out
+
+
+def per_request_rate(dep: Deployment, step: float) -> float:
+    return dep.mtp_acceptance / step
+
+
+def node_throughput(dep: Deployment, batch: float, step: float) -> float:
+    return dep.gpus_per_node * batch * dep.mtp_acceptance / step
