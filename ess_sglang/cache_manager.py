@@ -147,12 +147,13 @@ class HotPoolCacheManager:
         flat = torch.where((flat >= 0) & (flat < self.num_locations), flat, -1)
         n = flat.shape[0]
         rows = torch.arange(n, device=self.device)
-        copy_rows(entries, self.host.layer(layer), torch.where(flat >= 0, rows, -1), flat, self.copy_impl)  # write-back (D2H)
+        # write-back (D2H), then the same entries into their hot slots (device to device)
+        copy_rows(entries, self.host.layer(layer), torch.where(flat >= 0, rows, -1), flat, self.copy_impl)
         slot = self._lookup(layer, flat)
         self._protect(layer, slot)
         new_slot = self._insert(layer, torch.where((flat >= 0) & (slot < 0), flat, -1))
         slot = torch.where(slot >= 0, slot, new_slot)
-        copy_rows(entries, self.hot_entries[layer], torch.where(slot >= 0, rows, -1), slot, self.copy_impl)  # device -> hot slot
+        copy_rows(entries, self.hot_entries[layer], torch.where(slot >= 0, rows, -1), slot, self.copy_impl)
         cnt = self.counters[layer]
         cnt[Counter.D2H_ENTRIES] += (flat >= 0).sum()
         cnt[Counter.NEW_TOKENS] += (new_slot >= 0).sum()
@@ -252,7 +253,7 @@ class HotPoolCacheManager:
         at_or_above = hist.flip(0).cumsum(0).flip(0)
         eligible = (at_or_above >= n_need) & (self._age_ids >= 1)
         T = (eligible.long() * self._age_ids).amax().clamp(min=1)
-        n_above = torch.where(T + 1 < A, at_or_above[(T + 1).clamp(max=A - 1)], 0)
+        n_above = torch.where(T + 1 < A, at_or_above.gather(0, (T + 1).clamp(max=A - 1).view(1)), 0)  # no .item()
         at_T = age == T
         take = (age > T) | (at_T & (at_T.cumsum(0) - 1 < n_need - n_above))
         order = take.cumsum(0) - 1

@@ -50,7 +50,7 @@ def test_resolve_fetches_exactly_the_selection_then_hits():
 def test_selected_entries_are_never_evicted_in_their_step():
     # The pool holds exactly one step's selection: every slot is protected, and all selected entries are resident.
     m, host, table, rpi, sl = make(slots=128)
-    for step in range(6):
+    for _ in range(6):
         m.begin_step()
         pos = torch.stack([torch.randperm(300)[:64], torch.randperm(500)[:64]]).view(2, 1, 64).int()
         slots = m.resolve(0, pos, table.req_to_token, rpi, sl)
@@ -195,7 +195,8 @@ def test_no_input_reaches_another_requests_entries(data):
                 assert s == -1
             if s >= 0:
                 assert m.slot_to_loc[0, s].item() in own
-    expected_bad = sum(1 for b, n in enumerate(lengths) for p in pos[b].reshape(-1).tolist() if p != -1 and not 0 <= p < n)
+    expected_bad = sum(1 for b, n in enumerate(lengths) for p in pos[b].reshape(-1).tolist()
+                       if p != -1 and not 0 <= p < n)
     assert m.counters[0, Counter.BAD_INDICES] == expected_bad
     m.check_invariants()
 

@@ -8,7 +8,7 @@ from ess_sglang.cache_manager import Counter, HotPoolCacheManager
 from ess_sglang.host_pool import HostTotalPool, PoolFullError
 from ess_sglang.request_table import RequestTable
 
-LAYERS, TOKENS, MAX_RUNNING, TOP_K, Q = 2, 2600, 8, 48, 2
+LAYERS, TOKENS, MAX_RUNNING, TOP_K, Q = 2, 1800, 8, 48, 2
 SLOTS = 896  # >= MAX_RUNNING * Q * TOP_K + MAX_RUNNING * Q, a multiple of 64
 
 
@@ -87,6 +87,7 @@ def test_thousand_requests_churn():
         assert m.resident_count(layer) == 0
     assert int(m.counters[:, Counter.OVERFLOW].sum()) == 0
     assert (m.loc_to_slot[:, :TOKENS] == -1).all() and (m.slot_to_loc[:, :SLOTS] == -1).all()
+    hit_rate = 1 - m.counters[:, Counter.MISSES].sum().item() / m.counters[:, Counter.LOOKUPS].sum().item()
     print(f"churn: {done} finished, {aborted} aborted, {step} steps, {queued_full} admissions waited for host memory, "
-          f"hit rate {1 - m.counters[:, Counter.MISSES].sum().item() / m.counters[:, Counter.LOOKUPS].sum().item():.3f}")
+          f"hit rate {hit_rate:.3f}")
     assert aborted > 10 and done > 500

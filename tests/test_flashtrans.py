@@ -2,10 +2,9 @@
 
 import pytest
 import torch
+from ess_sglang.kernels.flashtrans import copy_rows, copy_rows_reference, copy_rows_triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from ess_sglang.kernels.flashtrans import copy_rows, copy_rows_reference, copy_rows_triton
 
 
 def _case(n_src, n_dst, n, row_bytes, seed, dtype=torch.int64):

@@ -1,8 +1,14 @@
 import pytest
 import torch
 
-from ess_sglang.formats import (INDEXER_ENTRY_BYTES, LATENT_ENTRY_BYTES, pack_indexer_key, pack_latent,
-                                unpack_indexer_key, unpack_latent)
+from ess_sglang.formats import (
+    INDEXER_ENTRY_BYTES,
+    LATENT_ENTRY_BYTES,
+    pack_indexer_key,
+    pack_latent,
+    unpack_indexer_key,
+    unpack_latent,
+)
 
 
 def test_latent_layout_and_round_trip():

@@ -78,7 +78,7 @@ def sparse_mla_flashmla(q: torch.Tensor, kv_entries: torch.Tensor, indices: torc
     from flash_mla import flash_mla_with_kvcache, get_mla_metadata
 
     if kv_entries.shape[0] % 64:
-        raise ValueError(f"FlashMLA reads the cache in pages of 64 entries: {kv_entries.shape[0]} rows is not a multiple")
+        raise ValueError(f"FlashMLA reads pages of 64 entries: {kv_entries.shape[0]} rows is not a multiple of 64")
     if metadata is None:
         metadata, _ = get_mla_metadata()
     k_cache = kv_entries.view(-1, 64, 1, LATENT_ENTRY_BYTES)

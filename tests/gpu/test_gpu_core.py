@@ -1,0 +1,141 @@
+"""GPU tests of the ESS core (run on the H200: see README, "GPU tests").
+
+- FlashTrans at full size between a pinned host pool of over 1 GiB (UVA) and device memory, both directions.
+- A multi-layer decode step (write-back + resolve for every layer) captured in one CUDA graph, replayed with new
+  inputs, against the same steps run eagerly with torch's sync debug mode set to "error".
+- Lossless decode with FlashMLA: 256 steps, batch 8, context >= 8K, ratio 0.2, bit-identical to all-in-device.
+"""
+
+import pytest
+import torch
+from ess_sglang.kernels.flashtrans import copy_rows_reference, copy_rows_triton
+
+from ess_sglang.cache_manager import Counter, HotPoolCacheManager
+from ess_sglang.host_pool import HostTotalPool
+from ess_sglang.request_table import RequestTable
+
+pytestmark = pytest.mark.gpu
+
+
+def test_flashtrans_full_size_both_directions():
+    dev = torch.device("cuda")
+    host = HostTotalPool(1, 1 << 21, device=dev)  # 2M entries x 656 B = 1.28 GiB pinned
+    assert host.entries.is_pinned() and host.device_entries.is_cuda
+    host.entries[0, :: 4096] = 7
+    g = torch.Generator(device=dev).manual_seed(0)
+    n = 262_144
+    hot = torch.randint(0, 256, (n, 656), dtype=torch.uint8, device=dev, generator=g)
+    src = torch.randint(0, 1 << 21, (n,), device=dev, generator=g)
+    dst = torch.randperm(n, device=dev, generator=g)
+    src[::97] = -1
+    want = hot.clone()
+    copy_rows_reference(host.layer(0), want, src, dst)
+    copy_rows_triton(host.layer(0), hot, src, dst)
+    torch.cuda.synchronize()
+    assert torch.equal(hot, want)
+    # scatter back: device rows -> host rows (D2H through the UVA view)
+    rows = torch.randperm(1 << 21, device=dev, generator=g)[:n]
+    payload = torch.randint(0, 256, (n, 656), dtype=torch.uint8, device=dev, generator=g)
+    copy_rows_triton(payload, host.layer(0), torch.arange(n, device=dev), rows)
+    torch.cuda.synchronize()
+    assert torch.equal(host.entries[0][rows.cpu()], payload.cpu())
+
+
+def _setup(layers=3, lengths=(3000, 5000, 4000, 2000), slots=4096, top_k=512):
+    dev = torch.device("cuda")
+    T = sum(lengths) + 64 * len(lengths)
+    host = HostTotalPool(layers, T, device=dev)
+    host.entries.copy_(torch.randint(0, 256, host.entries.shape, dtype=torch.uint8))
+    m = HotPoolCacheManager(host, slots, device=dev, max_selected=len(lengths) * top_k)
+    table = RequestTable(len(lengths), max(lengths) + 64, device=dev)
+    rows = []
+    for n in lengths:
+        r = table.alloc_row()
+        table.set(r, 0, host.alloc(n + 64))  # positions beyond the current length are reserved for new tokens
+        rows.append(r)
+    return m, host, table, torch.tensor(rows, device=dev), torch.tensor(lengths, device=dev)
+
+
+def _decode_step(m, table, rpi, seq_lens, topk, new_entries):
+    """One decode step of all layers: write this step's token, then resolve the selection. Returns slot tables."""
+    m.begin_step()
+    new_locs = table.req_to_token[rpi.long(), (seq_lens - 1).long()]
+    out = []
+    for layer in range(m.num_layers):
+        m.write_new_tokens(layer, new_locs, new_entries[layer])
+        out.append(m.resolve(layer, topk[layer], table.req_to_token, rpi, seq_lens))
+    return torch.stack(out)
+
+
+def _inputs(step, seq_lens, layers, top_k, dev):
+    g = torch.Generator(device=dev).manual_seed(1000 + step)
+    B = seq_lens.shape[0]
+    # overlapping selections: a drifting window plus random far positions, some padding, one bad index
+    base = (seq_lens.view(B, 1) - 1 - torch.arange(top_k, device=dev).view(1, -1) * 3 - step).clamp(min=-1)
+    far = torch.randint(0, 2000, (layers, B, 1, top_k), device=dev, generator=g)
+    pick = torch.rand((layers, B, 1, top_k), device=dev, generator=g) < 0.1
+    topk = torch.where(pick, far, base.view(1, B, 1, top_k).expand(layers, B, 1, top_k)).int().contiguous()
+    topk[:, 0, 0, -1] = 10**6
+    entries = torch.randint(0, 256, (layers, B, 656), dtype=torch.uint8, device=dev, generator=g)
+    return topk, entries
+
+
+def test_decode_step_is_captured_in_a_cuda_graph_and_replays_with_new_inputs():
+    layers, top_k, steps = 3, 512, 6
+    dev = torch.device("cuda")
+    # Eager twin first, with any host synchronisation turned into an error.
+    eager_m, eager_host, eager_table, rpi, seq0 = _setup(layers, top_k=top_k)
+    graph_m, graph_host, graph_table, _, _ = _setup(layers, top_k=top_k)
+    graph_host.entries.copy_(eager_host.entries)
+    eager_tables = []
+    seq = seq0.clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for s in range(steps):
+            seq = seq + 1
+            topk, entries = _inputs(s, seq, layers, top_k, dev)
+            eager_tables.append(_decode_step(eager_m, eager_table, rpi, seq, topk, entries).clone())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+    # Captured: static input buffers, filled before each replay.
+    static_seq = seq0.clone()
+    static_topk, static_entries = _inputs(0, static_seq + 1, layers, top_k, dev)
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    # one throw-away step on a scratch copy of the state is not needed: capture directly, the kernels are compiled
+    # by the eager run above (same process).
+    with torch.cuda.graph(graph):
+        static_out = _decode_step(graph_m, graph_table, rpi, static_seq, static_topk, static_entries)
+    seq = seq0.clone()
+    for s in range(steps):
+        seq = seq + 1
+        topk, entries = _inputs(s, seq, layers, top_k, dev)
+        static_seq.copy_(seq)
+        static_topk.copy_(topk)
+        static_entries.copy_(entries)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, eager_tables[s]), f"step {s}: replayed slot table differs from eager"
+    for name in ("hot_entries", "loc_to_slot", "slot_to_loc", "slot_stamp", "clock", "counters"):
+        assert torch.equal(getattr(graph_m, name), getattr(eager_m, name)), f"state {name} differs"
+    assert torch.equal(graph_host.entries, eager_host.entries)
+    graph_m.check_invariants()
+    c = graph_m.counters.cpu()
+    assert int(c[:, Counter.OVERFLOW].sum()) == 0 and int(c[:, Counter.BAD_INDICES].sum()) == layers * steps
+    print(f"graph replay: {steps} steps x {layers} layers, hit rate "
+          f"{1 - c[:, Counter.MISSES].sum().item() / c[:, Counter.LOOKUPS].sum().item():.3f}")
+
+
+def test_lossless_flashmla_256_steps():
+    pytest.importorskip("flash_mla")
+    from ess_sglang.demo import run_demo
+
+    r = run_demo(batch=8, context_len=12288, steps=256, ratio=0.2, layers=4, top_k=2048, device="cuda",
+                 attention="flashmla", progress=False)
+    print("per-layer hit rate:", [f"{h:.4f}" for h in r.hit_rate_per_layer], f"overall {r.hit_rate:.4f}")
+    print("seconds:", r.seconds)
+    assert r.bit_identical, f"first mismatch at {r.first_mismatch}"
+    assert sum(c["OVERFLOW"] for c in r.counters) == 0
