@@ -32,6 +32,7 @@ import torch
 
 from ess_sglang.host_pool import HostTotalPool
 from ess_sglang.kernels.flashtrans import copy_rows
+from ess_sglang.kernels.resolve import MODE_LOCATIONS, MODE_POSITIONS, FusedResolver
 
 FREE_STAMP = -(1 << 40)
 AGE_BUCKETS = 256  # LRU order is exact per step for the last 255 steps; older slots tie (evicted first, by slot index)
@@ -70,11 +71,19 @@ def positions_to_locations(topk_pos: torch.Tensor, req_to_token: torch.Tensor, r
     return torch.where(loc_ok, loc, -1), bad
 
 
+_COUNTER_IDS = {c.name: int(c) for c in Counter}
+
+
 class HotPoolCacheManager:
     def __init__(self, host_pool: HostTotalPool, slots_per_layer: int, device: torch.device | str | None = None,
-                 max_selected: int = 0, copy_impl: str = "auto"):
-        """`max_selected` sizes scratch tensors for the largest selection (batch x q_tokens x top_k) one call sees;
-        `copy_impl` picks FlashTrans's implementation ("auto": the Triton kernel on CUDA, torch on CPU)."""
+                 max_selected: int = 0, copy_impl: str = "auto", resolve_impl: str = "auto"):
+        """`max_selected` sizes scratch tensors for the largest selection (batch x q_tokens x top_k) one call sees.
+
+        `resolve_impl`: "triton" (the fused kernels of ess_sglang.kernels.resolve), "torch" (plain torch ops, the
+        definition the kernels are tested against) or "auto" (triton on CUDA, torch on CPU).
+        `copy_impl` picks FlashTrans's implementation for the torch path ("auto": the Triton kernel on CUDA, torch on
+        CPU); "none" moves no data on either path and exists only so that benchmarks can time the bookkeeping alone.
+        """
         if slots_per_layer <= 0:
             raise ValueError(f"slots_per_layer must be > 0, got {slots_per_layer}")
         self.host = host_pool
@@ -94,6 +103,12 @@ class HotPoolCacheManager:
         self._ones = torch.ones(S, dtype=torch.int64, device=dev)
         self._age_ids = torch.arange(AGE_BUCKETS, dtype=torch.int64, device=dev)
         self._entry_ids = torch.arange(max(max_selected, 1), dtype=torch.int64, device=dev)
+        if resolve_impl == "auto":
+            resolve_impl = "triton" if dev.type == "cuda" else "torch"
+        if resolve_impl not in ("triton", "torch"):
+            raise ValueError(f"resolve_impl must be 'auto', 'triton' or 'torch', got {resolve_impl!r}")
+        self.resolve_impl = resolve_impl
+        self._fused = FusedResolver(S, max_selected, dev) if resolve_impl == "triton" else None
 
     # ------------------------------------------------------------------ per step
     def begin_step(self) -> None:
@@ -119,6 +134,13 @@ class HotPoolCacheManager:
         if req_pool_indices.shape != (B,) or seq_lens.shape != (B,):
             raise ValueError(f"resolve: req_pool_indices and seq_lens must be [{B}], got "
                              f"{tuple(req_pool_indices.shape)} and {tuple(seq_lens.shape)}")
+        if self._fused is not None:
+            pos = topk_pos.reshape(-1)
+            slots = self._fused_run(layer, pos, MODE_POSITIONS, count=True, fetch=(Counter.MISSES, Counter.H2D_ENTRIES),
+                                    copy_from=self.host.layer(layer), seq_lens=seq_lens,
+                                    req_pool_indices=req_pool_indices, req_to_token=req_to_token,
+                                    per_batch=topk_pos.shape[1] * topk_pos.shape[2])
+            return slots.view(topk_pos.shape)
         locs, bad = self.translate(topk_pos, req_to_token, req_pool_indices, seq_lens)
         flat = locs.reshape(-1)
         cnt = self.counters[layer]
@@ -148,21 +170,28 @@ class HotPoolCacheManager:
         n = flat.shape[0]
         rows = torch.arange(n, device=self.device)
         # write-back (D2H), then the same entries into their hot slots (device to device)
-        copy_rows(entries, self.host.layer(layer), torch.where(flat >= 0, rows, -1), flat, self.copy_impl)
-        slot = self._lookup(layer, flat)
-        self._protect(layer, slot)
-        new_slot = self._insert(layer, torch.where((flat >= 0) & (slot < 0), flat, -1))
-        slot = torch.where(slot >= 0, slot, new_slot)
-        copy_rows(entries, self.hot_entries[layer], torch.where(slot >= 0, rows, -1), slot, self.copy_impl)
-        cnt = self.counters[layer]
-        cnt[Counter.D2H_ENTRIES] += (flat >= 0).sum()
-        cnt[Counter.NEW_TOKENS] += (new_slot >= 0).sum()
+        self._copy(entries, self.host.layer(layer), torch.where(flat >= 0, rows, -1), flat)
+        if self._fused is not None:
+            slot = self._fused_run(layer, flat, MODE_LOCATIONS, count=False, fetch=(Counter.NEW_TOKENS, -1),
+                                   copy_from=None).long()
+        else:
+            slot = self._lookup(layer, flat)
+            self._protect(layer, slot)
+            new_slot = self._insert(layer, torch.where((flat >= 0) & (slot < 0), flat, -1))
+            slot = torch.where(slot >= 0, slot, new_slot)
+            self.counters[layer, Counter.NEW_TOKENS] += (new_slot >= 0).sum()
+        self._copy(entries, self.hot_entries[layer], torch.where(slot >= 0, rows, -1), slot)
+        self.counters[layer, Counter.D2H_ENTRIES] += (flat >= 0).sum()
         return slot
 
     def warm_up(self, layer: int, locs: torch.Tensor) -> torch.Tensor:
         """Load the given KV locations (1-D, -1 to skip) of one layer into its hot pool; returns their slots."""
         flat = locs.reshape(-1).long().to(self.device)
         flat = torch.where((flat >= 0) & (flat < self.num_locations), flat, -1)
+        if self._fused is not None:
+            return self._fused_run(layer, flat, MODE_LOCATIONS, count=False,
+                                   fetch=(Counter.WARMUP_ENTRIES, Counter.H2D_ENTRIES),
+                                   copy_from=self.host.layer(layer)).long()
         slots, _, fetched = self._make_resident(layer, flat)
         self.counters[layer, Counter.WARMUP_ENTRIES] += fetched
         self.counters[layer, Counter.H2D_ENTRIES] += fetched
@@ -180,6 +209,18 @@ class HotPoolCacheManager:
         self.loc_to_slot.scatter_(1, at, -1)
 
     # ------------------------------------------------------------------ internals
+    def _fused_run(self, layer: int, src: torch.Tensor, mode: int, count: bool, fetch: tuple[int, int],
+                   copy_from: torch.Tensor | None, **tables) -> torch.Tensor:
+        return self._fused.run(
+            src=src.contiguous(), mode=mode, l2s=self.loc_to_slot[layer], s2l=self.slot_to_loc[layer],
+            stamp=self.slot_stamp[layer], clock=self.clock, counters=self.counters[layer], count=count,
+            fetch_counters=(int(fetch[0]), int(fetch[1])), counter_ids=_COUNTER_IDS,
+            copy_from=copy_from if self.copy_impl != "none" else None, hot=self.hot_entries[layer], **tables)
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        if self.copy_impl != "none":
+            copy_rows(src, dst, src_rows, dst_rows, self.copy_impl)
+
     def _lookup(self, layer: int, flat: torch.Tensor) -> torch.Tensor:
         """Slot of each location (int64, -1 when not resident or when the location is -1)."""
         at = torch.where(flat >= 0, flat, self.num_locations)
@@ -202,18 +243,18 @@ class HotPoolCacheManager:
         slot = self._lookup(layer, flat)
         hit = slot >= 0
         self._protect(layer, slot)
-        # Dedup: every missing entry writes its claim (-2 - its index) into the map; one claim per location wins,
-        # and the winner is the representative that gets a slot. The others read that slot afterwards.
+        # Dedup: every missing entry claims its location in the map with -2 - (its index); the largest claim, i.e.
+        # the first entry naming the location, wins (a deterministic reduction, so replays assign the same slots).
+        # The winner is the representative that gets a slot; the others read that slot afterwards.
         miss = (flat >= 0) & ~hit
         miss_at = torch.where(miss, flat, sink)
         claim = (-2 - self._entry_ids[:n]).to(torch.int32)
-        l2s.scatter_(0, miss_at, claim)
+        l2s.scatter_reduce_(0, miss_at, claim, reduce="amax", include_self=False)
         rep = miss & (l2s[miss_at] == claim)
         new_slot = self._insert(layer, torch.where(rep, flat, -1))
         l2s.scatter_(0, torch.where(rep & (new_slot < 0), flat, sink), -1)  # overflowed claims: back to "absent"
         slot = torch.where(miss, l2s[miss_at].long().clamp(min=-1), slot)
-        copy_rows(self.host.layer(layer), self.hot_entries[layer], torch.where(new_slot >= 0, flat, -1), new_slot,
-                  self.copy_impl)
+        self._copy(self.host.layer(layer), self.hot_entries[layer], torch.where(new_slot >= 0, flat, -1), new_slot)
         return slot, hit.sum(), (new_slot >= 0).sum()
 
     def _insert(self, layer: int, flat: torch.Tensor) -> torch.Tensor:
@@ -254,11 +295,14 @@ class HotPoolCacheManager:
         eligible = (at_or_above >= n_need) & (self._age_ids >= 1)
         T = (eligible.long() * self._age_ids).amax().clamp(min=1)
         n_above = torch.where(T + 1 < A, at_or_above.gather(0, (T + 1).clamp(max=A - 1).view(1)), 0)  # no .item()
+        above = age > T
         at_T = age == T
-        take = (age > T) | (at_T & (at_T.cumsum(0) - 1 < n_need - n_above))
-        order = take.cumsum(0) - 1
+        rank_T = at_T.cumsum(0) - 1
+        take_T = at_T & (rank_T < n_need - n_above)
+        # the list holds the slots older than T (in slot order), then the ones taken at age T
+        order = torch.where(above, above.cumsum(0) - 1, n_above + rank_T)
         victims = torch.full((max_need + 1,), -1, dtype=torch.int64, device=self.device)
-        victims.scatter_(0, torch.where(take & (order < max_need), order, max_need), self._slot_ids)
+        victims.scatter_(0, torch.where((above | take_T) & (order < max_need), order, max_need), self._slot_ids)
         return victims[:max_need]
 
     # ------------------------------------------------------------------ checks (tests, debugging; synchronise)

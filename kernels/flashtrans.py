@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 ROWS_PER_PROGRAM = 8
+NUM_WARPS = 4
 
 
 def _check(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
@@ -49,8 +50,41 @@ def copy_rows_reference(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Te
 
 
 @triton.jit
-def _copy_rows_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n_rows,
-                      WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr, ROWS: tl.constexpr):
+def _copy_chunk(src_ptr, dst_ptr, s, d, live, SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr,
+                START: tl.constexpr, SIZE: tl.constexpr):
+    """Copy words [START, START + SIZE) of each live row; SIZE is a power of two, so no column mask is needed and
+    Triton can issue 16-byte accesses (row strides in words are multiples of 4 for 656-B entries)."""
+    w = START + tl.arange(0, SIZE)
+    m = live[:, None]
+    vals = tl.load(src_ptr + s[:, None] * SRC_STRIDE + w[None, :], mask=m)
+    tl.store(dst_ptr + d[:, None] * DST_STRIDE + w[None, :], vals, mask=m)
+
+
+@triton.jit
+def _copy_rows_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n_rows, SRC_STRIDE: tl.constexpr,
+                      DST_STRIDE: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
+                      C3: tl.constexpr, ROWS: tl.constexpr):
+    # A row is copied as up to four power-of-two chunks of words, C0 + C1 + C2 + C3 (656 B: 128 + 32 + 4).
+    pid = tl.program_id(0)
+    r = pid * ROWS + tl.arange(0, ROWS)
+    in_range = r < n_rows
+    s = tl.load(src_rows_ptr + r, mask=in_range, other=-1).to(tl.int64)
+    d = tl.load(dst_rows_ptr + r, mask=in_range, other=-1).to(tl.int64)
+    live = (s >= 0) & (d >= 0)
+    _copy_chunk(src_ptr, dst_ptr, s, d, live, SRC_STRIDE, DST_STRIDE, 0, C0)
+    if C1 > 0:
+        _copy_chunk(src_ptr, dst_ptr, s, d, live, SRC_STRIDE, DST_STRIDE, C0, C1)
+    if C2 > 0:
+        _copy_chunk(src_ptr, dst_ptr, s, d, live, SRC_STRIDE, DST_STRIDE, C0 + C1, C2)
+    if C3 > 0:
+        _copy_chunk(src_ptr, dst_ptr, s, d, live, SRC_STRIDE, DST_STRIDE, C0 + C1 + C2, C3)
+
+
+@triton.jit
+def _copy_rows_masked_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n_rows, WORDS: tl.constexpr,
+                             SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr, BLOCK_WORDS: tl.constexpr,
+                             ROWS: tl.constexpr):
+    # The first version: one power-of-two block per row with a column mask (kept for the benchmark's comparison).
     pid = tl.program_id(0)
     r = pid * ROWS + tl.arange(0, ROWS)
     in_range = r < n_rows
@@ -59,28 +93,48 @@ def _copy_rows_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n_rows,
     live = (s >= 0) & (d >= 0)
     w = tl.arange(0, BLOCK_WORDS)
     m = live[:, None] & (w < WORDS)[None, :]
-    vals = tl.load(src_ptr + s[:, None] * WORDS + w[None, :], mask=m)
-    tl.store(dst_ptr + d[:, None] * WORDS + w[None, :], vals, mask=m)
+    vals = tl.load(src_ptr + s[:, None] * SRC_STRIDE + w[None, :], mask=m)
+    tl.store(dst_ptr + d[:, None] * DST_STRIDE + w[None, :], vals, mask=m)
 
 
 def _as_words(t: torch.Tensor) -> torch.Tensor:
-    if t.shape[1] * t.element_size() % 4:
-        raise ValueError(f"copy_rows_triton moves 4-byte words: row size {t.shape[1] * t.element_size()} B is not a "
-                         "multiple of 4")
-    return t.view(torch.uint8).view(torch.int32) if t.dtype != torch.int32 else t
+    """A 4-byte-word view of rows; rows may be strided (a padded layout) but each row must be contiguous."""
+    nbytes, stride = t.shape[1] * t.element_size(), t.stride(0) * t.element_size()
+    if nbytes % 4 or stride % 4 or t.stride(1) != 1:
+        raise ValueError(f"copy_rows_triton moves 4-byte words of contiguous rows: row of {nbytes} B with a stride of "
+                         f"{stride} B does not fit")
+    return t if t.dtype == torch.int32 else t.view(torch.int32)
 
 
-def copy_rows_triton(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-    """Triton kernel: one program moves ROWS_PER_PROGRAM rows; the grid depends only on len(src_rows)."""
+def power_of_two_chunks(words: int) -> tuple[int, int, int, int]:
+    """Split a row of `words` words into at most four power-of-two chunks, largest first (164 -> 128, 32, 4, 0)."""
+    chunks = [1 << b for b in range(words.bit_length() - 1, -1, -1) if words >> b & 1]
+    if len(chunks) > 4:
+        raise ValueError(f"copy_rows_triton: a row of {words} words needs {len(chunks)} power-of-two chunks (max 4)")
+    return tuple(chunks + [0] * (4 - len(chunks)))  # type: ignore[return-value]
+
+
+def copy_rows_triton(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,
+                     rows_per_program: int = ROWS_PER_PROGRAM, num_warps: int = NUM_WARPS,
+                     variant: str = "chunks") -> None:
+    """Triton kernel: one program moves `rows_per_program` rows; the grid depends only on len(src_rows)."""
     _check(src, dst, src_rows, dst_rows)
     n = src_rows.shape[0]
     if n == 0:
         return
     src_w, dst_w = _as_words(src), _as_words(dst)
-    words = src_w.shape[1]
-    grid = (triton.cdiv(n, ROWS_PER_PROGRAM),)
-    _copy_rows_kernel[grid](src_w, dst_w, src_rows, dst_rows, n, WORDS=words,
-                            BLOCK_WORDS=triton.next_power_of_2(words), ROWS=ROWS_PER_PROGRAM)
+    words, src_stride, dst_stride = src_w.shape[1], src_w.stride(0), dst_w.stride(0)
+    grid = (triton.cdiv(n, rows_per_program),)
+    if variant == "chunks":
+        c0, c1, c2, c3 = power_of_two_chunks(words)
+        _copy_rows_kernel[grid](src_w, dst_w, src_rows, dst_rows, n, SRC_STRIDE=src_stride, DST_STRIDE=dst_stride,
+                                C0=c0, C1=c1, C2=c2, C3=c3, ROWS=rows_per_program, num_warps=num_warps)
+    elif variant == "masked":
+        _copy_rows_masked_kernel[grid](src_w, dst_w, src_rows, dst_rows, n, WORDS=words, SRC_STRIDE=src_stride,
+                                       DST_STRIDE=dst_stride, BLOCK_WORDS=triton.next_power_of_2(words),
+                                       ROWS=rows_per_program, num_warps=num_warps)
+    else:
+        raise ValueError(f"copy_rows_triton: variant must be 'chunks' or 'masked', got {variant!r}")
 
 
 def interpreting() -> bool:

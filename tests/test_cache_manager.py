@@ -10,11 +10,17 @@ from ess_sglang.host_pool import HostTotalPool
 from ess_sglang.request_table import RequestTable
 
 
-def make(layers=2, tokens=2048, slots=256, lengths=(300, 500), seed=0, copy_impl="auto"):
+@pytest.fixture(params=["torch", "triton"])
+def impl(request):
+    """Every test runs on the plain-torch path and on the fused Triton kernels (interpreted on CPU)."""
+    return request.param
+
+
+def make(layers=2, tokens=2048, slots=256, lengths=(300, 500), seed=0, copy_impl="auto", impl="torch"):
     host = HostTotalPool(layers, tokens, device="cpu")
     host.entries.copy_(torch.randint(0, 256, host.entries.shape, dtype=torch.uint8,
                                      generator=torch.Generator().manual_seed(seed)))
-    m = HotPoolCacheManager(host, slots, device="cpu", max_selected=1024, copy_impl=copy_impl)
+    m = HotPoolCacheManager(host, slots, device="cpu", max_selected=1024, copy_impl=copy_impl, resolve_impl=impl)
     table = RequestTable(8, 1024)
     rows = []
     for n in lengths:
@@ -30,8 +36,8 @@ def check_slots(m, host, layer, slots, locs):
     assert torch.equal(m.hot_entries[layer][slots[ok].long()], host.entries[layer][locs[ok]])
 
 
-def test_resolve_fetches_exactly_the_selection_then_hits():
-    m, host, table, rpi, sl = make()
+def test_resolve_fetches_exactly_the_selection_then_hits(impl):
+    m, host, table, rpi, sl = make(impl=impl)
     pos = torch.stack([torch.arange(64).view(1, 64), torch.arange(100, 164).view(1, 64)]).int()
     m.begin_step()
     slots = m.resolve(0, pos, table.req_to_token, rpi, sl)
@@ -47,9 +53,9 @@ def test_resolve_fetches_exactly_the_selection_then_hits():
     m.check_invariants()
 
 
-def test_selected_entries_are_never_evicted_in_their_step():
+def test_selected_entries_are_never_evicted_in_their_step(impl):
     # The pool holds exactly one step's selection: every slot is protected, and all selected entries are resident.
-    m, host, table, rpi, sl = make(slots=128)
+    m, host, table, rpi, sl = make(slots=128, impl=impl)
     for _ in range(6):
         m.begin_step()
         pos = torch.stack([torch.randperm(300)[:64], torch.randperm(500)[:64]]).view(2, 1, 64).int()
@@ -61,8 +67,8 @@ def test_selected_entries_are_never_evicted_in_their_step():
     m.check_invariants()
 
 
-def test_eviction_takes_the_least_recently_used():
-    m, host, table, rpi, sl = make(slots=64, lengths=(300,))
+def test_eviction_takes_the_least_recently_used(impl):
+    m, host, table, rpi, sl = make(slots=64, lengths=(300,), impl=impl)
     rpi, sl = rpi[:1], sl[:1]
     table_rt = table.req_to_token
 
@@ -85,8 +91,8 @@ def test_eviction_takes_the_least_recently_used():
     m.check_invariants()
 
 
-def test_duplicates_across_query_tokens_and_requests_share_one_slot():
-    m, host, table, rpi, sl = make(lengths=(300, 300))
+def test_duplicates_across_query_tokens_and_requests_share_one_slot(impl):
+    m, host, table, rpi, sl = make(lengths=(300, 300), impl=impl)
     shared = table.req_to_token[0, :300].clone()
     table.set(1, 0, shared)  # two requests on one prefix (radix-cache sharing)
     pos = torch.arange(40).view(1, 1, 40).expand(2, 2, 40).int().contiguous()  # q_tokens = 2, same positions
@@ -99,8 +105,8 @@ def test_duplicates_across_query_tokens_and_requests_share_one_slot():
     m.check_invariants()
 
 
-def test_bad_indices_are_masked_and_counted():
-    m, host, table, rpi, sl = make()
+def test_bad_indices_are_masked_and_counted(impl):
+    m, host, table, rpi, sl = make(impl=impl)
     pos = torch.full((2, 1, 8), -1, dtype=torch.int32)
     pos[0, 0, :4] = torch.tensor([0, 300, 299, -2])  # 300 is past request 0's length; -2 is not padding
     pos[1, 0, :3] = torch.tensor([499, 500, 10**6])
@@ -112,8 +118,8 @@ def test_bad_indices_are_masked_and_counted():
     assert m.counters[0, Counter.LOOKUPS] == 3
 
 
-def test_a_corrupt_table_entry_is_never_read():
-    m, host, table, rpi, sl = make()
+def test_a_corrupt_table_entry_is_never_read(impl):
+    m, host, table, rpi, sl = make(impl=impl)
     table.req_to_token[0, 5] = 10**7  # a location outside the pool
     m.begin_step()
     slots = m.resolve(0, torch.tensor([[[5, 6]]]).int().expand(2, 1, 2).contiguous(), table.req_to_token, rpi, sl)
@@ -121,8 +127,8 @@ def test_a_corrupt_table_entry_is_never_read():
     assert m.counters[0, Counter.BAD_INDICES] == 1
 
 
-def test_write_new_tokens_reaches_host_and_hot_pool():
-    m, host, table, rpi, sl = make()
+def test_write_new_tokens_reaches_host_and_hot_pool(impl):
+    m, host, table, rpi, sl = make(impl=impl)
     new = host.alloc(2)
     entries = torch.randint(0, 256, (2, 656), dtype=torch.uint8)
     m.begin_step()
@@ -138,8 +144,8 @@ def test_write_new_tokens_reaches_host_and_hot_pool():
     m.check_invariants()
 
 
-def test_release_frees_every_layer():
-    m, host, table, rpi, sl = make()
+def test_release_frees_every_layer(impl):
+    m, host, table, rpi, sl = make(impl=impl)
     pos = torch.arange(64).view(1, 1, 64).expand(2, 1, 64).int().contiguous()
     m.begin_step()
     for layer in range(2):
@@ -152,8 +158,8 @@ def test_release_frees_every_layer():
     m.check_invariants()
 
 
-def test_warm_up_loads_and_counts():
-    m, host, table, rpi, sl = make()
+def test_warm_up_loads_and_counts(impl):
+    m, host, table, rpi, sl = make(impl=impl)
     locs = table.req_to_token[0, 200:300]
     slots = m.warm_up(0, torch.cat([locs, locs[:10], torch.tensor([-1], dtype=torch.int32)]))
     assert torch.equal(m.hot_entries[0][slots[:100]], host.entries[0][locs.long()])
@@ -161,10 +167,10 @@ def test_warm_up_loads_and_counts():
     m.check_invariants()
 
 
-def test_triton_copy_path_matches(monkeypatch):
+def test_triton_copy_path_matches():
     results = []
-    for impl in ("torch", "triton"):
-        m, host, table, rpi, sl = make(seed=3, copy_impl=impl)
+    for copy_impl in ("torch", "triton"):
+        m, host, table, rpi, sl = make(seed=3, copy_impl=copy_impl)
         pos = torch.stack([torch.arange(0, 48), torch.arange(200, 248)]).view(2, 1, 48).int()
         m.begin_step()
         slots = m.resolve(0, pos, table.req_to_token, rpi, sl)
@@ -178,7 +184,8 @@ def test_triton_copy_path_matches(monkeypatch):
 def test_no_input_reaches_another_requests_entries(data):
     """Whatever positions arrive, every slot returned for request b holds one of b's own tokens (< its length)."""
     lengths = data.draw(st.lists(st.integers(1, 200), min_size=1, max_size=3))
-    m, host, table, rpi, sl = make(tokens=1024, slots=1024, lengths=tuple(lengths))
+    impl = data.draw(st.sampled_from(["torch", "triton"]))
+    m, host, table, rpi, sl = make(tokens=1024, slots=1024, lengths=tuple(lengths), impl=impl)
     k = data.draw(st.integers(1, 16))
     q = data.draw(st.integers(1, 2))
     raw = data.draw(st.lists(st.integers(-(2**31), 2**31 - 1) | st.integers(-3, 260),
@@ -201,9 +208,43 @@ def test_no_input_reaches_another_requests_entries(data):
     m.check_invariants()
 
 
-def test_shapes_are_checked():
-    m, host, table, rpi, sl = make()
+def test_shapes_are_checked(impl):
+    m, host, table, rpi, sl = make(impl=impl)
     with pytest.raises(ValueError, match=r"\[batch, q_tokens, k\]"):
         m.resolve(0, torch.zeros(2, 8, dtype=torch.int32), table.req_to_token, rpi, sl)
     with pytest.raises(ValueError, match="seq_lens"):
         m.resolve(0, torch.zeros(2, 1, 8, dtype=torch.int32), table.req_to_token, rpi, sl[:1])
+
+
+def test_fused_kernels_equal_the_torch_definition_state_for_state():
+    """A random mix of every operation on both paths: every map, stamp, counter and hot entry equal, every step.
+
+    (Triton's interpreter runs programs in order, so even the order of the miss and victim lists matches.)
+    """
+    g = torch.Generator().manual_seed(7)
+    pair = [make(slots=320, lengths=(300, 500, 250), seed=5, impl=impl) for impl in ("torch", "triton")]
+    state = ("hot_entries", "loc_to_slot", "slot_to_loc", "slot_stamp", "clock", "counters")
+    for step in range(12):
+        q = 1 + step % 2
+        pos = torch.randint(-2, 520, (3, q, 40), generator=g).int()
+        new = torch.randint(0, 256, (3, 656), dtype=torch.uint8, generator=g)
+        outs = []
+        for m, host, table, rpi, sl in pair:
+            m.begin_step()
+            if step == 0:
+                m.warm_up(1, table.req_to_token[0, 200:300])
+            locs = host.alloc(3) if step % 3 == 0 else torch.tensor([-1, -1, -1])
+            o = [m.write_new_tokens(0, locs, new)]
+            for layer in range(2):
+                o.append(m.resolve(layer, pos, table.req_to_token, rpi, sl))
+            if step == 6:
+                m.release(table.req_to_token[2, :250])
+            outs.append(o)
+        for a, b in zip(outs[0], outs[1], strict=True):
+            assert torch.equal(a.long(), b.long()), f"step {step}: slot tables differ"
+        for name in state:  # sink elements (the last of each map) are write-only scratch: not compared
+            a, b = getattr(pair[0][0], name), getattr(pair[1][0], name)
+            if name in ("loc_to_slot", "slot_to_loc", "slot_stamp"):
+                a, b = a[:, :-1], b[:, :-1]
+            assert torch.equal(a, b), f"step {step}: {name} differs"
+        pair[1][0].check_invariants()

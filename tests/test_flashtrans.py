@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from ess_sglang.kernels.flashtrans import copy_rows, copy_rows_reference, copy_rows_triton
+from ess_sglang.kernels.flashtrans import copy_rows, copy_rows_reference, copy_rows_triton, power_of_two_chunks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,14 +17,15 @@ def _case(n_src, n_dst, n, row_bytes, seed, dtype=torch.int64):
     return src, dst, src_rows, dst_rows
 
 
-@pytest.mark.parametrize("row_bytes", [656, 132])
+@pytest.mark.parametrize("variant,rows_per_program", [("chunks", 8), ("chunks", 2), ("masked", 8)])
+@pytest.mark.parametrize("row_bytes", [656, 132, 4])
 @pytest.mark.parametrize("n", [1, 7, 8, 37])
-def test_kernel_matches_reference(row_bytes, n):
+def test_kernel_matches_reference(row_bytes, n, variant, rows_per_program):
     src, dst, sr, dr = _case(64, 48, n, row_bytes, seed=n + row_bytes)
     want = dst.clone()
     copy_rows_reference(src, want, sr, dr)
     got = dst.clone()
-    copy_rows_triton(src, got, sr, dr)
+    copy_rows_triton(src, got, sr, dr, rows_per_program=rows_per_program, variant=variant)
     assert torch.equal(got, want)
     untouched = torch.ones(dst.shape[0], dtype=torch.bool)
     untouched[dr[(dr >= 0) & (sr >= 0)]] = False
@@ -39,6 +40,29 @@ def test_kernel_matches_reference_random(n, seed, int32):
     copy_rows_reference(src, want, sr, dr)
     copy_rows(src, got, sr, dr, impl="triton")
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("variant", ["chunks", "masked"])
+def test_kernel_handles_padded_row_strides(variant):
+    g = torch.Generator().manual_seed(1)
+    src_pad = torch.randint(0, 256, (40, 768), dtype=torch.uint8, generator=g)  # 656-B entries at a 768-B stride
+    dst = torch.zeros(30, 656, dtype=torch.uint8)
+    sr, dr = torch.randint(-1, 40, (25,), generator=g), torch.randperm(30, generator=g)[:25]
+    want, got = dst.clone(), dst.clone()
+    copy_rows_reference(src_pad[:, :656], want, sr, dr)
+    copy_rows_triton(src_pad[:, :656], got, sr, dr, variant=variant)
+    assert torch.equal(got, want)
+    back = src_pad.clone()
+    copy_rows_triton(got, back[:, :656], dr, sr.clamp(min=0), variant=variant)
+    assert torch.equal(back[:, 656:], src_pad[:, 656:]), "padding bytes were written"
+
+
+def test_power_of_two_chunks():
+    assert power_of_two_chunks(164) == (128, 32, 4, 0)  # a 656-B latent entry
+    assert power_of_two_chunks(33) == (32, 1, 0, 0)  # a 132-B indexer entry
+    assert power_of_two_chunks(64) == (64, 0, 0, 0)
+    with pytest.raises(ValueError, match="power-of-two chunks"):
+        power_of_two_chunks(31)
 
 
 def test_bad_arguments():
