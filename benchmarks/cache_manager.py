@@ -1,0 +1,181 @@
+"""Per-layer resolve time on the GPU: lookup, protect, dedup, evict, allocate, slot table, with and without the copy.
+
+For batch 1 ... 128, top-k 2048, q_tokens 1 and 2, target hit rates 0.5 / 0.9 / 0.95 / 0.99: one layer's resolve is
+captured in a CUDA graph and replayed over a rotating sequence of selections. Each selection keeps a fraction of the
+previous one (the target hit rate) and replaces the rest with fresh positions of a 32K context; the pool holds
+1.25 steps' selections, so older entries are evicted and the hit rate holds from replay to replay (the rotation's
+wrap-around costs one step in 64). The achieved hit rate is read from the manager's counters and reported.
+
+    python benchmarks/cache_manager.py --out benchmarks/results     (table; cache_manager.json / .png)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from ess_sglang.cache_manager import Counter, HotPoolCacheManager
+from ess_sglang.host_pool import HostTotalPool
+
+ENTRY, TOP_K, CONTEXT = 656, 2048, 32768
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128]
+HIT_RATES = [0.5, 0.9, 0.95, 0.99]
+SEQUENCE = 64  # selections replayed in rotation
+
+
+def selections(batch, q_tokens, hit, gen):
+    """SEQUENCE selections [batch, q_tokens, TOP_K]; consecutive ones share about `hit` of their positions."""
+    cur = torch.stack([torch.randperm(CONTEXT, device="cuda", generator=gen)[:TOP_K] for _ in range(batch)])
+    out = []
+    for _ in range(SEQUENCE):
+        fresh = torch.randint(0, CONTEXT, (batch, TOP_K), device="cuda", generator=gen)
+        keep = torch.rand((batch, TOP_K), device="cuda", generator=gen) < hit
+        cur = torch.where(keep, cur, fresh)
+        sel = cur.view(batch, 1, TOP_K).expand(batch, q_tokens, TOP_K).clone()
+        if q_tokens > 1:  # a draft token selects mostly the same positions, some others
+            other = torch.randint(0, CONTEXT, (batch, TOP_K), device="cuda", generator=gen)
+            swap = torch.rand((batch, TOP_K), device="cuda", generator=gen) < 0.1
+            sel[:, 1] = torch.where(swap, other, sel[:, 1])
+        out.append(sel.int().contiguous())
+    return out
+
+
+def bench_one(host, batch, q_tokens, hit, copy_impl, gen, reps=2):
+    dev = torch.device("cuda")
+    tokens = batch * CONTEXT
+    slots = (batch * q_tokens * TOP_K * 5 // 4 + 63) // 64 * 64
+    m = HotPoolCacheManager(host, slots, device=dev, max_selected=batch * q_tokens * TOP_K, copy_impl=copy_impl)
+    req_to_token = torch.arange(tokens, device=dev, dtype=torch.int32).view(batch, CONTEXT)
+    rpi = torch.arange(batch, device=dev)
+    seq = torch.full((batch,), CONTEXT, device=dev)
+    sels = selections(batch, q_tokens, hit, gen)
+    static = sels[0].clone()
+
+    def step():
+        m.begin_step()
+        return m.resolve(0, static, req_to_token, rpi, seq)
+
+    for s in sels:  # eager warm-up: compiles kernels and fills the pool to its steady state
+        static.copy_(s)
+        step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    m.counters.zero_()
+    times = []
+    for _ in range(reps):
+        for s in sels:
+            static.copy_(s)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+    c = m.counters[0].cpu()
+    hit_rate = 1 - c[Counter.MISSES].item() / max(c[Counter.LOOKUPS].item(), 1)
+    misses_per_step = c[Counter.MISSES].item() / len(times)
+    us = statistics.median(times)
+    torch.cuda.empty_cache()
+    return dict(batch=batch, q_tokens=q_tokens, target_hit=hit, copy=copy_impl != "none", us=us,
+                hit_rate=hit_rate, misses_per_step=misses_per_step, slots=slots,
+                gbps=misses_per_step * ENTRY / us / 1e3)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    p.add_argument("--hits", default=",".join(map(str, HIT_RATES)))
+    p.add_argument("--q-tokens", default="1,2")
+    p.add_argument("--profile", action="store_true", help="per-kernel times of one resolve (torch.profiler), then exit")
+    args = p.parse_args(argv)
+    if args.profile:
+        return profile([int(x) for x in args.batches.split(",")])
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    batches = [int(x) for x in args.batches.split(",")]
+    host = HostTotalPool(1, max(batches) * CONTEXT, device="cuda")  # one pinned pool (2.7 GiB at batch 128)
+    host.entries.random_(0, 256)
+    rows = []
+    for q in [int(x) for x in args.q_tokens.split(",")]:
+        for batch in batches:
+            for hit in [float(x) for x in args.hits.split(",")]:
+                for impl in ("none", "auto"):
+                    rows.append(bench_one(host, batch, q, hit, impl, gen))
+    info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command="python " + " ".join(sys.argv))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "cache_manager.json"), "w") as f:
+        json.dump(dict(info=info, rows=rows), f, indent=1)
+    plot(rows, os.path.join(args.out, "cache_manager.png"))
+    print(f"\n{'q':>2} {'batch':>5} {'target':>6} {'hit':>6} {'misses':>8} {'no-copy us':>10} {'with-copy us':>12} "
+          f"{'GB/s':>6}")
+    for r in rows:
+        if r["copy"]:
+            nc = next(x for x in rows if not x["copy"] and x["batch"] == r["batch"] and x["q_tokens"] == r["q_tokens"]
+                      and x["target_hit"] == r["target_hit"])
+            print(f"{r['q_tokens']:>2} {r['batch']:>5} {r['target_hit']:>6} {r['hit_rate']:>6.3f} "
+                  f"{r['misses_per_step']:>8.0f} {nc['us']:>10.1f} {r['us']:>12.1f} {r['gbps']:>6.1f}")
+
+
+def profile(batches, hit=0.95):
+    """Per-kernel device time of the resolve of one layer, eager (the graph replays the same kernels)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    host = HostTotalPool(1, max(batches) * CONTEXT, device="cuda")
+    for batch in batches:
+        tokens = batch * CONTEXT
+        slots = (batch * TOP_K * 5 // 4 + 63) // 64 * 64
+        m = HotPoolCacheManager(host, slots, device="cuda", max_selected=batch * TOP_K)
+        r2t = torch.arange(tokens, device="cuda", dtype=torch.int32).view(batch, CONTEXT)
+        rpi, seq = torch.arange(batch, device="cuda"), torch.full((batch,), CONTEXT, device="cuda")
+        sels = selections(batch, 1, hit, gen)
+        for s in sels:
+            m.begin_step()
+            m.resolve(0, s, r2t, rpi, seq)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for s in sels:
+                m.begin_step()
+                m.resolve(0, s, r2t, rpi, seq)
+            torch.cuda.synchronize()
+        print(f"\nbatch {batch}, hit {hit}: device time per resolve, by kernel")
+        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
+            print(f"  {e.device_time_total / len(sels):8.1f} us  x{e.count / len(sels):4.1f}  {e.key[:90]}")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for copy in (False, True):
+        for hit in sorted({r["target_hit"] for r in rows}):
+            pts = sorted((r["batch"], r["us"]) for r in rows
+                         if r["copy"] == copy and r["target_hit"] == hit and r["q_tokens"] == 1)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), "-o" if copy else ":x", markersize=3,
+                        label=f"hit {hit} {'resolve + copy' if copy else 'resolve only'}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch (top-k 2048, q_tokens 1)")
+    ax.set_ylabel("us per layer (CUDA graph replay)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
