@@ -27,7 +27,8 @@ from ess_sglang.host_pool import HostTotalPool
 ENTRY = 656
 SIZES = [64, 256, 1024, 2048, 4096, 16384, 65536, 262144]
 VARIANTS = [("chunks", 4, 4), ("chunks", 8, 4), ("chunks", 16, 4), ("chunks", 16, 8), ("chunks", 32, 8),
-            ("masked", 8, 4), ("chunks", 1, 1), ("chunks", 2, 1), ("masked", 2, 1), ("masked", 4, 2)]
+            ("masked", 8, 4), ("chunks", 2, 1), ("masked", 4, 2), ("flat", 4, 4), ("flat", 8, 4), ("flat", 16, 8),
+            ("flat", 32, 8)]
 ROTATE = 6
 _KEEP_ALIVE = []
 

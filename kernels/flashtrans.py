@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS_PER_PROGRAM = 8
-NUM_WARPS = 4
+ROWS_PER_PROGRAM = 4  # with NUM_WARPS and the masked variant: the best of the sweep (benchmarks/NOTES.md)
+NUM_WARPS = 2
 
 
 def _check(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
@@ -81,20 +81,43 @@ def _copy_rows_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n_rows, SRC_
 
 
 @triton.jit
+def _copy_masked(src_ptr, dst_ptr, s, d, live, WORDS: tl.constexpr, SRC_STRIDE: tl.constexpr,
+                 DST_STRIDE: tl.constexpr, BLOCK_WORDS: tl.constexpr):
+    """Copy the WORDS words of each live row as one power-of-two block with a column mask."""
+    w = tl.arange(0, BLOCK_WORDS)
+    m = live[:, None] & (w < WORDS)[None, :]
+    vals = tl.load(src_ptr + s[:, None] * SRC_STRIDE + w[None, :], mask=m)
+    tl.store(dst_ptr + d[:, None] * DST_STRIDE + w[None, :], vals, mask=m)
+
+
+@triton.jit
 def _copy_rows_masked_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n_rows, WORDS: tl.constexpr,
                              SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr, BLOCK_WORDS: tl.constexpr,
                              ROWS: tl.constexpr):
-    # The first version: one power-of-two block per row with a column mask (kept for the benchmark's comparison).
+    # One power-of-two block per row with a column mask: the default (the best of the benchmark's sweep).
     pid = tl.program_id(0)
     r = pid * ROWS + tl.arange(0, ROWS)
     in_range = r < n_rows
     s = tl.load(src_rows_ptr + r, mask=in_range, other=-1).to(tl.int64)
     d = tl.load(dst_rows_ptr + r, mask=in_range, other=-1).to(tl.int64)
     live = (s >= 0) & (d >= 0)
-    w = tl.arange(0, BLOCK_WORDS)
-    m = live[:, None] & (w < WORDS)[None, :]
-    vals = tl.load(src_ptr + s[:, None] * SRC_STRIDE + w[None, :], mask=m)
-    tl.store(dst_ptr + d[:, None] * DST_STRIDE + w[None, :], vals, mask=m)
+    _copy_masked(src_ptr, dst_ptr, s, d, live, WORDS, SRC_STRIDE, DST_STRIDE, BLOCK_WORDS)
+
+
+@triton.jit
+def _copy_rows_flat_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n_rows, WORDS: tl.constexpr,
+                           SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr, BLOCK: tl.constexpr):
+    # The copy as one flat range of n_rows x WORDS words, one word per lane: each warp reads 128 contiguous bytes,
+    # and many more warps are in flight than with a row per lane group (the shape torch.index_select uses).
+    f = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    r = f // WORDS
+    w = f % WORDS
+    m = r < n_rows
+    s = tl.load(src_rows_ptr + r, mask=m, other=-1).to(tl.int64)
+    d = tl.load(dst_rows_ptr + r, mask=m, other=-1).to(tl.int64)
+    live = m & (s >= 0) & (d >= 0)
+    vals = tl.load(src_ptr + s * SRC_STRIDE + w, mask=live)
+    tl.store(dst_ptr + d * DST_STRIDE + w, vals, mask=live)
 
 
 def _as_words(t: torch.Tensor) -> torch.Tensor:
@@ -116,7 +139,7 @@ def power_of_two_chunks(words: int) -> tuple[int, int, int, int]:
 
 def copy_rows_triton(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,
                      rows_per_program: int = ROWS_PER_PROGRAM, num_warps: int = NUM_WARPS,
-                     variant: str = "chunks") -> None:
+                     variant: str = "masked") -> None:
     """Triton kernel: one program moves `rows_per_program` rows; the grid depends only on len(src_rows)."""
     _check(src, dst, src_rows, dst_rows)
     n = src_rows.shape[0]
@@ -129,12 +152,17 @@ def copy_rows_triton(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tenso
         c0, c1, c2, c3 = power_of_two_chunks(words)
         _copy_rows_kernel[grid](src_w, dst_w, src_rows, dst_rows, n, SRC_STRIDE=src_stride, DST_STRIDE=dst_stride,
                                 C0=c0, C1=c1, C2=c2, C3=c3, ROWS=rows_per_program, num_warps=num_warps)
+    elif variant == "flat":  # rows_per_program x 128 words per program
+        block = 128 * rows_per_program
+        _copy_rows_flat_kernel[(triton.cdiv(n * words, block),)](
+            src_w, dst_w, src_rows, dst_rows, n, WORDS=words, SRC_STRIDE=src_stride, DST_STRIDE=dst_stride,
+            BLOCK=block, num_warps=num_warps)
     elif variant == "masked":
         _copy_rows_masked_kernel[grid](src_w, dst_w, src_rows, dst_rows, n, WORDS=words, SRC_STRIDE=src_stride,
                                        DST_STRIDE=dst_stride, BLOCK_WORDS=triton.next_power_of_2(words),
                                        ROWS=rows_per_program, num_warps=num_warps)
     else:
-        raise ValueError(f"copy_rows_triton: variant must be 'chunks' or 'masked', got {variant!r}")
+        raise ValueError(f"copy_rows_triton: variant must be 'chunks', 'flat' or 'masked', got {variant!r}")
 
 
 def interpreting() -> bool:

@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from ess_sglang.kernels.flashtrans import _copy_chunk, power_of_two_chunks
+from ess_sglang.kernels.flashtrans import NUM_WARPS, ROWS_PER_PROGRAM, _copy_masked
 
 BLOCK = 1024
-ROWS = 8
+ROWS = ROWS_PER_PROGRAM  # misses assigned (and copied) per program of the assign kernel
 AGE_BUCKETS = 256
 SCR_MISS, SCR_ABOVE, SCR_AT, SCR_HIST = 0, 1, 2, 8
 SCR_SIZE = 512  # a power of two >= SCR_HIST + AGE_BUCKETS, so that K5 can clear it with one block
@@ -126,9 +126,8 @@ def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, num_slots, A: tl
 @triton.jit
 def _assign_kernel(scr_ptr, victims_ptr, miss_loc_ptr, miss_idx_ptr, l2s_ptr, s2l_ptr, stamp_ptr, clock_ptr,
                    out_ptr, cnt_ptr, src_ptr, dst_ptr, n,
-                   COPY: tl.constexpr, WORDS: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
-                   C3: tl.constexpr, C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr, C_EVICT: tl.constexpr,
-                   C_OVERFLOW: tl.constexpr, ROWS: tl.constexpr):
+                   COPY: tl.constexpr, WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr, C_FETCH_A: tl.constexpr,
+                   C_FETCH_B: tl.constexpr, C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr, ROWS: tl.constexpr):
     j = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     n_miss = tl.load(scr_ptr + 0)
     # victims written by K3: every slot older than T (scr[1] of them), then up to n_miss - scr[1] of age T (scr[2])
@@ -155,13 +154,7 @@ def _assign_kernel(scr_ptr, victims_ptr, miss_loc_ptr, miss_idx_ptr, l2s_ptr, s2
         tl.atomic_add(cnt_ptr + C_EVICT, tl.sum(evict.to(tl.int64)), sem="relaxed")
         tl.atomic_add(cnt_ptr + C_OVERFLOW, tl.sum((mj & ~got).to(tl.int64)), sem="relaxed")
         if COPY:  # the FlashTrans gather, fused: host entry of `loc` -> hot slot `v`
-            _copy_chunk(src_ptr, dst_ptr, loc, v, got, WORDS, WORDS, 0, C0)
-            if C1 > 0:
-                _copy_chunk(src_ptr, dst_ptr, loc, v, got, WORDS, WORDS, C0, C1)
-            if C2 > 0:
-                _copy_chunk(src_ptr, dst_ptr, loc, v, got, WORDS, WORDS, C0 + C1, C2)
-            if C3 > 0:
-                _copy_chunk(src_ptr, dst_ptr, loc, v, got, WORDS, WORDS, C0 + C1 + C2, C3)
+            _copy_masked(src_ptr, dst_ptr, loc, v, got, WORDS, WORDS, WORDS, BLOCK_WORDS)
 
 
 @triton.jit
@@ -229,14 +222,13 @@ class FusedResolver:
                                                   BLOCK=BLOCK)
         copy = copy_from is not None
         words = (copy_from.shape[1] // 4) if copy else 4
-        c0, c1, c2, c3 = power_of_two_chunks(words)
         src_w = copy_from.view(torch.int32) if copy else self.scratch
         dst_w = hot.view(torch.int32) if copy else self.scratch
         _assign_kernel[(triton.cdiv(n, ROWS),)](
             self.scratch, self.victims, self.miss_loc, self.miss_idx, l2s, s2l, stamp, clock, out, counters,
-            src_w, dst_w, n, COPY=copy, WORDS=words, C0=c0, C1=c1, C2=c2, C3=c3,
+            src_w, dst_w, n, COPY=copy, WORDS=words, BLOCK_WORDS=triton.next_power_of_2(words),
             C_FETCH_A=fetch_counters[0], C_FETCH_B=fetch_counters[1], C_EVICT=counter_ids["EVICTIONS"],
-            C_OVERFLOW=counter_ids["OVERFLOW"], ROWS=ROWS)
+            C_OVERFLOW=counter_ids["OVERFLOW"], ROWS=ROWS, num_warps=NUM_WARPS)
         _finish_kernel[(entry_blocks,)](self.locs, out, l2s, self.scratch, n, S, SCR=SCR_SIZE,
                                         BLOCK=BLOCK)
         return out

@@ -17,7 +17,8 @@ def _case(n_src, n_dst, n, row_bytes, seed, dtype=torch.int64):
     return src, dst, src_rows, dst_rows
 
 
-@pytest.mark.parametrize("variant,rows_per_program", [("chunks", 8), ("chunks", 2), ("masked", 8)])
+@pytest.mark.parametrize("variant,rows_per_program", [("chunks", 8), ("chunks", 2), ("masked", 8), ("flat", 8),
+                                                      ("flat", 1)])
 @pytest.mark.parametrize("row_bytes", [656, 132, 4])
 @pytest.mark.parametrize("n", [1, 7, 8, 37])
 def test_kernel_matches_reference(row_bytes, n, variant, rows_per_program):
@@ -42,7 +43,7 @@ def test_kernel_matches_reference_random(n, seed, int32):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("variant", ["chunks", "masked"])
+@pytest.mark.parametrize("variant", ["chunks", "masked", "flat"])
 def test_kernel_handles_padded_row_strides(variant):
     g = torch.Generator().manual_seed(1)
     src_pad = torch.randint(0, 256, (40, 768), dtype=torch.uint8, generator=g)  # 656-B entries at a 768-B stride
