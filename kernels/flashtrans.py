@@ -61,16 +61,21 @@ def _copy_chunk(src_ptr, dst_ptr, s, d, live, SRC_STRIDE: tl.constexpr, DST_STRI
 
 
 @triton.jit
+def _program_rows(src_rows_ptr, dst_rows_ptr, n_rows, ROWS: tl.constexpr):
+    """This program's ROWS (source row, destination row) pairs, and which of them are real (both >= 0)."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    in_range = r < n_rows
+    s = tl.load(src_rows_ptr + r, mask=in_range, other=-1).to(tl.int64)
+    d = tl.load(dst_rows_ptr + r, mask=in_range, other=-1).to(tl.int64)
+    return s, d, (s >= 0) & (d >= 0)
+
+
+@triton.jit
 def _copy_rows_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n_rows, SRC_STRIDE: tl.constexpr,
                       DST_STRIDE: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
                       C3: tl.constexpr, ROWS: tl.constexpr):
     # A row is copied as up to four power-of-two chunks of words, C0 + C1 + C2 + C3 (656 B: 128 + 32 + 4).
-    pid = tl.program_id(0)
-    r = pid * ROWS + tl.arange(0, ROWS)
-    in_range = r < n_rows
-    s = tl.load(src_rows_ptr + r, mask=in_range, other=-1).to(tl.int64)
-    d = tl.load(dst_rows_ptr + r, mask=in_range, other=-1).to(tl.int64)
-    live = (s >= 0) & (d >= 0)
+    s, d, live = _program_rows(src_rows_ptr, dst_rows_ptr, n_rows, ROWS)
     _copy_chunk(src_ptr, dst_ptr, s, d, live, SRC_STRIDE, DST_STRIDE, 0, C0)
     if C1 > 0:
         _copy_chunk(src_ptr, dst_ptr, s, d, live, SRC_STRIDE, DST_STRIDE, C0, C1)
@@ -95,12 +100,7 @@ def _copy_rows_masked_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n_row
                              SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr, BLOCK_WORDS: tl.constexpr,
                              ROWS: tl.constexpr):
     # One power-of-two block per row with a column mask: the default (the best of the benchmark's sweep).
-    pid = tl.program_id(0)
-    r = pid * ROWS + tl.arange(0, ROWS)
-    in_range = r < n_rows
-    s = tl.load(src_rows_ptr + r, mask=in_range, other=-1).to(tl.int64)
-    d = tl.load(dst_rows_ptr + r, mask=in_range, other=-1).to(tl.int64)
-    live = (s >= 0) & (d >= 0)
+    s, d, live = _program_rows(src_rows_ptr, dst_rows_ptr, n_rows, ROWS)
     _copy_masked(src_ptr, dst_ptr, s, d, live, WORDS, SRC_STRIDE, DST_STRIDE, BLOCK_WORDS)
 
 
