@@ -4,6 +4,10 @@ Run A keeps every latent entry in device memory. Run B keeps them in the host to
 `ratio` x the tokens held, warmed up from the prefill's last query windows. After every layer of every step the
 attention outputs of the two runs must be bit-identical (torch.equal), and so must the hidden states. Per-layer hit
 rates, entries and bytes moved per direction, and the time of each run are printed at the end.
+
+With `--metrics-port N` the ESS run's counters are exported as the `sglang:ess_*` Prometheus series (see
+docs/observability.md) on http://127.0.0.1:N/metrics while the demo runs, and for `--metrics-hold` seconds after;
+a final `ess metrics: hit_rate=... lookups_total=...` line gives the totals the series must reproduce.
 """
 
 from __future__ import annotations
@@ -49,7 +53,12 @@ def _sync(device) -> None:
 def run_demo(batch: int = 8, context_len: int = 8192, steps: int = 64, ratio: float = 0.2, layers: int = 4,
              top_k: int = 1024, seed: int = 0, device: str | None = None, attention: str | None = None,
              num_heads: int | None = None, progress: bool = True, check_every_step: bool = True,
-             on_step=None) -> DemoResult:
+             on_step=None, on_manager=None) -> DemoResult:
+    """Decode `steps` steps of `batch` requests with and without ESS, in lockstep; see the module docstring.
+
+    on_manager(manager) is called once the cache manager exists (before warm-up); on_step(step, manager) after each
+    decode step (the device has finished the step). `ess demo --metrics-port` uses both to export metrics.
+    """
     import torch
 
     from ess_sglang.cache_manager import Counter, HotPoolCacheManager
@@ -86,6 +95,8 @@ def run_demo(batch: int = 8, context_len: int = 8192, steps: int = 64, ratio: fl
     weights = DemoWeights(spec, dev, dtype)
     host = HostTotalPool(layers, plan.host_tokens, device=dev, scrub_on_free=cfg.scrub_on_free)
     manager = HotPoolCacheManager(host, plan.hot_slots_per_layer, device=dev, max_selected=batch * top_k)
+    if on_manager is not None:
+        on_manager(manager)
     table = RequestTable(batch, context_len + steps, device=dev)
     ref = DemoDecoder(spec, weights, DeviceCacheBackend(layers, plan.host_tokens, dev), plan.host_tokens, dev,
                       attention)
@@ -196,17 +207,150 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=["reference", "flashmla"], default=None,
                    help="attention kernel (default: flashmla on cuda, the torch reference on cpu)")
     p.add_argument("--no-progress", action="store_true")
+    m = p.add_argument_group("metrics (Prometheus)")
+    m.add_argument("--metrics-port", type=int, default=None, metavar="N",
+                   help="serve the sglang:ess_* series on http://HOST:N/metrics while the demo runs (0: any free port)")
+    m.add_argument("--metrics-host", default="127.0.0.1", help="address to serve /metrics on (default %(default)s)")
+    m.add_argument("--metrics-hold", type=float, default=0.0, metavar="SECONDS",
+                   help="keep serving /metrics this long after decoding, so a scraper can read the final values")
+    m.add_argument("--metrics-interval", type=int, default=None, metavar="STEPS",
+                   help="read the device counters back every this many steps (default: the config's, 16)")
+    m.add_argument("--metrics-per-layer", action="store_true", help="also export per-layer series (label layer)")
+    m.add_argument("--model-name", default="ess-demo", help="model_name label of the exported series")
+
+
+class TransferTimer:
+    """Times the cache manager's FlashTrans calls for the demo's `sglang:ess_transfer_seconds` histogram.
+
+    It wraps `ess_sglang.cache_manager.copy_rows` while installed and classifies each call by its operands: reading
+    the host pool is H2D (misses and warm-up), writing it is D2H (new tokens); device-to-device copies (new tokens
+    into their hot slots) are not PCIe transfers and are not timed. On CPU each call is timed with the wall clock
+    (the copy is synchronous); on CUDA with a pair of events, read by `drain()` once the demo has synchronised.
+    What is measured is one call, i.e. one layer's gather or scatter, including the Triton launch.
+    """
+
+    def __init__(self, manager, metrics):
+        import ess_sglang.cache_manager as cm
+
+        self._cm, self._metrics = cm, metrics
+        self._orig = getattr(cm, "copy_rows", None)  # absent: nothing is timed (the histogram stays empty)
+        host = manager.host
+        self._ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                        for t in {id(t): t for t in (host.entries, host.device_entries)}.values()]
+        self._cuda = manager.device.type == "cuda"
+        self._pending: list = []
+
+    def _on_host(self, t) -> bool:
+        p = t.data_ptr()
+        return any(lo <= p < hi for lo, hi in self._ranges)
+
+    def _timed(self, src, dst, src_rows, dst_rows, impl="auto"):
+        direction = "h2d" if self._on_host(src) else "d2h" if self._on_host(dst) else None
+        if direction is None:
+            return self._orig(src, dst, src_rows, dst_rows, impl)
+        if self._cuda:
+            import torch
+
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._orig(src, dst, src_rows, dst_rows, impl)
+            end.record()
+            self._pending.append((direction, start, end))
+        else:
+            t = time.perf_counter()
+            self._orig(src, dst, src_rows, dst_rows, impl)
+            self._metrics.observe_transfer(direction, time.perf_counter() - t)
+
+    def drain(self) -> None:
+        """Report the timed CUDA calls whose events have completed."""
+        left = []
+        for direction, start, end in self._pending:
+            if end.query():
+                self._metrics.observe_transfer(direction, start.elapsed_time(end) / 1e3)
+            else:
+                left.append((direction, start, end))
+        self._pending = left
+
+    def install(self) -> None:
+        if self._orig is not None:
+            self._cm.copy_rows = self._timed
+
+    def uninstall(self) -> None:
+        if self._cm.copy_rows is self._timed:
+            self._cm.copy_rows = self._orig
 
 
 def run(args: argparse.Namespace) -> int:
     from ess_sglang.config import EssConfigError
 
+    demo_kwargs = dict(batch=args.batch, context_len=args.context_len, steps=args.steps, ratio=args.ratio,
+                       layers=args.layers, top_k=args.top_k, seed=args.seed, device=args.device,
+                       attention=args.attention, progress=not args.no_progress)
+    if getattr(args, "metrics_port", None) is not None:
+        return _run_with_metrics(args, demo_kwargs)
     try:
-        r = run_demo(batch=args.batch, context_len=args.context_len, steps=args.steps, ratio=args.ratio,
-                     layers=args.layers, top_k=args.top_k, seed=args.seed, device=args.device,
-                     attention=args.attention, progress=not args.no_progress)
+        r = run_demo(**demo_kwargs)
     except EssConfigError as e:
         print(f"ess demo: {e}")
         return 2
     print_result(r)
     return 0 if r.bit_identical else 1
+
+
+def _run_with_metrics(args: argparse.Namespace, demo_kwargs: dict) -> int:
+    """`ess demo --metrics-port N`: the demo, with EssMetrics publishing to /metrics while it runs."""
+    from prometheus_client import CollectorRegistry
+
+    from ess_sglang.config import EssConfigError, MetricsConfig
+    from ess_sglang.metrics import EssMetrics, serve_metrics, sglang_labels
+
+    cfg = MetricsConfig(per_layer=args.metrics_per_layer,
+                        **({"readout_interval_steps": args.metrics_interval} if args.metrics_interval else {}))
+    registry = CollectorRegistry()  # not the global one: only the ESS series, and in-process reruns don't collide
+    server = serve_metrics(args.metrics_port, args.metrics_host, registry)  # text format: keeps the colons
+    port = server.server_address[1]
+    print(f"ess demo: serving metrics on http://{args.metrics_host}:{port}/metrics", flush=True)
+    state: dict = {}
+
+    def on_manager(manager):
+        m = EssMetrics(manager, cfg, labels=sglang_labels(args.model_name), registry=registry)
+        timer = TransferTimer(manager, m)
+        timer.install()
+        state.update(metrics=m, timer=timer)
+
+    def on_step(step, manager):
+        state["timer"].drain()
+        state["metrics"].on_step()
+
+    try:
+        try:
+            r = run_demo(**demo_kwargs, on_step=on_step, on_manager=on_manager)
+        except EssConfigError as e:
+            print(f"ess demo: {e}")
+            return 2
+        finally:
+            if "timer" in state:
+                state["timer"].uninstall()
+        state["timer"].drain()
+        m = state["metrics"]
+        m.flush()
+        print_result(r)
+        print_metrics_line(r, m)
+        if args.metrics_hold > 0:
+            print(f"ess demo: holding /metrics for {args.metrics_hold:g} s", flush=True)
+            time.sleep(args.metrics_hold)
+        return 0 if r.bit_identical else 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def print_metrics_line(r: DemoResult, m=None, entry_bytes: int = 656) -> None:
+    """One machine-readable line with the numbers the exported series must reproduce (the e2e test parses it)."""
+    tot = {k: sum(c[k] for c in r.counters) for k in r.counters[0]}
+    published = m.published_totals() if m is not None else {}
+    same = all(published.get(k) == v for k, v in tot.items()) if published else False
+    print(f"ess metrics: hit_rate={r.hit_rate!r} lookups_total={tot['LOOKUPS']} hits_total={tot['HITS']} "
+          f"misses_total={tot['MISSES']} h2d_bytes_total={tot['H2D_ENTRIES'] * entry_bytes} "
+          f"d2h_bytes_total={tot['D2H_ENTRIES'] * entry_bytes} steps={r.steps} "
+          f"published={'all' if same else 'incomplete'}", flush=True)
