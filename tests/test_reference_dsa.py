@@ -52,9 +52,10 @@ def test_indexer_is_causal_and_reads_only_its_own_request():
 
 def test_warmup_prefers_positions_chosen_by_more_windows_then_recent():
     windows = torch.tensor([[5, 9, 3, -1], [9, 3, 7, 1], [9, 8, 3, 2]])
-    assert warmup_positions(10, 100, windows).tolist() == [1, 2, 3, 5, 7, 8, 9]
+    assert warmup_positions(12, 8, windows).tolist() == [1, 2, 3, 5, 7, 8, 9]  # the union, when it fits
+    assert warmup_positions(10, 10, windows).tolist() == list(range(10))  # the whole prompt fits: all of it
     # budget 3: 9 and 3 (3 votes each), then 8 (one vote, most recent of the one-vote positions)
     assert warmup_positions(10, 3, windows).tolist() == [3, 8, 9]
     assert warmup_positions(10, 4, None).tolist() == [6, 7, 8, 9]  # no windows: the most recent tokens
-    assert warmup_positions(6, 10, windows).tolist() == [1, 2, 3, 5]  # positions past the length are dropped
+    assert warmup_positions(7, 5, windows).tolist() == [1, 2, 3, 5]  # positions past the length are dropped
     assert warmup_positions(10, 0, windows).numel() == 0
