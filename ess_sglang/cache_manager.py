@@ -26,6 +26,7 @@ Attention then reads only hot-pool slots, the exact entries the selection named:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import IntEnum
 
 import torch
@@ -74,15 +75,31 @@ def positions_to_locations(topk_pos: torch.Tensor, req_to_token: torch.Tensor, r
 _COUNTER_IDS = {c.name: int(c) for c in Counter}
 
 
+def _check_hot_entries(hot: torch.Tensor | Sequence[torch.Tensor], layers: int, slots: int, entry_bytes: int,
+                       device: torch.device) -> None:
+    """Engine-provided hot-pool storage must be `layers` contiguous uint8 [slots, entry_bytes] blocks on `device`."""
+    if len(hot) != layers:
+        raise ValueError(f"hot_entries: {len(hot)} layers given, {layers} needed")
+    for layer in range(layers):
+        v = hot[layer]
+        if v.shape != (slots, entry_bytes) or v.dtype != torch.uint8 or not v.is_contiguous() or v.device != device:
+            raise ValueError(f"hot_entries[{layer}]: want a contiguous uint8 [{slots}, {entry_bytes}] tensor on "
+                             f"{device}, got {v.dtype} {tuple(v.shape)} on {v.device}")
+
+
 class HotPoolCacheManager:
     def __init__(self, host_pool: HostTotalPool, slots_per_layer: int, device: torch.device | str | None = None,
-                 max_selected: int = 0, copy_impl: str = "auto", resolve_impl: str = "auto"):
+                 max_selected: int = 0, copy_impl: str = "auto", resolve_impl: str = "auto",
+                 hot_entries: torch.Tensor | Sequence[torch.Tensor] | None = None):
         """`max_selected` sizes scratch tensors for the largest selection (batch x q_tokens x top_k) one call sees.
 
         `resolve_impl`: "triton" (the fused kernels of ess_sglang.kernels.resolve), "torch" (plain torch ops, the
         definition the kernels are tested against) or "auto" (triton on CUDA, torch on CPU).
         `copy_impl` picks FlashTrans's implementation for the torch path ("auto": the Triton kernel on CUDA, torch on
         CPU); "none" moves no data on either path and exists only so that benchmarks can time the bookkeeping alone.
+        `hot_entries`: storage for the hot pools, when the engine owns it (the SGLang plugin places them in regions of
+        its device KV pool): one contiguous uint8 [slots_per_layer, entry_bytes] tensor per layer, or one
+        [layers, slots_per_layer, entry_bytes] tensor. By default the manager allocates its own.
         """
         if slots_per_layer <= 0:
             raise ValueError(f"slots_per_layer must be > 0, got {slots_per_layer}")
@@ -93,7 +110,11 @@ class HotPoolCacheManager:
         self.num_layers, self.slots_per_layer, self.num_locations = L, S, T
         self.entry_bytes = host_pool.entry_bytes
         dev = self.device
-        self.hot_entries = torch.zeros((L, S, self.entry_bytes), dtype=torch.uint8, device=dev)
+        if hot_entries is None:
+            hot_entries = torch.zeros((L, S, self.entry_bytes), dtype=torch.uint8, device=dev)
+        else:
+            _check_hot_entries(hot_entries, L, S, self.entry_bytes, dev)
+        self.hot_entries = hot_entries
         self.loc_to_slot = torch.full((L, T + 1), -1, dtype=torch.int32, device=dev)
         self.slot_to_loc = torch.full((L, S + 1), -1, dtype=torch.int32, device=dev)
         self.slot_stamp = torch.full((L, S + 1), FREE_STAMP, dtype=torch.int64, device=dev)
@@ -337,4 +358,4 @@ class HotPoolCacheManager:
 
     @property
     def hot_pool_bytes(self) -> int:
-        return self.hot_entries.numel()
+        return self.num_layers * self.slots_per_layer * self.entry_bytes

@@ -248,3 +248,22 @@ def test_fused_kernels_equal_the_torch_definition_state_for_state():
                 a, b = a[:, :-1], b[:, :-1]
             assert torch.equal(a, b), f"step {step}: {name} differs"
         pair[1][0].check_invariants()
+
+
+def test_engine_provided_hot_pool_storage(impl):
+    host = HostTotalPool(2, 512, device="cpu")
+    host.entries.random_(0, 256)
+    backing = torch.zeros(2, 200, 656, dtype=torch.uint8)  # e.g. regions of an engine's own KV pool
+    views = [backing[0, 8:72], backing[1, 100:164]]
+    m = HotPoolCacheManager(host, 64, device="cpu", max_selected=64, resolve_impl=impl, hot_entries=views)
+    table = RequestTable(1, 512)
+    table.set(0, 0, host.alloc(300))
+    m.begin_step()
+    slots = m.resolve(1, torch.arange(40).view(1, 1, 40).int(), table.req_to_token, torch.tensor([0]),
+                      torch.tensor([300]))
+    assert torch.equal(backing[1, 100:164][slots[0, 0].long()], host.entries[1][table.req_to_token[0, :40].long()])
+    assert m.hot_pool_bytes == 2 * 64 * 656 and (backing[0] == 0).all()
+    with pytest.raises(ValueError, match=r"hot_entries\[1\]"):
+        HotPoolCacheManager(host, 64, device="cpu", hot_entries=[views[0], backing[1, :63]])
+    with pytest.raises(ValueError, match="1 layers given"):
+        HotPoolCacheManager(host, 64, device="cpu", hot_entries=views[:1])
