@@ -1,0 +1,47 @@
+"""The SGLang plugin: ``--enable-ess`` on ``python -m sglang.launch_server`` / ``sglang serve``.
+
+This package is the only code in ess-sglang that imports SGLang. SGLang discovers ``register`` through the pip
+entry point group ``sglang.srt.plugins`` (name ``ess``) and calls it in every process it starts (launcher,
+tokenizer, scheduler, detokenizer, DP controller); ``SGLANG_PLUGINS=ess`` restricts loading to this plugin.
+
+Modules, one job each:
+
+* ``compat``     supported SGLang versions, target checks, the refusal messages;
+* ``hooks``      the table of every hook (target, type, function);
+* ``cli_args``   the flags, what they imply, start-up validation;
+* ``settings``   where the settings live (bookkeeping attributes of ServerArgs, which survive pickling);
+* ``sizing``     the pool layout ESS asks SGLang for;
+* ``coordinator`` the ESS replacement of HiSparse's coordinator: the decode seam ``swap_in_selected_pages``;
+* ``admission``  admission control (plain Python) and where it hooks into SGLang's scheduler;
+* ``warmup``     capture of the prefill's query-window top-k sets, and warm-up of new requests;
+* ``metrics``    glue to ``ess_sglang.metrics`` (Prometheus series on SGLang's /metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("ess_sglang.sglang_plugin")
+
+
+def register() -> None:
+    """Entry point (``sglang.srt.plugins``: ``ess``). Registers hooks; enables nothing by itself."""
+    from ess_sglang.sglang_plugin import compat, hooks
+    from ess_sglang.sglang_plugin.cli_args import ENV_ENABLED
+
+    version = compat.installed_sglang_version()
+    problems = [p for p in [compat.check_version(version)] if p]
+    problems += compat.check_targets(hooks.all_hooks(), version)
+    report = compat.EnvironmentReport(version, problems)
+    compat.set_report(report)
+    if problems:
+        logger.warning("ESS (ess-sglang) cannot be enabled in this process: %s", "; ".join(problems))
+    cli_ok = not compat.check_targets(hooks.CLI_HOOKS, version)
+    if cli_ok:
+        hooks.register_cli_hooks()  # so that --enable-ess is refused with a message rather than unknown
+    if report.ok and os.environ.get(ENV_ENABLED) == "1":
+        hooks.install_runtime_hooks(apply=False)  # SGLang's loader applies them right after this returns
+        logger.info("ESS (ess-sglang) plugin loaded: %d hooks registered", len(hooks.all_hooks()))
+    else:
+        logger.debug("ESS (ess-sglang) plugin loaded; ESS is off unless --enable-ess is given")

@@ -1,0 +1,201 @@
+"""``--enable-ess`` and ``--ess-config PATH``: the flags, what they imply, and the start-up validation.
+
+Hooks (see ``hooks.py``):
+
+* ``ServerArgs.add_cli_args`` (after): adds the two flags to SGLang's parser, so they appear in
+  ``python -m sglang.launch_server --help`` and are accepted by ``sglang serve``.
+* ``ServerArgs.from_cli_args`` (after): when ``--enable-ess`` is given, checks the installation, loads and validates
+  the ESS config (``ess_sglang.config.load_config``: errors name the file and the key), refuses flags ESS cannot
+  work with, and sets what ESS implies on the raw record before resolution: ``--enable-hisparse`` (ESS reuses
+  HiSparse's logical allocator, pinned host pool and direct-to-host PD transfer), ``--disable-radix-cache`` and,
+  when the KV dtype was left at ``auto``, ``--kv-cache-dtype fp8_e4m3`` (the 656-byte FlashMLA V32 entry). The
+  settings go on the record as bookkeeping attributes (``settings.py``), which survive pickling to the scheduler
+  processes.
+* ``hisparse_hook.validate_hisparse`` (around): during resolution, before HiSparse's own checks, validates what
+  depends on the model and on resolved values (DSA model, KV dtype, DSA decode backend, page size, top-k), so that
+  the user reads ESS's message rather than one about flags they did not pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ess_sglang.config import EssConfig, load_config
+from ess_sglang.sglang_plugin import compat, settings
+from ess_sglang.sglang_plugin.compat import EssLaunchError
+
+logger = logging.getLogger("ess_sglang.sglang_plugin")
+
+ENV_ENABLED = "ESS_SGLANG_ENABLED"
+"""Set to 1 in the launcher when ESS is enabled; spawned SGLang processes inherit it and register the runtime hooks
+(the settings themselves travel on the pickled ServerArgs)."""
+
+SUPPORTED_KV_DTYPES = ("fp8_e4m3",)
+SUPPORTED_DECODE_BACKENDS = ("flashmla_kv",)
+REFUSED_DECODE_BACKENDS = {
+    "flashinfer_sparse_mla": (
+        "ESS is validated only with FlashMLA's V32 sparse decode kernel; flashinfer_sparse_mla (SM120) reads the "
+        "same slot table but has never been run with ESS: use --dsa-decode-backend flashmla_kv"),
+}
+HELP_ENABLE = ("Enable ESS (ess-sglang): keep the DSA latent KV cache in pinned host memory and only the indexer "
+               "cache plus a per-layer hot pool on the GPU. Implies --enable-hisparse, --disable-radix-cache and "
+               "--kv-cache-dtype fp8_e4m3. For DeepSeek Sparse Attention models (DeepSeek-V3.2, GLM-5) on PD decode "
+               "instances or colocated serving.")
+HELP_CONFIG = ("ESS configuration YAML (the mapping under `ess_config:`; every key is in configs/ess.yaml of "
+               "ess-sglang). Without it, the defaults apply: hot pool = 0.2 x the host pool.")
+
+
+# ------------------------------------------------------------------------------------------------ the flags
+
+def add_cli_args_hook(result, parser, *args, **kwargs):
+    """AFTER ServerArgs.add_cli_args(parser): register --enable-ess and --ess-config once per parser."""
+    if any("--enable-ess" in a.option_strings for a in parser._actions):
+        return None
+    group = parser.add_argument_group("ESS (ess-sglang plugin)")
+    group.add_argument("--enable-ess", action="store_true", default=False, help=HELP_ENABLE)
+    group.add_argument("--ess-config", type=str, default=None, metavar="PATH", help=HELP_CONFIG)
+    return None
+
+
+def from_cli_args_hook(result, cls, args, *rest, **kwargs):
+    """AFTER ServerArgs.from_cli_args(args): turn the flags into settings on the record (or refuse)."""
+    enable = bool(getattr(args, "enable_ess", False))
+    path = getattr(args, "ess_config", None)
+    if not enable:
+        if path:
+            raise EssLaunchError(f"--ess-config {path} is given without --enable-ess: add --enable-ess to use ESS, "
+                                 f"or drop --ess-config")
+        return None
+    s = enable_on_record(result, path)
+    logger.info("ESS enabled%s", f" with {s.config_path}" if s.config_path else " with the default config")
+    return None
+
+
+def enable_on_record(server_args: Any, config_path: str | None) -> settings.EssSettings:
+    """Check the installation, load the config, refuse incompatible raw flags, set the implied ones."""
+    report = compat.get_report()
+    if report is not None and not report.ok:
+        raise compat.EssUnavailableError(report.refusal())
+    config = load_config(config_path) if config_path else EssConfig()
+    if not config.enabled:
+        logger.warning("ESS: %s sets ess_config.enabled: false; serving without ESS", config_path)
+        settings.store(server_args, settings.EssSettings(False, config, config_path))
+        return settings.read(server_args)
+    problems = check_raw_flags(server_args)
+    if problems:
+        raise EssLaunchError(_format(problems))
+    # What ESS implies. The record is raw input here (resolution has not started), so plain assignment is allowed.
+    server_args.enable_hisparse = True
+    server_args.disable_radix_cache = True
+    if server_args.kv_cache_dtype == "auto":
+        server_args.kv_cache_dtype = "fp8_e4m3"
+    s = settings.EssSettings(True, config, config_path)
+    settings.store(server_args, s)
+    settings.current(server_args)
+    os.environ[ENV_ENABLED] = "1"
+    from ess_sglang.sglang_plugin import hooks
+
+    hooks.install_runtime_hooks()  # this process loaded the plugin before the flags were known
+    compat.verify_applied(hooks.all_hooks())
+    return s
+
+
+def _format(problems: list[str]) -> str:
+    if len(problems) == 1:
+        return f"--enable-ess: {problems[0]}"
+    return "--enable-ess cannot start:\n  " + "\n  ".join(problems)
+
+
+def check_raw_flags(a: Any) -> list[str]:
+    """Problems visible in the raw arguments (before resolution); each line says what to change."""
+    p = []
+    if getattr(a, "hisparse_config", None):
+        p.append("--hisparse-config is set; ESS configures HiSparse's pools itself: drop --hisparse-config and put "
+                 "the sizes in --ess-config")
+    if getattr(a, "kv_cache_dtype", "auto") not in ("auto",) + SUPPORTED_KV_DTYPES:
+        p.append(f"--kv-cache-dtype {a.kv_cache_dtype} is not supported: ESS stores FlashMLA V32 FP8 entries "
+                 f"(656 B per token per layer); use --kv-cache-dtype fp8_e4m3 (or leave it unset)")
+    algo = getattr(a, "speculative_algorithm", None)
+    if algo and str(algo).upper() != "NONE":
+        p.append(f"--speculative-algorithm {algo} is not supported with ESS yet (MTP verify steps would need "
+                 f"multi-token write-back): drop --speculative-algorithm")
+    if getattr(a, "disaggregation_mode", "null") == "prefill":
+        p.append("--disaggregation-mode prefill: ESS runs on decode instances (--disaggregation-mode decode) or "
+                 "colocated serving; a prefill instance keeps no decode KV, so drop --enable-ess there")
+    if getattr(a, "max_total_tokens", None) is not None:
+        p.append("--max-total-tokens is set; ESS sizes the GPU pools from the ESS config (host pool, hot pool, "
+                 "indexer cache): drop --max-total-tokens and use ess_config.memory_pool_size_gb / "
+                 "max_gpu_buffer_size_gb")
+    if getattr(a, "enable_mixed_chunk", False):
+        p.append("--enable-mixed-chunk is not supported with ESS (a mixed batch cannot join the decode batch that "
+                 "owns the hot pools): drop --enable-mixed-chunk")
+    if getattr(a, "enable_hierarchical_cache", False):
+        p.append("--enable-hierarchical-cache (HiCache) cannot be combined with ESS: ESS already keeps the latent "
+                 "cache in host memory; drop --enable-hierarchical-cache")
+    if getattr(a, "disaggregation_decode_enable_radix_cache", False):
+        p.append("--disaggregation-decode-enable-radix-cache cannot be combined with ESS (it needs the radix "
+                 "cache, which ESS disables): drop it")
+    if getattr(a, "pp_size", 1) and int(getattr(a, "pp_size", 1)) > 1:
+        p.append(f"--pp-size {a.pp_size}: pipeline parallelism is not supported with ESS yet: use --pp-size 1")
+    for flag in ("enable_two_batch_overlap", "enable_single_batch_overlap"):
+        if getattr(a, flag, False):
+            p.append(f"--{flag.replace('_', '-')} is not supported with ESS yet (the hot pools advance one LRU step "
+                     f"per decode step; overlapped micro-batches would evict each other's selections): drop it")
+    if getattr(a, "enable_pd_role_switch", False):
+        p.append("--enable-pd-role-switch is not supported with ESS: drop it")
+    threshold = getattr(a, "disaggregation_decode_host_receive_threshold", 1.0)
+    if threshold is not None and float(threshold) < 1:
+        p.append("--disaggregation-decode-host-receive-threshold < 1 is not supported with ESS (KV already lands "
+                 "in the host pool): leave it at 1")
+    return p
+
+
+# ------------------------------------------------------------------------------------------------ resolution
+
+def check_resolved(view: Any, config: EssConfig, hf_config: Any) -> list[str]:
+    """Problems that need the model and resolved values. `view` reads resolved fields; `hf_config` is the model's."""
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+
+    p = []
+    archs = list(getattr(hf_config, "architectures", None) or ["unknown"])
+    if not is_deepseek_dsa(hf_config):
+        p.append(f"the model ({archs[0]}) does not use DeepSeek Sparse Attention; ESS works only for DSA models "
+                 f"(DeepSeek-V3.2, GLM-5): drop --enable-ess for this model")
+        return p  # nothing below applies
+    dtype = getattr(view, "kv_cache_dtype", None)
+    if dtype not in SUPPORTED_KV_DTYPES:
+        p.append(f"the KV cache dtype resolved to {dtype}; ESS needs FlashMLA V32 FP8 entries: use "
+                 f"--kv-cache-dtype fp8_e4m3")
+    decode = getattr(view, "dsa_decode_backend", None)
+    if decode in REFUSED_DECODE_BACKENDS:
+        p.append(f"--dsa-decode-backend {decode}: {REFUSED_DECODE_BACKENDS[decode]}")
+    elif decode is not None and decode not in SUPPORTED_DECODE_BACKENDS:
+        p.append(f"--dsa-decode-backend {decode} is not supported with ESS: use --dsa-decode-backend flashmla_kv")
+    for name in ("attention_backend", "decode_attention_backend"):
+        backend = getattr(view, name, None)
+        if backend is not None and backend != "dsa":
+            p.append(f"--{name.replace('_', '-')} {backend}: ESS plugs into SGLang's DSA attention backend; use "
+                     f"--{name.replace('_', '-')} dsa (or leave it unset)")
+    page = getattr(view, "page_size", None)
+    if page is not None and page != config.page_size:
+        p.append(f"the KV page size resolved to {page} but ess_config.page_size is {config.page_size}: set "
+                 f"ess_config.page_size: {page}")
+    topk = getattr(hf_config, "index_topk", None)
+    if topk is not None and topk != config.top_k:
+        p.append(f"the model selects index_topk={topk} entries but ess_config.top_k is {config.top_k}: set "
+                 f"ess_config.top_k: {topk}")
+    return p
+
+
+def validate_hisparse_hook(original, view, *args, **kwargs):
+    """AROUND hisparse_hook.validate_hisparse(view): ESS's checks first, then HiSparse's own."""
+    s = settings.read(view)
+    if s.enabled:
+        from sglang.srt.arg_groups.overrides import model_config_of
+
+        problems = check_resolved(view, s.config, model_config_of(view).hf_config)
+        if problems:
+            raise EssLaunchError(_format(problems))
+    return original(view, *args, **kwargs)

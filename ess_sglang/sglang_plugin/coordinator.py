@@ -1,0 +1,530 @@
+"""The ESS coordinator: what SGLang's model runner and scheduler call where HiSparse's coordinator would be.
+
+SGLang 0.5.23 calls ``model_runner.hisparse_coordinator`` from the DSA attention backend, the scheduler, the PD
+decode queues and the CUDA graph runners. ``maybe_init_hisparse_coordinator_hook`` builds an ``EssCoordinator`` in
+its place when ESS is enabled. It reuses HiSparse's plumbing:
+
+* the logical allocator (``HiSparseTokenToKVPoolAllocator``): logical KV locations with a GPU indexer entry each,
+  and physical slots of the device latent pool (``HiSparseDSATokenToKVPool``, what FlashMLA reads);
+* the pinned host pool class (``MLATokenToKVPoolHost``, layer-first, 656-byte rows) and the per-request table of
+  host slots ``req_to_host_pool`` that SGLang's PD decode path fills and transfers into directly (RDMA to DRAM);
+* the decode seam ``swap_in_selected_pages(req_pool_indices, seq_lens, top_k_result, layer_id)``.
+
+and owns the rest: one hot pool per layer, a contiguous region of the device pool reserved at start-up and managed
+by ``HotPoolCacheManager`` (LRU across all requests, GPU-resident maps, CUDA-graph safe), the write-back of each
+decoded token, warm-up, release, admission and metrics.
+
+The decode seam, as ``DeepseekSparseAttnBackend.forward_decode`` calls it (read from 0.5.23, exercised on CPU by
+tests/sglang/test_sglang_decode_seam.py with SGLang's own pools):
+
+    req_pool_indices  int64 [bs]       request rows (row 0 is the padding row of CUDA-graph padded batches)
+    seq_lens          int64 [bs]       tokens of each request including the one being decoded
+    top_k_result      int32 [bs, k]    the indexer's top-k POSITIONS within each request (-1 padding); HiSparse
+                                       forces the indexer's unfused path so positions, not locations, arrive here
+    layer_id          int              the model layer
+    returns           int32 [bs, k]    rows of ``token_to_kv_pool.get_key_buffer(layer_id)`` (the device pool)
+                                       that FlashMLA reads with ``kv_format="V32"``; -1 where the input was -1
+
+Per layer, inside the captured decode graph: the token being decoded (written by ``set_mla_kv_buffer`` into its
+request's new-token slot) is written back to the host pool and into a protected hot slot (``write_new_tokens``);
+the positions are translated through ``req_to_host_pool`` to host locations and resolved (``resolve``: lookup,
+dedup, LRU eviction, H2D fetch of misses); the hot slots are offset to device-pool rows. ``begin_step`` advances
+the LRU clock on the first layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+
+from ess_sglang.sglang_plugin import settings as settings_mod
+from ess_sglang.sglang_plugin.admission import EssAdmission
+from ess_sglang.sglang_plugin.warmup import WindowCapture
+
+logger = logging.getLogger("ess_sglang.sglang_plugin")
+
+_ACTIVE: weakref.ref | None = None
+
+
+def active_coordinator() -> EssCoordinator | None:
+    """The ESS coordinator of this process (one per scheduler process), or None when ESS is off here."""
+    return _ACTIVE() if _ACTIVE is not None else None
+
+
+def set_active(coord: EssCoordinator | None) -> None:
+    global _ACTIVE
+    _ACTIVE = weakref.ref(coord) if coord is not None else None
+
+
+class TokenStats(NamedTuple):  # same fields as HiSparseTokenStats (the scheduler's pool log line reads them)
+    device_tokens: int
+    device_token_usage: float
+    host_tokens: int
+    host_token_usage: float
+
+
+class HostPoolView:
+    """``HostTotalPool``'s interface over SGLang's host pool (``MLATokenToKVPoolHost``, layer-first layout).
+
+    Locations are the host pool's slot indices (what ``req_to_host_pool`` holds). On CUDA, ``layer(l)`` is a UVA
+    view of the registered host buffer, which FlashTrans reads and writes over PCIe.
+    """
+
+    def __init__(self, host_pool: Any, num_layers: int, entry_bytes: int, device: torch.device):
+        buf = host_pool.kv_buffer
+        if not isinstance(buf, torch.Tensor) or buf.dim() != 4 or buf.shape[0] != num_layers:
+            raise RuntimeError(f"ESS expects a layer-first host pool [layers, tokens, 1, {entry_bytes}], got "
+                               f"{type(buf).__name__} {tuple(getattr(buf, 'shape', ()))}")
+        self.pool = host_pool
+        self.entries = buf.view(torch.uint8).view(num_layers, buf.shape[1], -1)
+        if self.entries.shape[2] != entry_bytes:
+            raise RuntimeError(f"ESS expects {entry_bytes}-byte host entries, the host pool has "
+                               f"{self.entries.shape[2]}")
+        self.device = device
+        if device.type == "cuda":
+            from ess_sglang.uva import device_view
+
+            self.device_entries = device_view(self.entries, device)
+        else:
+            self.device_entries = self.entries
+        self.num_layers, self.num_tokens, self.entry_bytes = num_layers, int(buf.shape[1]), entry_bytes
+
+    def layer(self, layer: int) -> torch.Tensor:
+        return self.device_entries[layer]
+
+    @property
+    def num_free(self) -> int:
+        return int(self.pool.available_size())
+
+    @property
+    def num_used(self) -> int:
+        return self.num_tokens - self.num_free
+
+
+class LayerViews:
+    """Per-layer [slots, entry_bytes] views standing in for the cache manager's ``hot_entries`` tensor: the hot
+    pools live inside SGLang's per-layer device pool tensors, which are separate allocations."""
+
+    def __init__(self, views: list[torch.Tensor]):
+        self._views = views
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self._views[layer]
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def numel(self) -> int:
+        return sum(v.numel() for v in self._views)
+
+
+def build_cache_manager(host: HostPoolView, slots: int, hot_views: LayerViews, device: torch.device,
+                        max_selected: int, copy_impl: str = "auto"):
+    """A HotPoolCacheManager whose hot pools are `hot_views` (regions of SGLang's device pool)."""
+    from ess_sglang.cache_manager import HotPoolCacheManager
+
+    return HotPoolCacheManager(host, slots, device=device, max_selected=max_selected, copy_impl=copy_impl,
+                               hot_entries=hot_views)
+
+
+def _contiguous(indices: torch.Tensor) -> int | None:
+    """First index when `indices` is one ascending run, else None."""
+    if indices is None or indices.numel() == 0:
+        return None
+    first = int(indices[0])
+    ok = torch.equal(indices.cpu().long(), torch.arange(first, first + indices.numel(), dtype=torch.long))
+    return first if ok else None
+
+
+class _NoSpeculation:
+    """HiSparse's speculative-swap manager, as SGLang's call sites see it when speculation is off."""
+
+    enabled = False
+    scratch_capacity = 0
+
+    def allocate_scratch(self, req_pool_idx: int) -> None:
+        return None
+
+
+class EssCoordinator:
+    """Drop-in for ``HiSparseCoordinator`` (DSA models, no speculative decoding) driving ``HotPoolCacheManager``."""
+
+    is_dsv4_hisparse = False
+    is_m3_hisparse = False
+    compress_ratio = 1
+    enable_prefetch = False
+
+    def __init__(self, *, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, config: Any,
+                 hot_slots_per_layer: int, host_tokens: int, device: torch.device | str, top_k: int,
+                 max_running_requests: int | None = None, pin_memory: bool | None = None, copy_impl: str = "auto",
+                 host_pool: Any = None):
+        dev = torch.device(device)
+        self.config = config
+        self.device = dev
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = allocator = token_to_kv_pool_allocator
+        self.mem_pool_device = pool = allocator.get_kvcache()
+        self.top_k = top_k
+        self.page_size = page = pool.page_size
+        self.num_layers = L = pool.layer_num
+        self.start_layer = pool.start_layer
+        self.entry_bytes = E = pool.kv_cache_dim * torch.empty((), dtype=pool.store_dtype).element_size()
+        rows = req_to_token_pool.req_to_token.shape[0]
+        self.num_rows = rows
+        self.max_running_requests = max_running_requests or rows - 1
+        if hot_slots_per_layer % page:
+            raise ValueError(f"ESS: hot_slots_per_layer {hot_slots_per_layer} is not a multiple of page_size {page}")
+
+        # Regions of the device pool, reserved from a fresh physical allocator (pages come out in order).
+        self.hot_slots_per_layer = hot_slots_per_layer
+        self.hot_base, self.new_token_base = self._reserve_regions()
+        phys = allocator.hisparse_attn_allocator
+        self.staging_capacity = int(phys.available_size())
+        self._staging: dict[str, int] = {}  # rid -> prompt slots held in the device pool until staged to host
+
+        # Host pool (pinned, layer-first, 656-byte rows): SGLang's class, sized by ESS.
+        if host_pool is None:
+            from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+            host_pool = MLATokenToKVPoolHost(
+                buffer_info=pool.get_device_pool_infos()[0].buffer_info, host_to_device_ratio=1, host_size=0,
+                page_size=page, layout="layer_first", pin_memory=dev.type == "cuda" if pin_memory is None
+                else pin_memory, override_kv_cache_dim=pool.kv_cache_dim, device_capacity_tokens=pool.size,
+                start_layer=pool.start_layer, end_layer=pool.end_layer, target_layer_num=L,
+                host_token_capacity=host_tokens)
+        self.mem_pool_host = host_pool
+        width = req_to_token_pool.req_to_token.shape[1] + page
+        self.req_to_host_pool = torch.full((rows, width), -1, dtype=torch.int64, device=dev)
+        self.req_to_host_pool_allocated_len = torch.zeros(rows, dtype=torch.int64)
+
+        # The device pool's layers, as [rows, entry_bytes] byte views; the hot pools are regions of them.
+        self.device_kv = [pool.kv_buffer[i].view(torch.uint8).view(-1, E) for i in range(L)]
+        base = self.hot_base
+        views = LayerViews([kv[base:base + hot_slots_per_layer] for kv in self.device_kv])
+        self.host = HostPoolView(host_pool, L, E, dev)
+        self.manager = build_cache_manager(self.host, hot_slots_per_layer, views, dev, max_selected=rows * top_k,
+                                           copy_impl=copy_impl)
+        self.max_selected = rows * top_k
+
+        self.admission = EssAdmission(
+            host_tokens=self.host.num_tokens, indexer_tokens=int(allocator.logical_attn_allocator.available_size()),
+            hot_slots_per_layer=hot_slots_per_layer, top_k=top_k, page_size=page, q_tokens=1,
+            max_requests=self.max_running_requests)
+        # SGLang's budget checks read allocator.available_size(), min(logical, physical) for HiSparse. With ESS a
+        # decoded token needs no physical slot (new-token slots are static), so the logical pool is the budget;
+        # prefill staging is checked by ESS admission.
+        allocator.available_size = allocator.logical_attn_allocator.available_size
+        # SGLang's flush_cache clears the allocator (with no request running): reserve the regions again.
+        allocator.clear = self._clear_allocator_and_reserve(allocator.clear)
+
+        self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._row_ids = torch.arange(rows, dtype=torch.int64, device=dev)
+        self.spec_swap = _NoSpeculation()
+        self.padded_buffer_size = 1  # SGLang's PD queue divides free physical slots by this per request
+        self.device_buffer_size = hot_slots_per_layer
+        self.decode_producer_stream = None
+        self.ack_staging_queue: list = []  # staging completes synchronously: nothing is ever pending
+        self._ready: list = []
+        self._rids: dict[int, str] = {}
+        self.capture = WindowCapture(L, config.warmup_windows) if config.warmup_windows > 0 else None
+        self._capture_note: str | None = None
+        self.metrics = None
+        self.queued = 0
+        self._step = 0
+        set_active(self)
+        logger.info("ESS coordinator: %d layers, hot pool %d slots/layer at device rows [%d, %d), new-token slots "
+                    "at %d, host pool %d tokens, %d prefill staging slots", L, hot_slots_per_layer, base,
+                    base + hot_slots_per_layer, self.new_token_base, self.host.num_tokens, self.staging_capacity)
+
+    # ------------------------------------------------------------------------------------------ construction
+    def _reserve_regions(self) -> tuple[int, int]:
+        """Take the hot-pool region and the new-token slots (one per request row) from the physical allocator."""
+        phys = self.token_to_kv_pool_allocator.hisparse_attn_allocator
+        base = _contiguous(phys.alloc(self.hot_slots_per_layer))
+        if base is None:
+            raise RuntimeError("ESS: could not reserve a contiguous hot-pool region in the device pool (the physical "
+                               "allocator was already in use); the ESS coordinator must be created at start-up")
+        new_base = _contiguous(phys.alloc(-(-self.num_rows // self.page_size) * self.page_size))
+        if new_base is None:
+            raise RuntimeError("ESS: could not reserve the new-token slots in the device pool")
+        return base, new_base
+
+    def _clear_allocator_and_reserve(self, original_clear):
+        def clear():
+            original_clear()
+            if self._reserve_regions() != (self.hot_base, self.new_token_base):
+                raise RuntimeError("ESS: the device-pool regions moved after the allocator was cleared")
+            from ess_sglang.cache_manager import FREE_STAMP
+
+            m = self.manager
+            m.loc_to_slot.fill_(-1)
+            m.slot_to_loc.fill_(-1)
+            m.slot_stamp.fill_(FREE_STAMP)
+            self.req_to_host_pool.fill_(-1)
+            self.req_to_host_pool_allocated_len.zero_()
+            self.mem_pool_host.clear()
+            self._staging.clear()
+            self._ready.clear()
+            self._rids.clear()
+
+        return clear
+
+    @classmethod
+    def from_model_runner(cls, runner: Any, s: settings_mod.EssSettings, pools: Any) -> EssCoordinator:
+        top_k = int(getattr(runner.model_config.hf_text_config, "index_topk", s.config.top_k))
+        allocator = runner.token_to_kv_pool_allocator
+        if pools is not None:
+            hot, host = pools.hot_slots_per_layer, pools.host_tokens
+        else:  # sizing did not run (e.g. a user-fixed pool): derive from what SGLang allocated
+            host = int(allocator.size_full)
+            hot = max(s.config.page_size, int(allocator.get_kvcache().size) // 2 // s.config.page_size
+                      * s.config.page_size)
+        return cls(req_to_token_pool=runner.req_to_token_pool, token_to_kv_pool_allocator=allocator,
+                   config=s.config, hot_slots_per_layer=hot, host_tokens=host, device=runner.device, top_k=top_k,
+                   max_running_requests=getattr(runner, "max_running_requests", None))
+
+    # ------------------------------------------------------------------------------------------ decode seam
+    def swap_in_selected_pages(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                               top_k_result: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """Make every selected entry resident in the layer's hot pool; return device-pool rows for FlashMLA."""
+        if top_k_result.dim() != 2:
+            raise NotImplementedError("ESS: multi-token (speculative) decode steps are not supported")
+        layer = layer_id - self.start_layer
+        if layer == 0:
+            self.manager.begin_step()
+        B, K = top_k_result.shape
+        rpi = req_pool_indices.long()
+        lens = seq_lens.long()
+        live = (self._row_ids[:B] < self.num_real_reqs.long()) & (lens > 0)
+        # 1. this step's token: from its new-token slot (set_mla_kv_buffer wrote it there) to host and hot pool
+        new_pos = (lens - 1).clamp(min=0)
+        host_loc = torch.where(live, self.req_to_host_pool[rpi, new_pos], -1)
+        entries = self.device_kv[layer][self.new_token_base + rpi]
+        self.manager.write_new_tokens(layer, host_loc, entries)
+        # 2. the selection: positions -> host locations -> hot slots (misses fetched from the host pool)
+        topk = torch.where(live.view(B, 1), top_k_result, -1).view(B, 1, K)
+        slots = self.manager.resolve(layer, topk, self.req_to_host_pool, rpi, lens).view(B, K)
+        return torch.where(slots >= 0, slots + self.hot_base, -1).to(torch.int32)
+
+    def map_last_loc_to_buffer(self, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
+                               req_pool_indices: torch.Tensor, seq_lens_cpu: torch.Tensor,
+                               req_pool_indices_cpu: torch.Tensor) -> None:
+        """Before a decode step (host side): a host slot for each new token, its KV write to the new-token slot."""
+        rows_cpu = req_pool_indices_cpu.long()
+        pos_cpu = seq_lens_cpu.long() - 1
+        need = torch.nonzero(pos_cpu >= self.req_to_host_pool_allocated_len[rows_cpu]).view(-1).tolist()
+        for i in need:  # only when a request crosses into a new host page
+            self.mem_pool_host.alloc_paged_token_slots(self.req_to_host_pool, self.req_to_host_pool_allocated_len,
+                                                       int(rows_cpu[i]), int(pos_cpu[i]), 1)
+        # set_mla_kv_buffer writes the new token where the mapping points: its request's new-token slot. Earlier
+        # tokens keep pointing there (a forward still in flight under the overlap scheduler may read them); they are
+        # cleared when the request finishes, before SGLang frees its locations.
+        mapping = self.token_to_kv_pool_allocator.full_to_hisparse_device_index_mapping
+        mapping[out_cache_loc.long()] = self.new_token_base + req_pool_indices.long()
+        self._step += 1
+        self._publish_metrics(self._step)
+
+    # ------------------------------------------------------------------------------------------ metrics
+    def _publish_metrics(self, step: int) -> None:
+        # ===== METRICS CALL SITE =====================================================================
+        # Once per decode step, on the host, outside the CUDA graph. ess_sglang.metrics.EssMetrics (created in
+        # attach_scheduler when --enable-metrics and ess_config.metrics.enabled) reads the device counters back
+        # asynchronously every readout_interval_steps steps and publishes the sglang:ess_* series.
+        # ==============================================================================================
+        if self.metrics is not None:
+            self.metrics.on_step()
+
+    def note_queued(self, n: int) -> None:
+        """Requests held back by admission (the sglang:ess_* 'queued for host capacity' gauge)."""
+        self.queued = int(n)
+        if self.metrics is not None and hasattr(self.metrics, "set_queued_for_host_capacity"):
+            self.metrics.set_queued_for_host_capacity(self.queued)
+
+    def attach_scheduler(self, scheduler: Any) -> None:
+        from ess_sglang.sglang_plugin import metrics as metrics_glue
+
+        enabled = False
+        try:
+            from sglang.srt.runtime_context import get_observability
+
+            enabled = bool(get_observability().enable_metrics)
+        except Exception:
+            enabled = bool(getattr(getattr(scheduler, "server_args", None), "enable_metrics", False))
+        if enabled and self.metrics is None:
+            self.metrics = metrics_glue.make_exporter(self.manager, self.config,
+                                                      metrics_glue.scheduler_labels(scheduler))
+
+    # ------------------------------------------------------------------------------------------ admission
+    def staging_free(self) -> int:
+        """Device slots left for prompts awaiting staging (colocated prefill)."""
+        return self.staging_capacity - sum(self._staging.values())
+
+    def hold_staging(self, rid: str, prompt_tokens: int) -> None:
+        """An admitted prompt will occupy device slots until it is staged to host memory."""
+        self._staging[rid] = -(-int(prompt_tokens) // self.page_size) * self.page_size
+
+    def admit_request_into_staging(self, req: Any) -> None:
+        """Colocated: the prompt was prefilled into device slots; copy it to the host pool, warm up, free them."""
+        req.hisparse_staging = True
+        row = int(req.kv.req_pool_idx)
+        n = int(req.extend_end)
+        logical = self.req_to_token_pool.req_to_token[row, :n].to(dtype=torch.int64, device=self.device)
+        physical = self.mem_pool_device.translate_loc_from_full_to_hisparse_device(logical).long()
+        host = self.mem_pool_host.alloc_paged_token_slots(self.req_to_host_pool, self.req_to_host_pool_allocated_len,
+                                                          row, 0, n)
+        from ess_sglang.kernels.flashtrans import copy_rows
+
+        for layer in range(self.num_layers):  # D2H on the current stream: ordered after the prefill that wrote it
+            copy_rows(self.device_kv[layer], self.host.layer(layer), physical, host.long(), self.manager.copy_impl)
+        self.token_to_kv_pool_allocator.free_hisparse(logical)
+        self._staging.pop(req.rid, None)
+        self._warm_up(row, n, self.capture.take(row) if self.capture is not None else None)
+        self._rids[row] = req.rid
+        self._ready.append(req)
+
+    def admit_request_direct(self, req: Any) -> None:
+        """PD decode: the KV arrived from the prefill instance straight into the host pool; warm up."""
+        row = int(req.kv.req_pool_idx)
+        n = int(req.kv.kv_allocated_len)
+        windows = getattr(req, "ess_window_topk", None)
+        self._warm_up(row, n, list(windows) if windows is not None else None)
+        self._rids[row] = req.rid
+        req.hisparse_staging = False
+
+    def collect_ready_reqs(self) -> list:
+        ready, self._ready = self._ready, []
+        for req in ready:
+            req.hisparse_staging = False
+        return ready
+
+    def has_ongoing_staging(self) -> bool:
+        return bool(self._ready)
+
+    def _warm_up(self, row: int, seq_len: int, windows: list | None) -> None:
+        from ess_sglang.warmup import warmup_positions
+
+        if self.config.warmup_windows <= 0 or seq_len <= 0:
+            return
+        self._after_inflight_decode()
+        budget = min(seq_len, self.hot_slots_per_layer // max(1, self.max_running_requests))
+        recent = None
+        table = self.req_to_host_pool[row]
+        for layer in range(self.num_layers):
+            win = windows[layer] if windows is not None and layer < len(windows) else None
+            if win is None:
+                if recent is None:
+                    recent = warmup_positions(seq_len, budget, None).to(self.device)
+                pos = recent
+            else:
+                pos = warmup_positions(seq_len, budget, win).to(self.device)
+            locs = table[pos]
+            for start in range(0, locs.numel(), self.max_selected):  # never grow the manager's scratch
+                self.manager.warm_up(layer, locs[start:start + self.max_selected])
+
+    # ------------------------------------------------------------------------------------------ release
+    def _after_inflight_decode(self) -> None:
+        """Order what follows after the decode step the overlap scheduler may still be running: the hot pools are
+        shared by all requests, so warm-up and release must not run beside a step's swap-in and attention."""
+        if self.decode_producer_stream is not None and self.device.type == "cuda":
+            torch.cuda.current_stream().wait_stream(self.decode_producer_stream)
+
+    def request_finished(self, req: Any) -> None:
+        """Finished or aborted: forget its hot entries, free its host slots and its admission reservation."""
+        self._after_inflight_decode()
+        row = int(req.kv.req_pool_idx)
+        host = self.mem_pool_host.allocated_host_indices(self.req_to_host_pool, row,
+                                                         self.req_to_host_pool_allocated_len[row])
+        if host.numel() > 0:
+            self.manager.release(host)
+            self.mem_pool_host.free(host)
+        self.req_to_host_pool[row] = -1
+        self.req_to_host_pool_allocated_len[row] = 0
+        if self._rids.pop(row, None) is not None:
+            # Decoding started: its locations map to the new-token slot (or to nothing); unmap them so that SGLang's
+            # release_kv_cache frees only logical locations. A request still in prefill keeps its device slots
+            # mapped: release_kv_cache frees them.
+            locs = self.req_to_token_pool.req_to_token[row, : int(req.kv.kv_allocated_len)].long()
+            self.token_to_kv_pool_allocator.full_to_hisparse_device_index_mapping[locs] = 0
+        if self.capture is not None:
+            self.capture.drop(row)
+        self._staging.pop(req.rid, None)
+        self._ready = [r for r in self._ready if r is not req]
+        self.admission.release(req.rid)
+        req.hisparse_staging = False
+
+    def retract_req(self, req: Any) -> None:
+        self.request_finished(req)
+
+    def abort_staging_request(self, req: Any) -> None:
+        self.request_finished(req)
+
+    # ------------------------------------------------------------------------------------------ the rest
+    def get_token_stats(self) -> TokenStats:
+        phys = self.token_to_kv_pool_allocator.hisparse_attn_allocator
+        dev_cap = int(phys.size)
+        dev_used = dev_cap - int(phys.available_size())
+        host_cap = self.host.num_tokens
+        host_used = self.host.num_used
+        return TokenStats(dev_used, dev_used / dev_cap if dev_cap else 0.0, host_used,
+                          host_used / host_cap if host_cap else 0.0)
+
+    def note_capture_unavailable(self, why: str) -> None:
+        if self._capture_note is None:
+            self._capture_note = why
+            logger.warning("ESS warm-up: cannot capture the prefill's query windows (%s); warm-up loads the most "
+                           "recent tokens", why)
+
+    def set_decode_producer_stream(self, stream: Any) -> None:
+        self.decode_producer_stream = stream
+
+    def wait_for_pending_backup(self) -> None:
+        return None  # write-back happens inside the decode step, on its stream
+
+    def allocate_spec_scratch(self, req_pool_indices: list) -> None:
+        return None
+
+    def prepare_spec_verify(self, batch: Any) -> None:
+        raise NotImplementedError("ESS does not support speculative decoding")
+
+    def commit_spec_accept_tokens(self, batch: Any, accept_indices: torch.Tensor) -> None:
+        raise NotImplementedError("ESS does not support speculative decoding")
+
+    def swap_in_selected_blocks(self, *args, **kwargs) -> torch.Tensor:
+        raise NotImplementedError("ESS serves DSA models only (not MiniMax sparse blocks)")
+
+    def host_token_len(self, kv_allocated_len: int) -> int:
+        return kv_allocated_len
+
+    def destroy(self) -> None:
+        if self.metrics is not None and hasattr(self.metrics, "close"):
+            self.metrics.close()
+        destroy = getattr(self.mem_pool_host, "destroy", None)
+        if destroy is not None:
+            destroy()
+        if active_coordinator() is self:
+            set_active(None)
+
+
+# ---------------------------------------------------------------------------------------------- hooks
+
+def maybe_init_hisparse_coordinator_hook(original, runner, *args, **kwargs):
+    """AROUND ModelRunner.maybe_init_hisparse_coordinator: the ESS coordinator instead of HiSparse's."""
+    s = settings_mod.current(getattr(runner, "server_args", None))
+    if not s.enabled or not getattr(runner, "enable_hisparse", False):
+        return original(runner, *args, **kwargs)
+    from ess_sglang.sglang_plugin import compat, hooks, sizing
+
+    compat.verify_applied(hooks.all_hooks())
+    runner.hisparse_coordinator = EssCoordinator.from_model_runner(runner, s, sizing.current_pools())
+    return None
+
+
+def init_hisparse_coordinator_hook(result, scheduler, *args, **kwargs):
+    """AFTER Scheduler.init_hisparse_coordinator: give the ESS coordinator the scheduler (metrics labels)."""
+    coord = getattr(scheduler, "hisparse_coordinator", None)
+    if isinstance(coord, EssCoordinator):
+        coord.attach_scheduler(scheduler)
+    return None

@@ -1,0 +1,92 @@
+"""Every hook the plugin puts into SGLang 0.5.23, in one table: target, type, function, purpose.
+
+Two groups:
+
+* CLI hooks, registered in every process whenever the plugin loads: they add ``--enable-ess`` / ``--ess-config``
+  and, when ESS is requested, install the runtime hooks (the launcher loads plugins before it parses arguments).
+* Runtime hooks, registered only where ESS is enabled: in the launcher once ``--enable-ess`` is parsed, and in the
+  processes SGLang spawns (they inherit ``ESS_SGLANG_ENABLED=1``). Each one still checks the settings carried by the
+  ServerArgs record and passes through to SGLang's own code when ESS is off.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ess_sglang.sglang_plugin import admission, cli_args, coordinator, sizing, warmup
+from ess_sglang.sglang_plugin.compat import HookSpec
+
+logger = logging.getLogger("ess_sglang.sglang_plugin")
+
+SA = "sglang.srt.server_args.ServerArgs"
+
+CLI_HOOKS: tuple[HookSpec, ...] = (
+    HookSpec(f"{SA}.add_cli_args", "after", cli_args.add_cli_args_hook,
+             "adds --enable-ess and --ess-config to SGLang's parser", always=True),
+    HookSpec(f"{SA}.from_cli_args", "after", cli_args.from_cli_args_hook,
+             "turns the flags into ESS settings on the ServerArgs record, implies --enable-hisparse", always=True),
+)
+
+RUNTIME_HOOKS: tuple[HookSpec, ...] = (
+    HookSpec("sglang.srt.arg_groups.hisparse_hook.validate_hisparse", "around", cli_args.validate_hisparse_hook,
+             "validates model, KV dtype and DSA backends for ESS before HiSparse's own checks"),
+    HookSpec("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget", "around",
+             sizing.config_from_budget_hook,
+             "sizes the device pool (hot pools, new-token slots, staging) and the logical/indexer space"),
+    HookSpec("sglang.srt.mem_cache.sparsity.factory.parse_hisparse_config", "after", sizing.parse_hisparse_config_hook,
+             "gives HiSparse's pools the host-to-device ratio and top-k ESS planned"),
+    HookSpec("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.resolve_max_num_reqs", "after",
+             sizing.resolve_max_num_reqs_hook, "caps max_running_requests at what ESS planned new-token slots for"),
+    HookSpec("sglang.srt.model_executor.model_runner.ModelRunner.maybe_init_hisparse_coordinator", "around",
+             coordinator.maybe_init_hisparse_coordinator_hook,
+             "builds the ESS coordinator in place of HiSparse's (its swap_in_selected_pages drives the cache manager)"),
+    HookSpec("sglang.srt.managers.scheduler.Scheduler.init_hisparse_coordinator", "after",
+             coordinator.init_hisparse_coordinator_hook, "attaches the scheduler: metrics labels, admission"),
+    HookSpec("sglang.srt.managers.scheduler.Scheduler._add_request_to_queue", "before",
+             admission.add_request_to_queue_hook, "rejects at once a request that can never fit"),
+    HookSpec("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", "around", admission.add_one_req_hook,
+             "colocated admission: host entries, indexer entries, hot slots, prefill staging"),
+    HookSpec("sglang.srt.disaggregation.decode.DecodePreallocQueue._required_admission_tokens", "around",
+             admission.required_admission_tokens_hook, "PD decode admission: keeps a request queued until it fits"),
+    HookSpec("sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc", "after", admission.pre_alloc_hook,
+             "PD decode admission: reserves for a request once SGLang allocated its KV destination"),
+    HookSpec("sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend", "before",
+             warmup.forward_extend_hook, "captures the prefill's last query windows' top-k sets for warm-up"),
+)
+
+
+def all_hooks() -> tuple[HookSpec, ...]:
+    return CLI_HOOKS + RUNTIME_HOOKS
+
+
+def _hook_type(kind: str):
+    from sglang.srt.plugins.hook_registry import HookType
+
+    return HookType(kind)
+
+
+_REGISTERED: set[str] = set()
+
+
+def _register(specs) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookSource
+
+    source = HookSource(plugin_name="ess", dist_name="ess-sglang")  # also when registered outside load_plugins()
+    for spec in specs:
+        if spec.target in _REGISTERED:
+            continue
+        HookRegistry.register(spec.target, spec.hook, _hook_type(spec.kind), source=source)
+        _REGISTERED.add(spec.target)
+
+
+def register_cli_hooks() -> None:
+    _register(CLI_HOOKS)
+
+
+def install_runtime_hooks(apply: bool = True) -> None:
+    """Register the runtime hooks; with `apply`, apply them now (the plugin loader already ran in this process)."""
+    _register(RUNTIME_HOOKS)
+    if apply:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        HookRegistry.apply_hooks()  # idempotent: targets already patched are skipped

@@ -1,0 +1,274 @@
+"""The DSA decode seam, driven exactly as SGLang 0.5.23's DeepseekSparseAttnBackend.forward_decode drives it.
+
+Both runs execute the real ``DeepseekSparseAttnBackend.forward_decode`` (on an instance built without __init__, with
+the attributes that method reads), with SGLang's real pools on CPU:
+
+* without ESS: a plain ``DSATokenToKVPool`` holding every latent entry at its logical location; forward_decode
+  turns the indexer's top-k positions into locations with SGLang's ``transform_index_page_table_decode`` (its
+  Triton kernel, interpreted on CPU) over ``req_to_token[req_pool_indices, :max_seqlen_k]``;
+* with ESS: SGLang's ``HiSparseDSATokenToKVPool`` + ``HiSparseTokenToKVPoolAllocator`` + ``ReqToTokenPool`` and
+  the ESS coordinator in ``hisparse_coordinator``: forward_decode calls
+  ``swap_in_selected_pages(forward_batch.req_pool_indices, forward_batch.seq_lens, topk_indices, layer_id)``.
+
+Each step allocates the new token's location with SGLang's allocator, runs ``map_last_loc_to_buffer`` as
+``ScheduleBatch.prepare_for_decode`` does, and stores the token with SGLang's own ``set_mla_kv_buffer`` (fp8
+quantisation kernel, interpreted) in both pools. FlashMLA is replaced by the torch reference sparse MLA
+(``ess_sglang.reference.dsa.sparse_mla_reference``) in ``_forward_flashmla_kv``; it reads the same tensor FlashMLA
+would (``get_key_buffer(layer_id)``) through the same index table. The outputs must be bit-identical at every layer
+of every step. Prompts reach ESS the colocated way (prefilled into device slots, staged to host by the coordinator)
+or the PD way (written straight into the host pool, as the RDMA transfer does).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from ess_sglang.config import EssConfig
+from ess_sglang.formats import pack_latent
+from ess_sglang.reference.dsa import sparse_mla_reference
+
+pytest.importorskip("sglang")  # CI installs sglang==0.5.23; this only guards machines without it
+
+PAGE = 64
+LAYERS = 2
+HEADS = 8
+TOPK = 2048  # FlashMLA's decode kernel requires index_topk wide tables; SGLang's fast transform kernel too
+HOT = 10240  # hot slots per layer: one step needs 4 x (2048 + 1) = 8196
+WINDOWS = 32
+
+
+def _layer(layer_id):
+    return types.SimpleNamespace(layer_id=layer_id, tp_q_head_num=HEADS, head_dim=576, v_head_dim=512,
+                                 scaling=576 ** -0.5, is_cross_attention=False, logit_cap=0.0)
+
+
+def _backend(pool, coordinator, record):
+    """A DeepseekSparseAttnBackend whose forward_decode is SGLang's, with FlashMLA replaced by the reference."""
+    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
+
+    be = DeepseekSparseAttnBackend.__new__(DeepseekSparseAttnBackend)
+    be.dsa_decode_impl = "flashmla_kv"
+    be.dsa_index_kpool = 1
+    be.dsa_kv_cache_store_fp8 = True
+    be.device_sm_major = 9
+    be.use_fused_topk = False
+    be.token_to_kv_pool = pool
+    be.hisparse_coordinator = coordinator
+
+    def flashmla_reference(q_all, kv_cache, sm_scale, v_head_dim, layer, metadata, page_table_1):
+        assert page_table_1.dtype == torch.int32 and page_table_1.shape[-1] == TOPK
+        entries = kv_cache.view(torch.uint8).view(-1, 656)
+        b = q_all.shape[0]
+        out, lse = sparse_mla_reference(q_all.view(b, 1, HEADS, 576), entries, page_table_1.view(b, 1, TOPK),
+                                        sm_scale)
+        record.append(lse)
+        return out.view(b, 1, HEADS, 512)
+
+    be._forward_flashmla_kv = flashmla_reference
+    return be
+
+
+class Selections:
+    """Top-k positions that drift slowly from step to step, like DSA's (heavy overlap, some churn, recency)."""
+
+    def __init__(self, max_len: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.base = torch.randn((LAYERS, 8, max_len), generator=g)
+        self.g = g
+
+    def topk(self, layer: int, lens: list[int]) -> torch.Tensor:
+        rows = []
+        for b, n in enumerate(lens):
+            s = self.base[layer, b, :n] + 0.35 * torch.randn(n, generator=self.g)
+            s[max(n - 96, 0):] += 4.0  # the most recent tokens are usually selected
+            k = min(TOPK, n)
+            pos = torch.topk(s, k).indices.to(torch.int32)
+            rows.append(torch.cat([pos, pos.new_full((TOPK - k,), -1)]))
+        return torch.stack(rows)
+
+
+def _entries(g, n):
+    return pack_latent(torch.randn((n, 512), generator=g) * 2, torch.randn((n, 64), generator=g))
+
+
+def _run(mode: str, steps: int):
+    from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+
+    from ess_sglang.sglang_plugin import warmup
+    from ess_sglang.sglang_plugin.coordinator import EssCoordinator, active_coordinator, set_active
+
+    lens = [9000, 1500, 12000, 5000]  # one request shorter than top-k: -1 padding
+    B = len(lens)
+    max_ctx = -(-(max(lens) + steps + 1) // PAGE) * PAGE
+    staging = -(-max(lens) // PAGE) * PAGE if mode == "colocated" else 0
+    device_tokens = HOT + PAGE + staging
+    ratio = 2 if mode == "colocated" else 3
+    fp8 = torch.float8_e4m3fn
+    kw = dict(page_size=PAGE, kv_lora_rank=512, dtype=fp8, qk_rope_head_dim=64, layer_num=LAYERS, device="cpu",
+              index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656)
+    ess_pool = HiSparseDSATokenToKVPool(size=device_tokens, host_to_device_ratio=ratio, **kw)
+    allocator = HiSparseTokenToKVPoolAllocator(device_tokens, page_size=PAGE, dtype=fp8, device="cpu",
+                                               kvcache=ess_pool, need_sort=False, host_to_device_ratio=ratio)
+    base_pool = DSATokenToKVPool(size=allocator.size_full, **kw)
+    req_pool = ReqToTokenPool(size=B, max_context_len=max_ctx, device="cpu", enable_memory_saver=False)
+    config = EssConfig(top_k=TOPK, warmup_windows=WINDOWS)
+    coord = EssCoordinator(req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, config=config,
+                           hot_slots_per_layer=HOT, host_tokens=allocator.size_full, device="cpu", top_k=TOPK,
+                           max_running_requests=B, pin_memory=False, copy_impl="torch")
+    assert active_coordinator() is coord
+    assert coord.staging_capacity == staging
+
+    g = torch.Generator().manual_seed(7)
+    sel = Selections(max_ctx, seed=11)
+    rows = list(range(1, B + 1))  # row 0 is ReqToTokenPool's padding row
+    reqs = []
+    for i, (row, n) in enumerate(zip(rows, lens, strict=True)):
+        req = types.SimpleNamespace(rid=f"r{i}", kv=types.SimpleNamespace(req_pool_idx=row, kv_allocated_len=n),
+                                    extend_end=n, origin_input_ids=[0] * n, output_ids=[],
+                                    sampling_params=types.SimpleNamespace(max_new_tokens=steps),
+                                    hisparse_staging=False)
+        assert coord.admission.admit(req.rid, n + steps).decision.value == "admit"
+        one = torch.tensor([0])
+        if mode == "colocated":  # prefill into device slots with SGLang's allocator, then stage to host
+            logical = allocator.alloc_extend(one, one, torch.tensor([n]), torch.tensor([n]), torch.tensor([-1]), n)
+        else:  # PD decode: logical locations only; the transfer writes the host pool directly
+            logical = allocator.alloc_logical_only(one, one, torch.tensor([n]), torch.tensor([n]),
+                                                   torch.tensor([-1]), n)
+            host = coord.mem_pool_host.alloc_paged_token_slots(coord.req_to_host_pool,
+                                                               coord.req_to_host_pool_allocated_len, row, 0, n)
+        req_pool.req_to_token[row, :n] = logical.to(torch.int32)
+        windows = []
+        for layer in range(LAYERS):
+            e = _entries(g, n)
+            base_pool.kv_buffer[layer].view(torch.uint8)[logical, 0] = e
+            if mode == "colocated":
+                ess_pool.kv_buffer[layer].view(torch.uint8)[ess_pool.translate_loc_to_hisparse_device(logical), 0] = e
+            else:
+                coord.mem_pool_host.kv_buffer[layer][host, 0] = e
+            # the prompt's last query windows, as the indexer selected them during prefill (the last chunk)
+            win = torch.stack([sel.topk(layer, [n - WINDOWS + w + 1] * B)[i] for w in range(WINDOWS)])
+            windows.append(win)
+        if mode == "colocated":
+            for layer in range(LAYERS):  # the capture hook, called as forward_extend is on the last chunk
+                fb = types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_extend=lambda: True),
+                                           extend_seq_lens_cpu=[WINDOWS],
+                                           req_pool_indices_cpu=torch.tensor([row]), req_pool_indices=None)
+                warmup.forward_extend_hook(types.SimpleNamespace(use_fused_topk=False), None, None, None,
+                                           _layer(layer), fb, topk_indices=windows[layer])
+            free_before = allocator.hisparse_attn_allocator.available_size()
+            coord.admit_request_into_staging(req)
+            assert coord.collect_ready_reqs() == [req]
+            assert allocator.hisparse_attn_allocator.available_size() == free_before + -(-n // PAGE) * PAGE  # freed
+        else:
+            req.ess_window_topk = windows if i % 2 == 0 else None  # with and without the transfer extension
+            coord.admit_request_direct(req)
+        reqs.append(req)
+    warm = coord.manager.counters[:, 7].clone()  # Counter.WARMUP_ENTRIES
+    assert bool((warm > 0).all())
+    assert coord.staging_free() == staging
+
+    lse_ref, lse_ess = [], []
+    ref = _backend(base_pool, None, lse_ref)
+    ess = _backend(ess_pool, coord, lse_ess)
+    rpi = torch.tensor(rows, dtype=torch.int64)
+    seq = torch.tensor(lens, dtype=torch.int64)
+    identical = 0
+    for step in range(steps):
+        # ScheduleBatch.prepare_for_decode: allocate, write req_to_token, seq_lens + 1, map_last_loc_to_buffer
+        last = req_pool.req_to_token[rpi, seq - 1].long()
+        out_loc = allocator.alloc_decode(seq + 1, seq + 1, last)  # as alloc_for_decode: the lengths after
+        req_pool.req_to_token[rpi, seq] = out_loc.to(torch.int32)
+        for req in reqs:
+            req.kv.kv_allocated_len += 1
+        seq = seq + 1
+        coord.map_last_loc_to_buffer(seq, out_loc, rpi, seq.clone(), rpi.clone())
+        coord.num_real_reqs.fill_(B)  # what ModelRunner does before every decode forward
+        max_len = int(seq.max())
+        meta = types.SimpleNamespace(page_table_1=req_pool.req_to_token[rpi, :max_len],
+                                     dsa_cache_seqlens_int32=seq.clamp(max=TOPK).to(torch.int32))
+        ref.forward_metadata = ess.forward_metadata = meta
+        fb = types.SimpleNamespace(req_pool_indices=rpi, seq_lens=seq, out_cache_loc=out_loc, batch_size=B)
+        step_ok = True
+        for layer in range(LAYERS):
+            lyr = _layer(layer)
+            k_nope = torch.randn((B, 1, 512), generator=g).to(torch.bfloat16)
+            k_rope = torch.randn((B, 1, 64), generator=g).to(torch.bfloat16)
+            base_pool.set_mla_kv_buffer(lyr, out_loc, k_nope, k_rope)
+            ess_pool.set_mla_kv_buffer(lyr, out_loc, k_nope, k_rope)  # lands in the request's new-token slot
+            topk = sel.topk(layer, seq.tolist())
+            q = torch.randn((B, HEADS * 576), generator=g)
+            o_ref = ref.forward_decode(q, None, None, lyr, fb, save_kv_cache=False, topk_indices=topk)
+            o_ess = ess.forward_decode(q, None, None, lyr, fb, save_kv_cache=False, topk_indices=topk)
+            same = torch.equal(o_ref.view(torch.int32), o_ess.view(torch.int32)) and torch.equal(
+                lse_ref[-1].view(torch.int32), lse_ess[-1].view(torch.int32))
+            assert same, f"{mode}: step {step} layer {layer} differs"
+            step_ok &= same
+        identical += step_ok
+    m = coord.manager
+    live = torch.cat([coord.req_to_host_pool[r, : int(seq[i])] for i, r in enumerate(rows)])
+    m.check_invariants(live_locs=live)
+    counts = m.counters.sum(0)
+    stats = {"misses": int(counts[2]), "evictions": int(counts[8]), "lookups": int(counts[0]),
+             "new": int(counts[9]), "bad": int(counts[5]), "overflow": int(counts[6])}
+
+    # finishing releases everything: hot slots, host slots, admission, the new-token mapping
+    host_free_before = coord.mem_pool_host.available_size()
+    for req in reqs:
+        coord.request_finished(req)
+    assert m.resident_count(0) == 0 and m.resident_count(1) == 0
+    assert coord.mem_pool_host.available_size() == coord.mem_pool_host.size
+    assert coord.mem_pool_host.available_size() > host_free_before
+    assert coord.admission.running == 0 and coord.admission.host_reserved == 0
+    mapping = allocator.full_to_hisparse_device_index_mapping
+    assert int((mapping[:-1] >= coord.new_token_base).sum()) == 0
+    # SGLang's flush_cache clears the allocator: the ESS regions are reserved again, the hot pools emptied
+    for req in reqs:
+        allocator.free(req_pool.req_to_token[req.kv.req_pool_idx, : req.kv.kv_allocated_len].long())
+    allocator.clear()
+    assert allocator.hisparse_attn_allocator.available_size() == staging
+    assert int((m.slot_to_loc >= 0).sum()) == 0
+    set_active(None)
+    return identical, stats
+
+
+@pytest.mark.parametrize("mode,steps", [("colocated", 64), ("pd", 16)])
+def test_decode_seam_bit_identical(mode, steps, parallel1):
+    identical, stats = _run(mode, steps)
+    assert identical == steps
+    # the run exercised the interesting paths: misses fetched from the host pool, evictions, new tokens
+    assert stats["misses"] > 0 and stats["evictions"] > 0
+    assert stats["new"] == steps * 4 * LAYERS
+    assert stats["overflow"] == 0 and stats["bad"] == 0
+
+
+class _Coord:
+    def __init__(self):
+        from ess_sglang.sglang_plugin.warmup import WindowCapture
+
+        self.capture, self.start_layer, self.notes = WindowCapture(2, 4), 0, []
+
+    def note_capture_unavailable(self, why):
+        self.notes.append(why)
+
+
+def test_capture_keeps_last_windows_and_skips_fused_topk():
+    from ess_sglang.sglang_plugin import warmup
+    from ess_sglang.sglang_plugin.coordinator import set_active
+
+    coord = _Coord()
+    set_active(coord)
+    topk = torch.arange(10 * 3, dtype=torch.int32).view(10, 3)  # two requests: 6 and 4 extend tokens
+    fb = types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_extend=lambda: True), extend_seq_lens_cpu=[6, 4],
+                               req_pool_indices_cpu=torch.tensor([3, 5]), req_pool_indices=None)
+    warmup.forward_extend_hook(types.SimpleNamespace(use_fused_topk=False), None, None, None, _layer(1), fb,
+                               topk_indices=topk)
+    got3, got5 = coord.capture.take(3), coord.capture.take(5)
+    assert got3[0] is None and torch.equal(got3[1], topk[2:6]) and torch.equal(got5[1], topk[6:10])
+    warmup.forward_extend_hook(types.SimpleNamespace(use_fused_topk=True), None, None, None, _layer(0), fb,
+                               topk_indices=topk)
+    assert coord.capture.take(3) is None and "SGLANG_DSA_FUSE_TOPK=0" in coord.notes[0]
