@@ -175,8 +175,10 @@ def correctness(gen, info):
                 err, agree = rel_error(got, want), topk_agreement(got, want)
                 checks.append(dict(q_tokens=q_tokens, variant=name, block_t=block_t, warps=warps, max_rel_err=err,
                                    topk_agreement=agree))
-                assert err <= 1e-5, f"{name} Q={q_tokens} {block_t}/{warps}: max relative error {err:.3e}"
-                assert agree >= 0.999, f"{name} Q={q_tokens} {block_t}/{warps}: top-k agreement {agree:.4f}"
+                # the opt-in fp8 tensor-core dot does not accumulate in full fp32 (kernels/indexer.py): looser bound
+                tol, min_agree = (2e-3, 0.99) if fp8_dot and q_kind == "fp8" else (1e-5, 0.999)
+                assert err <= tol, f"{name} Q={q_tokens} {block_t}/{warps}: max relative error {err:.3e}"
+                assert agree >= min_agree, f"{name} Q={q_tokens} {block_t}/{warps}: top-k agreement {agree:.4f}"
     worst = max(c["max_rel_err"] for c in checks)
     print(f"correctness: {len(checks)} kernel runs equal the torch reference (max relative error {worst:.2e}, "
           f"relative to each row's largest logit; bad table entries give -inf)")
@@ -270,7 +272,7 @@ def bench_one(batch, ctx, gen, copy_gbps, reps):
     def reference():
         return indexer_logits_reference(qi, wi, cache, r2t, rpis[0], seq, ctx)
 
-    # correctness at this size too (first set), fp8 path against the reference where it fits
+    # correctness at this size too (first set), the default (exact) fp8-q path against the reference where it fits
     ref_gib = batch * ctx * (H * 4 * 3 + D * 4 + INDEXER_ENTRY_BYTES) / 2**30
     want = None
     if ref_gib <= REF_LIMIT_GIB:
@@ -278,7 +280,7 @@ def bench_one(batch, ctx, gen, copy_gbps, reps):
             want = reference()
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
-    got = run_kernel("fp8", True, qsets[0], cache, r2t, rpis[0], seq, ctx).clone()
+    got = run_kernel("fp8", False, qsets[0], cache, r2t, rpis[0], seq, ctx).clone()
     check = None
     if want is not None:
         check = dict(max_rel_err=rel_error(got, want), topk_agreement=topk_agreement(got, want))

@@ -242,15 +242,29 @@ def test_dispatch_and_bad_arguments():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q_dtype,fp8_dot", [(torch.float32, True), (torch.bfloat16, True), (FP8, True),
-                                            (FP8, False)])
-def test_gpu_kernel_matches_reference(q_dtype, fp8_dot):
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, FP8])
+def test_gpu_kernel_matches_reference(q_dtype):
     seed = _seed()
     args = _case(8, 2, 64, 3000, seed, rows=10, q_dtype=q_dtype, device="cuda")
     want = indexer_logits_reference(*args)
-    got = indexer_logits_triton(*args, out=_poisoned(8, 2, 3000, "cuda"), fp8_dot=fp8_dot)
+    got = indexer_logits_triton(*args, out=_poisoned(8, 2, 3000, "cuda"))
     _check_close(got, args, want, seed=seed)
     assert torch.equal(indexer_topk(got, 2048) >= 0, topk_positions(want, 2048) >= 0)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_tensor_core_dot_is_close_not_exact():
+    """The opt-in fp8 x fp8 dot: Hopper's fp8 tensor-core accumulation is not full fp32 (2.7e-4 seen on the H200)."""
+    seed = _seed()
+    args = _case(8, 2, 64, 3000, seed, rows=10, q_dtype=FP8, device="cuda")
+    want = indexer_logits_reference(*args)
+    got = indexer_logits_triton(*args, out=_poisoned(8, 2, 3000, "cuda"), fp8_dot=True)
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got))
+    scale = want[finite].abs().max()
+    rel = ((got[finite] - want[finite]).abs().max() / scale).item()
+    print(f"fp8 tensor-core dot: max error / largest logit {rel:.3e}")
+    assert rel <= 2e-3
 
 
 def test_report_errors():
