@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
 import torch
 from ess_sglang.kernels.flashtrans import copy_rows_reference, copy_rows_triton
+from timing import median_us  # benchmarks/timing.py (run these files as scripts)
 
 from ess_sglang.host_pool import HostTotalPool
 
@@ -31,22 +31,6 @@ VARIANTS = [("chunks", 4, 4), ("chunks", 8, 4), ("chunks", 16, 4), ("chunks", 16
             ("flat", 32, 8)]
 ROTATE = 6
 _KEEP_ALIVE = []
-
-
-def median_us(fn, inputs, reps=20, warmup=3):
-    for i in range(warmup):
-        fn(*inputs[i % len(inputs)])
-    torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        args = inputs[i % len(inputs)]
-        a.record()
-        fn(*args)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def index_sets(n, pool_rows, slots, pattern, gen):

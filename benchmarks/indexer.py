@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -36,6 +35,7 @@ from ess_sglang.kernels.indexer import (
     indexer_topk,
     quantize_index_q,
 )
+from timing import median_us  # benchmarks/timing.py (run these files as scripts)
 
 from ess_sglang.formats import FP8, FP8_MAX, INDEXER_ENTRY_BYTES
 
@@ -46,22 +46,6 @@ CONFIGS = [(64, 4), (128, 4), (128, 8), (32, 4), (256, 8)]  # (positions per pro
 DEV = "cuda"  # the CPU smoke check of the helpers sets "cpu"
 REF_LIMIT_GIB = 60.0  # skip the reference where its intermediates would exceed this
 CHECK_BATCH, CHECK_CTX = 8, 4096  # the first correctness check's size
-
-
-def median_us(fn, inputs, reps=20, warmup=3):
-    for i in range(warmup):
-        fn(*inputs[i % len(inputs)])
-    torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        args = inputs[i % len(inputs)]
-        a.record()
-        fn(*args)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def random_cache(rows, gen, chunk=1 << 20):

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ess_sglang.formats import FP8, FP8_MAX, INDEX_HEAD_DIM, INDEXER_ENTRY_BYTES, unpack_indexer_key
-from ess_sglang.reference.dsa import causal_lengths
+from ess_sglang.reference.dsa import causal_lengths, topk_positions
 
 ENTRY_WORDS = INDEXER_ENTRY_BYTES // 4  # 33: 32 words of fp8 keys, then the scale
 BLOCK_T = 64  # positions per program
@@ -212,15 +212,9 @@ def indexer_logits(q_index, weights, index_cache, req_to_token, req_pool_indices
 
 
 def indexer_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k positions of each row of logits [B, Q, T] as int32 [B, Q, k], best first; -1 where a row has fewer
-    than k finite logits (same contract as `reference.dsa.topk_positions`). Ties are broken as torch.topk does."""
-    T = logits.shape[-1]
-    kk = min(k, T)
-    values, pos = torch.topk(logits, kk, dim=-1)
-    pos = torch.where(torch.isfinite(values), pos, -1).to(torch.int32)
-    if kk < k:
-        pos = torch.cat([pos, pos.new_full((*pos.shape[:-1], k - kk), -1)], dim=-1)
-    return pos
+    """Top-k positions of each row of logits [B, Q, T] as int32 [B, Q, k], best first, -1 padding: the decode
+    harness's name for `reference.dsa.topk_positions` (torch.topk serves both)."""
+    return topk_positions(logits, k)
 
 
 def quantize_index_q(q: torch.Tensor, weights: torch.Tensor, round_scale: bool = True,
