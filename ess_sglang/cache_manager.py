@@ -130,6 +130,9 @@ class HotPoolCacheManager:
             raise ValueError(f"resolve_impl must be 'auto', 'triton' or 'torch', got {resolve_impl!r}")
         self.resolve_impl = resolve_impl
         self._fused = FusedResolver(S, max_selected, dev) if resolve_impl == "triton" else None
+        # Optional observer of PCIe copies, called as on_transfer(direction, run) and expected to call run(): the
+        # demo times them with it. The fused resolve copies misses inside its kernel, without passing through here.
+        self.on_transfer = None
 
     # ------------------------------------------------------------------ per step
     def begin_step(self) -> None:
@@ -191,7 +194,7 @@ class HotPoolCacheManager:
         n = flat.shape[0]
         rows = torch.arange(n, device=self.device)
         # write-back (D2H), then the same entries into their hot slots (device to device)
-        self._copy(entries, self.host.layer(layer), torch.where(flat >= 0, rows, -1), flat)
+        self._copy(entries, self.host.layer(layer), torch.where(flat >= 0, rows, -1), flat, direction="d2h")
         if self._fused is not None:
             slot = self._fused_run(layer, flat, MODE_LOCATIONS, count=False, fetch=(Counter.NEW_TOKENS, -1),
                                    copy_from=None).long()
@@ -238,9 +241,19 @@ class HotPoolCacheManager:
             fetch_counters=(int(fetch[0]), int(fetch[1])), counter_ids=_COUNTER_IDS,
             copy_from=copy_from if self.copy_impl != "none" else None, hot=self.hot_entries[layer], **tables)
 
-    def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-        if self.copy_impl != "none":
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,
+              direction: str | None = None) -> None:
+        """Every FlashTrans call of the manager; PCIe ones (`direction` "h2d" / "d2h") go through `on_transfer`."""
+        if self.copy_impl == "none":
+            return
+
+        def run() -> None:
             copy_rows(src, dst, src_rows, dst_rows, self.copy_impl)
+
+        if direction is not None and self.on_transfer is not None:
+            self.on_transfer(direction, run)
+        else:
+            run()
 
     def _lookup(self, layer: int, flat: torch.Tensor) -> torch.Tensor:
         """Slot of each location (int64, -1 when not resident or when the location is -1)."""
@@ -275,7 +288,8 @@ class HotPoolCacheManager:
         new_slot = self._insert(layer, torch.where(rep, flat, -1))
         l2s.scatter_(0, torch.where(rep & (new_slot < 0), flat, sink), -1)  # overflowed claims: back to "absent"
         slot = torch.where(miss, l2s[miss_at].long().clamp(min=-1), slot)
-        self._copy(self.host.layer(layer), self.hot_entries[layer], torch.where(new_slot >= 0, flat, -1), new_slot)
+        self._copy(self.host.layer(layer), self.hot_entries[layer], torch.where(new_slot >= 0, flat, -1), new_slot,
+                   direction="h2d")
         return slot, hit.sum(), (new_slot >= 0).sum()
 
     def _insert(self, layer: int, flat: torch.Tensor) -> torch.Tensor:

@@ -220,45 +220,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class TransferTimer:
-    """Times the cache manager's FlashTrans calls for the demo's `sglang:ess_transfer_seconds` histogram.
+    """Times the cache manager's PCIe copies for the demo's `sglang:ess_transfer_seconds` histogram.
 
-    It wraps `ess_sglang.cache_manager.copy_rows` while installed and classifies each call by its operands: reading
-    the host pool is H2D (misses and warm-up), writing it is D2H (new tokens); device-to-device copies (new tokens
-    into their hot slots) are not PCIe transfers and are not timed. On CPU each call is timed with the wall clock
-    (the copy is synchronous); on CUDA with a pair of events, read by `drain()` once the demo has synchronised.
-    What is measured is one call, i.e. one layer's gather or scatter, including the Triton launch.
+    Installed as the manager's `on_transfer` observer, which the manager calls with the direction of every H2D
+    (misses, warm-up) and D2H (new tokens) copy it makes through FlashTrans; device-to-device copies are not reported.
+    On CPU each copy is timed with the wall clock (it is synchronous); on CUDA with a pair of events, read by
+    `drain()` once they have completed. What is measured is one call, i.e. one layer's gather or scatter, including
+    the Triton launch. (The fused GPU resolve copies misses inside its own kernel: those are not timed here.)
     """
 
     def __init__(self, manager, metrics):
-        import ess_sglang.cache_manager as cm
-
-        self._cm, self._metrics = cm, metrics
-        self._orig = getattr(cm, "copy_rows", None)  # absent: nothing is timed (the histogram stays empty)
-        host = manager.host
-        self._ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-                        for t in {id(t): t for t in (host.entries, host.device_entries)}.values()]
+        self._manager, self._metrics = manager, metrics
         self._cuda = manager.device.type == "cuda"
         self._pending: list = []
 
-    def _on_host(self, t) -> bool:
-        p = t.data_ptr()
-        return any(lo <= p < hi for lo, hi in self._ranges)
-
-    def _timed(self, src, dst, src_rows, dst_rows, impl="auto"):
-        direction = "h2d" if self._on_host(src) else "d2h" if self._on_host(dst) else None
-        if direction is None:
-            return self._orig(src, dst, src_rows, dst_rows, impl)
+    def __call__(self, direction: str, run) -> None:
         if self._cuda:
             import torch
 
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            self._orig(src, dst, src_rows, dst_rows, impl)
+            run()
             end.record()
             self._pending.append((direction, start, end))
         else:
             t = time.perf_counter()
-            self._orig(src, dst, src_rows, dst_rows, impl)
+            run()
             self._metrics.observe_transfer(direction, time.perf_counter() - t)
 
     def drain(self) -> None:
@@ -272,12 +259,11 @@ class TransferTimer:
         self._pending = left
 
     def install(self) -> None:
-        if self._orig is not None:
-            self._cm.copy_rows = self._timed
+        self._manager.on_transfer = self
 
     def uninstall(self) -> None:
-        if self._cm.copy_rows is self._timed:
-            self._cm.copy_rows = self._orig
+        if self._manager.on_transfer is self:
+            self._manager.on_transfer = None
 
 
 def run(args: argparse.Namespace) -> int:
