@@ -27,6 +27,7 @@ Attention then reads only hot-pool slots, the exact entries the selection named:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
@@ -52,6 +53,20 @@ class Counter(IntEnum):
     WARMUP_ENTRIES = 7  # entries loaded by warm-up
     EVICTIONS = 8  # resident entries evicted to make room
     NEW_TOKENS = 9  # newly decoded entries inserted
+    PREFETCHED = 10  # entries fetched by prefetch, before the exact top-k was known (also counted in H2D_ENTRIES)
+    PREFETCH_USEFUL = 11  # prefetched entries that the exact top-k of the same step selected
+    PREFETCH_WASTED = 12  # prefetched entries that it did not select
+
+
+@dataclass
+class FetchList:
+    """The host -> hot-pool copies a deferred resolve leaves to do: host location src[i] into slot dst[i].
+
+    Fixed-size int64 tensors (so that they live inside a CUDA graph); -1 in both where there is nothing to copy.
+    """
+
+    src: torch.Tensor
+    dst: torch.Tensor
 
 
 def positions_to_locations(topk_pos: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -120,6 +135,8 @@ class HotPoolCacheManager:
         self.slot_stamp = torch.full((L, S + 1), FREE_STAMP, dtype=torch.int64, device=dev)
         self.clock = torch.zeros((), dtype=torch.int64, device=dev)
         self.counters = torch.zeros((L, len(Counter)), dtype=torch.int64, device=dev)
+        # the location each slot was prefetched for in this step (-1: not prefetched), to count useful and wasted
+        self.prefetched = torch.full((L, S + 1), -1, dtype=torch.int32, device=dev)
         self._slot_ids = torch.arange(S, dtype=torch.int64, device=dev)
         self._ones = torch.ones(S, dtype=torch.int64, device=dev)
         self._age_ids = torch.arange(AGE_BUCKETS, dtype=torch.int64, device=dev)
@@ -144,12 +161,16 @@ class HotPoolCacheManager:
         return self.hot_entries[layer]
 
     def resolve(self, layer: int, topk_pos: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                seq_lens: torch.Tensor) -> torch.Tensor:
+                seq_lens: torch.Tensor, fetch_list: FetchList | None = None,
+                settle_prefetch: bool = False) -> torch.Tensor:
         """Make every selected entry resident and return its slot.
 
         topk_pos: [batch, q_tokens, k] int32, positions within each request, -1 as padding.
         req_to_token: [rows, max_context] int32, the KV location of each position of each request row.
         req_pool_indices: [batch], the request row of each batch entry. seq_lens: [batch], tokens of each request.
+        fetch_list: when given, the misses get their slots but are not copied: their (location, slot) pairs are written
+        to it, and `fetch(layer, fetch_list)` copies them later (dual attention overlaps that copy with attention).
+        settle_prefetch: count this step's prefetched entries as useful (selected) or wasted, then clear the marks.
         Returns int32 [batch, q_tokens, k]: hot-pool slot of each selected entry, -1 where the input was padding or bad.
         """
         if topk_pos.dim() != 3:
@@ -158,23 +179,89 @@ class HotPoolCacheManager:
         if req_pool_indices.shape != (B,) or seq_lens.shape != (B,):
             raise ValueError(f"resolve: req_pool_indices and seq_lens must be [{B}], got "
                              f"{tuple(req_pool_indices.shape)} and {tuple(seq_lens.shape)}")
+        if fetch_list is not None and fetch_list.src.numel() < topk_pos.numel():
+            raise ValueError(f"resolve: the fetch list holds {fetch_list.src.numel()} entries, the selection "
+                             f"{topk_pos.numel()}")
         if self._fused is not None:
             pos = topk_pos.reshape(-1)
             slots = self._fused_run(layer, pos, MODE_POSITIONS, count=True, fetch=(Counter.MISSES, Counter.H2D_ENTRIES),
-                                    copy_from=self.host.layer(layer), seq_lens=seq_lens,
-                                    req_pool_indices=req_pool_indices, req_to_token=req_to_token,
-                                    per_batch=topk_pos.shape[1] * topk_pos.shape[2])
-            return slots.view(topk_pos.shape)
-        locs, bad = self.translate(topk_pos, req_to_token, req_pool_indices, seq_lens)
-        flat = locs.reshape(-1)
+                                    copy_from=None if fetch_list is not None else self.host.layer(layer),
+                                    seq_lens=seq_lens, req_pool_indices=req_pool_indices, req_to_token=req_to_token,
+                                    per_batch=topk_pos.shape[1] * topk_pos.shape[2], fetch_list=fetch_list)
+            if fetch_list is not None and fetch_list.src.numel() > pos.numel():  # the kernel writes the first n only
+                fetch_list.src[pos.numel():].fill_(-1)
+                fetch_list.dst[pos.numel():].fill_(-1)
+        else:
+            locs, bad = self.translate(topk_pos, req_to_token, req_pool_indices, seq_lens)
+            flat = locs.reshape(-1)
+            cnt = self.counters[layer]
+            cnt[Counter.BAD_INDICES] += bad.sum()
+            cnt[Counter.LOOKUPS] += (flat >= 0).sum()
+            slots, hits, fetched = self._make_resident(layer, flat, copy=fetch_list is None, record=fetch_list)
+            cnt[Counter.HITS] += hits
+            cnt[Counter.MISSES] += fetched
+            cnt[Counter.H2D_ENTRIES] += fetched
+            slots = slots.to(torch.int32)
+        if settle_prefetch:
+            self._settle_prefetch(layer, slots)
+        return slots.view(topk_pos.shape)
+
+    def new_fetch_list(self, capacity: int | None = None) -> FetchList:
+        """A fetch list for deferred resolves of up to `capacity` entries (default: `max_selected`)."""
+        n = capacity if capacity is not None else self._entry_ids.numel()
+        return FetchList(torch.full((n,), -1, dtype=torch.int64, device=self.device),
+                         torch.full((n,), -1, dtype=torch.int64, device=self.device))
+
+    def fetch(self, layer: int, fetch_list: FetchList) -> None:
+        """Copy what a deferred resolve left to do (FlashTrans H2D gather into the hot slots)."""
+        self._copy(self.host.layer(layer), self.hot_entries[layer], fetch_list.src, fetch_list.dst, direction="h2d")
+
+    def prefetch(self, layer: int, locs: torch.Tensor, fetch_list: FetchList | None = None) -> torch.Tensor:
+        """Fetch the given KV locations (1-D, -1 to skip) before the exact top-k is known (ECHO prefetch).
+
+        Like warm-up, but nothing is protected: resident entries keep their recency and new ones are stamped as the
+        newest evictable entries (clock - 1), so the exact resolve of the step can always evict them (a prefetch can
+        cost extra misses, never an overflow). The new slots are marked, so that the exact resolve
+        (`settle_prefetch=True`) counts each as useful (selected, still holding its entry) or wasted.
+        `fetch_list` (at least len(locs) entries) receives what was fetched; by default a scratch list. Returns slots.
+        """
+        flat = locs.reshape(-1).long()
+        flat = torch.where((flat >= 0) & (flat < self.num_locations), flat, -1)
+        record = fetch_list if fetch_list is not None else self._prefetch_scratch(flat.numel())
+        if self._fused is not None:
+            slots = self._fused_run(layer, flat, MODE_LOCATIONS, count=False,
+                                    fetch=(Counter.PREFETCHED, Counter.H2D_ENTRIES),
+                                    copy_from=self.host.layer(layer), fetch_list=record, protect=False).long()
+        else:
+            slots, _, fetched = self._make_resident(layer, flat, copy=True, record=record, protect=False)
+            self.counters[layer, Counter.PREFETCHED] += fetched
+            self.counters[layer, Counter.H2D_ENTRIES] += fetched
+        n = flat.numel()
+        dst = record.dst[:n]
+        self.prefetched[layer].scatter_(0, torch.where(dst >= 0, dst, self.slots_per_layer), record.src[:n].int())
+        self.prefetched[layer, self.slots_per_layer] = -1
+        return slots
+
+    def _prefetch_scratch(self, n: int) -> FetchList:
+        have = getattr(self, "_prefetch_list", None)
+        if have is None or have.src.numel() < n:  # grows outside graph capture only
+            self._prefetch_list = self.new_fetch_list(max(n, 1))
+        return self._prefetch_list
+
+    def _settle_prefetch(self, layer: int, slots: torch.Tensor) -> None:
+        """A prefetched slot is useful when the selection names it and it still holds the prefetched entry (it was not
+        evicted again in between); every other prefetched slot is wasted. Then clear the marks."""
+        S = self.slots_per_layer
+        flat = slots.reshape(-1).long()
+        selected = torch.zeros(S + 1, dtype=torch.bool, device=self.device)
+        selected.scatter_(0, torch.where(flat >= 0, flat, S), True)
+        pre = self.prefetched[layer, :S]
+        marked = pre >= 0
+        useful = (marked & selected[:S] & (self.slot_to_loc[layer, :S] == pre)).sum()
         cnt = self.counters[layer]
-        cnt[Counter.BAD_INDICES] += bad.sum()
-        cnt[Counter.LOOKUPS] += (flat >= 0).sum()
-        slots, hits, fetched = self._make_resident(layer, flat)
-        cnt[Counter.HITS] += hits
-        cnt[Counter.MISSES] += fetched
-        cnt[Counter.H2D_ENTRIES] += fetched
-        return slots.view(topk_pos.shape).to(torch.int32)
+        cnt[Counter.PREFETCH_USEFUL] += useful
+        cnt[Counter.PREFETCH_WASTED] += marked.sum() - useful
+        self.prefetched[layer].fill_(-1)
 
     def translate(self, topk_pos: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                   seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,12 +321,14 @@ class HotPoolCacheManager:
 
     # ------------------------------------------------------------------ internals
     def _fused_run(self, layer: int, src: torch.Tensor, mode: int, count: bool, fetch: tuple[int, int],
-                   copy_from: torch.Tensor | None, **tables) -> torch.Tensor:
+                   copy_from: torch.Tensor | None, fetch_list: FetchList | None = None, protect: bool = True,
+                   **tables) -> torch.Tensor:
         return self._fused.run(
             src=src.contiguous(), mode=mode, l2s=self.loc_to_slot[layer], s2l=self.slot_to_loc[layer],
             stamp=self.slot_stamp[layer], clock=self.clock, counters=self.counters[layer], count=count,
             fetch_counters=(int(fetch[0]), int(fetch[1])), counter_ids=_COUNTER_IDS,
-            copy_from=copy_from if self.copy_impl != "none" else None, hot=self.hot_entries[layer], **tables)
+            copy_from=copy_from if self.copy_impl != "none" else None, hot=self.hot_entries[layer],
+            fetch_list=(fetch_list.src, fetch_list.dst) if fetch_list is not None else None, protect=protect, **tables)
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,
               direction: str | None = None) -> None:
@@ -264,8 +353,12 @@ class HotPoolCacheManager:
         self.slot_stamp[layer].scatter_(0, torch.where(slot >= 0, slot, self.slots_per_layer),
                                         self.clock.expand(slot.shape[0]))
 
-    def _make_resident(self, layer: int, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _make_resident(self, layer: int, flat: torch.Tensor, copy: bool = True, record: FetchList | None = None,
+                       protect: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Lookup, protect, deduplicate and fetch the misses of `flat` (int64 locations, -1 skipped).
+
+        `copy`: copy the misses now; `record`: also write their (location, slot) pairs to this fetch list;
+        `protect` False (prefetch): hits keep their stamps, new entries are stamped clock - 1 (evictable).
 
         Returns (slot of every entry, number of hits, number of distinct entries fetched), counts as device tensors.
         """
@@ -276,7 +369,8 @@ class HotPoolCacheManager:
         sink = self.num_locations
         slot = self._lookup(layer, flat)
         hit = slot >= 0
-        self._protect(layer, slot)
+        if protect:
+            self._protect(layer, slot)
         # Dedup: every missing entry claims its location in the map with -2 - (its index); the largest claim, i.e.
         # the first entry naming the location, wins (a deterministic reduction, so replays assign the same slots).
         # The winner is the representative that gets a slot; the others read that slot afterwards.
@@ -285,14 +379,20 @@ class HotPoolCacheManager:
         claim = (-2 - self._entry_ids[:n]).to(torch.int32)
         l2s.scatter_reduce_(0, miss_at, claim, reduce="amax", include_self=False)
         rep = miss & (l2s[miss_at] == claim)
-        new_slot = self._insert(layer, torch.where(rep, flat, -1))
+        new_slot = self._insert(layer, torch.where(rep, flat, -1), stamp_back=0 if protect else 1)
         l2s.scatter_(0, torch.where(rep & (new_slot < 0), flat, sink), -1)  # overflowed claims: back to "absent"
         slot = torch.where(miss, l2s[miss_at].long().clamp(min=-1), slot)
-        self._copy(self.host.layer(layer), self.hot_entries[layer], torch.where(new_slot >= 0, flat, -1), new_slot,
-                   direction="h2d")
+        fetch_src = torch.where(new_slot >= 0, flat, -1)
+        if record is not None:
+            record.src[:n].copy_(fetch_src)
+            record.dst[:n].copy_(new_slot)
+            record.src[n:].fill_(-1)
+            record.dst[n:].fill_(-1)
+        if copy:
+            self._copy(self.host.layer(layer), self.hot_entries[layer], fetch_src, new_slot, direction="h2d")
         return slot, hit.sum(), (new_slot >= 0).sum()
 
-    def _insert(self, layer: int, flat: torch.Tensor) -> torch.Tensor:
+    def _insert(self, layer: int, flat: torch.Tensor, stamp_back: int = 0) -> torch.Tensor:
         """Give each location in `flat` (distinct, not resident; -1 skipped) a slot, evicting LRU entries.
 
         Returns the slot of each (int64, -1 where skipped or where no slot was left: counted as overflow).
@@ -313,7 +413,7 @@ class HotPoolCacheManager:
         cnt[Counter.EVICTIONS] += (old >= 0).sum()
         self.slot_to_loc[layer].scatter_(0, slot_at, flat.to(torch.int32))
         self.loc_to_slot[layer].scatter_(0, torch.where(got, flat, T), slot.to(torch.int32))
-        self.slot_stamp[layer].scatter_(0, slot_at, self.clock.expand(n))
+        self.slot_stamp[layer].scatter_(0, slot_at, (self.clock - stamp_back).expand(n))
         return slot
 
     def _take_victims(self, layer: int, n_need: torch.Tensor, max_need: int) -> torch.Tensor:

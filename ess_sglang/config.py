@@ -171,7 +171,7 @@ class EssConfig(BaseModel):
     """After prefill, load the union of the top-k sets of this many last query windows; 0 disables warm-up."""
     prefetch_ema_alpha: Ratio = 0.5
     """EMA weight of the newest k-th best indexer score in the prefetch threshold."""
-    prefetch_cap_fraction: Fraction01 = 0.05
+    prefetch_cap_fraction: Fraction01 = 0.01
     """Cap on prefetched entries per request and layer, as a fraction of the request's context length."""
     prefetch_cap_min_tokens: NonNegativeInt = 64
     """The prefetch cap is never below this many entries."""

@@ -39,8 +39,8 @@ MODE_POSITIONS, MODE_LOCATIONS = 0, 1
 @triton.jit
 def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, width, n, per_batch,
                    l2s_ptr, stamp_ptr, clock_ptr, out_ptr, loc_ptr, cnt_ptr, num_locations, num_slots,
-                   MODE: tl.constexpr, COUNT: tl.constexpr, C_LOOKUPS: tl.constexpr, C_HITS: tl.constexpr,
-                   C_BAD: tl.constexpr, BLOCK: tl.constexpr):
+                   MODE: tl.constexpr, COUNT: tl.constexpr, PROTECT: tl.constexpr, C_LOOKUPS: tl.constexpr,
+                   C_HITS: tl.constexpr, C_BAD: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     if MODE == 0:  # positions within each request, translated through its own row of the request table
@@ -58,8 +58,9 @@ def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, width, n, per
         bad = m & (loc != -1) & ~ok
     cur = tl.load(l2s_ptr + loc, mask=ok, other=-1)
     hit = ok & (cur >= 0) & (cur < num_slots)
-    clock = tl.load(clock_ptr)
-    tl.store(stamp_ptr + cur, tl.zeros_like(cur).to(tl.int64) + clock, mask=hit)
+    if PROTECT:  # a prefetch (PROTECT false) leaves the recency of what it finds resident alone
+        clock = tl.load(clock_ptr)
+        tl.store(stamp_ptr + cur, tl.zeros_like(cur).to(tl.int64) + clock, mask=hit)
     miss = ok & ~hit
     claim = (num_slots + n - i).to(tl.int32)
     tl.atomic_max(l2s_ptr + loc, claim, mask=miss, sem="relaxed")
@@ -125,14 +126,19 @@ def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, num_slots, A: tl
 
 @triton.jit
 def _assign_kernel(scr_ptr, victims_ptr, miss_loc_ptr, miss_idx_ptr, l2s_ptr, s2l_ptr, stamp_ptr, clock_ptr,
-                   out_ptr, cnt_ptr, src_ptr, dst_ptr, n,
-                   COPY: tl.constexpr, WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr, C_FETCH_A: tl.constexpr,
-                   C_FETCH_B: tl.constexpr, C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr, ROWS: tl.constexpr):
+                   out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr, n,
+                   COPY: tl.constexpr, PEND: tl.constexpr, WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr,
+                   C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr, C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr,
+                   STAMP_BACK: tl.constexpr, ROWS: tl.constexpr):
     j = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     n_miss = tl.load(scr_ptr + 0)
     # victims written by K3: every slot older than T (scr[1] of them), then up to n_miss - scr[1] of age T (scr[2])
     n_victims = tl.minimum(n_miss, tl.load(scr_ptr + 1) + tl.load(scr_ptr + 2))
     mj = (j < n_miss) & (j < n)
+    if PEND:  # the fetch list of a deferred copy: (host location, slot) of each miss that got a slot, -1 elsewhere
+        rest = (j < n) & ~mj
+        tl.store(pend_src_ptr + j, tl.full(j.shape, -1, tl.int64), mask=rest)
+        tl.store(pend_dst_ptr + j, tl.full(j.shape, -1, tl.int64), mask=rest)
     if tl.sum(mj.to(tl.int32)) > 0:
         v = tl.where(j < n_victims, tl.load(victims_ptr + j, mask=mj, other=0) - 1, -1).to(tl.int64)
         loc = tl.load(miss_loc_ptr + j, mask=mj, other=-1)
@@ -143,9 +149,12 @@ def _assign_kernel(scr_ptr, victims_ptr, miss_loc_ptr, miss_idx_ptr, l2s_ptr, s2
         tl.store(l2s_ptr + old, tl.full(old.shape, -1, tl.int32), mask=evict)
         tl.store(s2l_ptr + v, loc.to(tl.int32), mask=got)
         tl.store(l2s_ptr + loc, tl.where(got, v, -1).to(tl.int32), mask=mj)  # overflow: the claim goes back to absent
-        clock = tl.load(clock_ptr)
+        clock = tl.load(clock_ptr) - STAMP_BACK  # 1 for a prefetch: the newest, yet evictable in this step
         tl.store(stamp_ptr + v, tl.zeros_like(v) + clock, mask=got)
         tl.store(out_ptr + i, tl.where(got, v, -1).to(tl.int32), mask=mj)
+        if PEND:
+            tl.store(pend_src_ptr + j, tl.where(got, loc, -1), mask=mj)
+            tl.store(pend_dst_ptr + j, tl.where(got, v, -1), mask=mj)
         n_got = tl.sum(got.to(tl.int64))
         if C_FETCH_A >= 0:
             tl.atomic_add(cnt_ptr + C_FETCH_A, n_got, sem="relaxed")
@@ -196,9 +205,13 @@ class FusedResolver:
             clock: torch.Tensor, counters: torch.Tensor, count: bool, fetch_counters: tuple[int, int],
             counter_ids: dict[str, int], copy_from: torch.Tensor | None, hot: torch.Tensor | None,
             seq_lens: torch.Tensor | None = None, req_pool_indices: torch.Tensor | None = None,
-            req_to_token: torch.Tensor | None = None, per_batch: int = 1) -> torch.Tensor:
+            req_to_token: torch.Tensor | None = None, per_batch: int = 1,
+            fetch_list: tuple[torch.Tensor, torch.Tensor] | None = None, protect: bool = True) -> torch.Tensor:
         """Resolve the flat list `src` (positions in MODE_POSITIONS, KV locations in MODE_LOCATIONS); returns the
-        int32 slot of each entry (-1 where padding, bad, or overflowed)."""
+        int32 slot of each entry (-1 where padding, bad, or overflowed).
+
+        `fetch_list`: two int64 tensors of at least n elements; when given, the assign kernel records (host location,
+        slot) of every newly assigned miss in their first n elements (-1 elsewhere), whether or not it copies."""
         n = src.numel()
         self._grow(n)
         S = self.num_slots
@@ -213,7 +226,7 @@ class FusedResolver:
         entry_blocks = triton.cdiv(n, BLOCK)
         _lookup_kernel[(entry_blocks,)](
             src, seq, rpi, r2t, r2t_stride, width, n, per_batch, l2s, stamp, clock, out, self.locs, counters,
-            l2s.shape[0] - 1, S, MODE=mode, COUNT=count, C_LOOKUPS=counter_ids["LOOKUPS"],
+            l2s.shape[0] - 1, S, MODE=mode, COUNT=count, PROTECT=protect, C_LOOKUPS=counter_ids["LOOKUPS"],
             C_HITS=counter_ids["HITS"], C_BAD=counter_ids["BAD_INDICES"], BLOCK=BLOCK)
         _misses_and_ages_kernel[(entry_blocks + triton.cdiv(S, BLOCK),)](
             self.locs, out, l2s, stamp, clock, self.scratch, self.miss_loc, self.miss_idx, n, S, entry_blocks,
@@ -224,11 +237,14 @@ class FusedResolver:
         words = (copy_from.shape[1] // 4) if copy else 4
         src_w = copy_from.view(torch.int32) if copy else self.scratch
         dst_w = hot.view(torch.int32) if copy else self.scratch
+        pend = fetch_list is not None
+        pend_src, pend_dst = fetch_list if pend else (self.miss_loc, self.miss_loc)
         _assign_kernel[(triton.cdiv(n, ROWS),)](
             self.scratch, self.victims, self.miss_loc, self.miss_idx, l2s, s2l, stamp, clock, out, counters,
-            src_w, dst_w, n, COPY=copy, WORDS=words, BLOCK_WORDS=triton.next_power_of_2(words),
+            src_w, dst_w, pend_src, pend_dst, n, COPY=copy, PEND=pend, WORDS=words,
+            BLOCK_WORDS=triton.next_power_of_2(words),
             C_FETCH_A=fetch_counters[0], C_FETCH_B=fetch_counters[1], C_EVICT=counter_ids["EVICTIONS"],
-            C_OVERFLOW=counter_ids["OVERFLOW"], ROWS=ROWS, num_warps=NUM_WARPS)
+            C_OVERFLOW=counter_ids["OVERFLOW"], STAMP_BACK=0 if protect else 1, ROWS=ROWS, num_warps=NUM_WARPS)
         _finish_kernel[(entry_blocks,)](self.locs, out, l2s, self.scratch, n, S, SCR=SCR_SIZE,
                                         BLOCK=BLOCK)
         return out

@@ -267,3 +267,84 @@ def test_engine_provided_hot_pool_storage(impl):
         HotPoolCacheManager(host, 64, device="cpu", hot_entries=[views[0], backing[1, :63]])
     with pytest.raises(ValueError, match="1 layers given"):
         HotPoolCacheManager(host, 64, device="cpu", hot_entries=views[:1])
+
+
+def test_deferred_fetch_assigns_slots_first_and_copies_on_fetch(impl):
+    m, host, table, rpi, sl = make(impl=impl)
+    pos = torch.stack([torch.arange(64).view(1, 64), torch.arange(100, 164).view(1, 64)]).int()
+    pos[1, 0, 5] = pos[1, 0, 4]  # a duplicate within a request shares the slot and is fetched once
+    m.begin_step()
+    fl = m.new_fetch_list()
+    slots = m.resolve(0, pos, table.req_to_token, rpi, sl, fetch_list=fl)
+    locs, _ = m.translate(pos, table.req_to_token, rpi, sl)
+    assert bool((slots >= 0).all())
+    assert not bool((m.hot_entries[0] != 0).any()), "a deferred resolve copied data"
+    pend = fl.dst >= 0
+    assert int(pend.sum()) == int(m.counters[0, Counter.MISSES]) == 127
+    assert torch.equal(fl.src[pend].sort().values, locs.reshape(-1).unique())
+    assert set(fl.dst[pend].tolist()) == set(slots.reshape(-1).tolist())
+    assert bool((fl.src[~pend] == -1).all())
+    m.fetch(0, fl)
+    check_slots(m, host, 0, slots, locs)
+    # the next step: everything hits, and the list says there is nothing to copy
+    m.begin_step()
+    again = m.resolve(0, pos, table.req_to_token, rpi, sl, fetch_list=fl)
+    assert torch.equal(again, slots) and not bool((fl.dst >= 0).any())
+    m.check_invariants()
+
+
+def test_prefetch_counts_useful_and_wasted_entries(impl):
+    m, host, table, rpi, sl = make(impl=impl)
+    req_to_token = table.req_to_token
+    m.begin_step()
+    # prefetch 40 entries of request 0: positions 0..39; the exact selection then names positions 20..83
+    pre = req_to_token[rpi[0], :40].long()
+    m.prefetch(0, torch.cat([pre, torch.tensor([-1, 10**9])]))
+    c = m.counters[0]
+    assert c[Counter.PREFETCHED] == 40 and c[Counter.H2D_ENTRIES] == 40 and c[Counter.BAD_INDICES] == 0
+    pos = torch.stack([torch.arange(20, 84).view(1, 64), torch.full((1, 64), -1)]).int()
+    slots = m.resolve(0, pos, req_to_token, rpi, sl, settle_prefetch=True)
+    locs, _ = m.translate(pos, req_to_token, rpi, sl)
+    check_slots(m, host, 0, slots, locs)
+    assert c[Counter.HITS] == 20 and c[Counter.MISSES] == 44
+    assert c[Counter.PREFETCH_USEFUL] == 20 and c[Counter.PREFETCH_WASTED] == 20
+    assert not bool((m.prefetched >= 0).any()), "prefetch marks survive the step"
+    # prefetching resident entries fetches nothing and marks nothing
+    m.begin_step()
+    m.prefetch(0, pre)
+    assert c[Counter.PREFETCHED] == 40 and not bool((m.prefetched >= 0).any())
+    m.check_invariants()
+
+
+def test_prefetch_never_changes_what_attention_reads(impl):
+    # The same selections with and without prefetching arbitrary entries give slots naming the same entries.
+    a = make(slots=160, impl=impl)
+    b = make(slots=160, impl=impl)
+    g = torch.Generator().manual_seed(3)
+    for step in range(8):
+        pos = torch.randint(0, 300, (2, 1, 64), generator=g).int()
+        outs = []
+        for k, (m, _host, table, rpi, sl) in enumerate((a, b)):
+            m.begin_step()
+            if k == 1:
+                m.prefetch(0, torch.randint(0, 800, (48,), generator=g))
+            slots = m.resolve(0, pos, table.req_to_token, rpi, sl, settle_prefetch=k == 1)
+            outs.append(m.hot_entries[0][slots.reshape(-1).long()])
+        assert torch.equal(outs[0], outs[1]), f"step {step}"
+    b[0].check_invariants()
+
+
+def test_prefetch_can_never_make_the_exact_resolve_overflow(impl):
+    # The pool holds exactly one step's selection; a prefetch fills it with other entries first. The exact resolve
+    # evicts the prefetched entries (never protected) and every selected entry is resident: wasted, not wrong.
+    m, host, table, rpi, sl = make(slots=128, impl=impl)
+    pos = torch.stack([torch.arange(64).view(1, 64), torch.arange(100, 164).view(1, 64)]).int()
+    for step in range(3):
+        m.begin_step()
+        m.prefetch(0, table.req_to_token[rpi[1], 200:328].long())
+        slots = m.resolve(0, pos + step, table.req_to_token, rpi, sl, settle_prefetch=True)
+        locs, _ = m.translate(pos + step, table.req_to_token, rpi, sl)
+        check_slots(m, host, 0, slots, locs)
+    c = m.counters[0]
+    assert c[Counter.OVERFLOW] == 0 and c[Counter.PREFETCH_WASTED] > 0 and c[Counter.PREFETCH_USEFUL] == 0
+    m.check_invariants()

@@ -37,7 +37,7 @@ def test_defaults():
     cfg = EssConfig()
     assert cfg.enabled and cfg.offload_target == "cpu_memory" and cfg.prefetch_overlap_level == "full"
     assert (cfg.top_k, cfg.page_size, cfg.warmup_windows) == (2048, 64, 32)
-    assert cfg.prefetch_ema_alpha == 0.5 and cfg.prefetch_cap_fraction == 0.05 and cfg.prefetch_cap_min_tokens == 64
+    assert cfg.prefetch_ema_alpha == 0.5 and cfg.prefetch_cap_fraction == 0.01 and cfg.prefetch_cap_min_tokens == 64
     assert cfg.metrics == MetricsConfig(enabled=True, readout_interval_steps=16, per_layer=False)
     assert cfg.hot_pool_sized_by == "sparse_memory_ratio"
     assert EssConfig.from_mapping(None) == EssConfig.from_mapping({}) == cfg
