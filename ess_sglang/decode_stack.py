@@ -1,0 +1,372 @@
+"""A stack of DSA decode layers with ESS, in each overlap mode, beside the same stack with every latent in HBM.
+
+One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
+
+    1. store this step's token: its indexer key into the device indexer cache (main stream); its latent entry
+       written back to the host pool (D2H) and into a hot slot (side stream, overlapping the indexer);
+    2. indexer logits over the request's whole context (main stream);
+    3. [prefetch] candidates scoring above the EMA of the k-th best score are fetched on the side stream while
+       the main stream runs the top-k (ECHO; `ess_sglang.prefetch`);
+    4. top-k positions; the k-th best score updates the prefetch threshold;
+    5. resolve + fetch, then attention over hot-pool slots, in the layer's mode:
+       sync  resolve (lookup, protect, evict, assign) and copy the misses, then attend. Exact.
+       da    dual attention: resolve without copying; the misses are copied on the side stream while attention
+             runs over the hits (Attn0); then attention over the misses (Attn1, a narrow table of `da_width`
+             entries per query row); the two are merged with their log-sum-exps. Rows with more misses than
+             `da_width` copy the excess before Attn0, so every entry is attended exactly once. Differs from
+             single-pass attention by rounding only.
+       dba   dual-batch attention: the batch is split in two; half A's resolve + copy run on the side stream
+             while the main stream runs half B's indexer and top-k, and half B's while half A attends. No merge;
+             FlashMLA's split-KV schedule depends on the batch size, so half-batch attention can differ from
+             whole-batch attention by rounding (the all-HBM stack given the same split is bit-identical).
+    6. the main stream waits for the side stream before the layer ends.
+
+`HbmDecodeStack` is the reference: the same steps 1, 2, 4 with every latent entry in device memory, positions
+translated to KV locations by one kernel, and attention over them; `split_attention=True` splits its attention
+the way DBA does, so that DBA can be checked bit for bit.
+
+On CPU both stacks run with the torch references (no streams: the overlap modes then run their steps in order,
+which is what the CPU tests check for correctness); on a GPU with the Triton indexer, the fused resolve and FlashMLA,
+and every step can be captured in one CUDA graph (no host synchronisation anywhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ess_sglang.cache_manager import HotPoolCacheManager, positions_to_locations
+from ess_sglang.formats import KV_LORA_RANK, LATENT_ENTRY_BYTES, QK_HEAD_DIM
+from ess_sglang.prefetch import EchoPrefetcher
+from ess_sglang.reference.dsa import sparse_mla_flashmla, sparse_mla_reference
+
+MODES = ("sync", "da", "dba")
+
+
+@dataclass
+class DecodeBatch:
+    """The request tables of one decode step, shared by every layer."""
+
+    req_to_token: torch.Tensor  # [rows, max_context] int32 KV location of each position
+    req_pool_indices: torch.Tensor  # [B] request row of each batch entry
+    seq_lens: torch.Tensor  # [B] tokens of each request, this step's included
+    new_locs: torch.Tensor  # [B] KV location of this step's token
+
+
+@dataclass
+class LayerInputs:
+    """What one DSA layer computes from its hidden states in a decode step (the projections are not modelled)."""
+
+    q_index: torch.Tensor  # [B, Q, index_heads, 128] indexer queries (fp8 e4m3 or bf16 / fp32)
+    w_index: torch.Tensor  # [B, Q, index_heads] per-head indexer weights (scales folded in)
+    q: torch.Tensor  # [B, Q, heads, 576] attention queries
+    new_latent: torch.Tensor  # [B, 656] uint8 this step's latent entry (V32)
+    new_index_key: torch.Tensor  # [B, 132] uint8 this step's indexer key
+
+
+@dataclass
+class StackOptions:
+    modes: Sequence[str]  # one per layer: "sync", "da" or "dba"
+    top_k: int = 2048
+    prefetch: bool = False
+    da_width: int = 256  # Attn1's table width (a multiple of 64 for FlashMLA)
+    dba_split: float = 0.5  # fraction of the batch in half A
+    attention: str = "auto"  # "flashmla", "reference", or "auto" (FlashMLA on CUDA)
+    indexer: str = "auto"  # "triton", "torch", or "auto"
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.modes if m not in MODES]
+        if bad:
+            raise ValueError(f"overlap modes must be one of {MODES}, got {bad[0]!r}")
+        if self.da_width <= 0 or self.da_width % 64:
+            raise ValueError(f"da_width must be a positive multiple of 64 (FlashMLA reads 64 entries a block), "
+                             f"got {self.da_width}")
+        if not 0 < self.dba_split < 1:
+            raise ValueError(f"dba_split must be in (0, 1), got {self.dba_split}")
+
+
+# ------------------------------------------------------------------------------------------------ shared pieces
+def attend(kind: str, q: torch.Tensor, entries: torch.Tensor, table: torch.Tensor,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA over `entries` rows named by `table` [B, Q, K] (-1 padding).
+
+    Returns (out [B, Q, H, 512], lse [B, Q, H] natural log, -inf for a row with no entry).
+    """
+    if kind == "flashmla":
+        out, lse = sparse_mla_flashmla(q, entries, table, scale)
+        lse = lse.transpose(1, 2)  # FlashMLA: [B, H, Q]; +inf where a row has no entry
+        empty = (table < 0).all(dim=-1).unsqueeze(-1)
+        return out, torch.where(empty, float("-inf"), lse)
+    return sparse_mla_reference(q, entries, table, scale)
+
+
+def merge_attention(out0: torch.Tensor, lse0: torch.Tensor, out1: torch.Tensor,
+                    lse1: torch.Tensor) -> torch.Tensor:
+    """Combine attention over two disjoint entry sets by their log-sum-exps (lse -inf: the set was empty)."""
+    m = torch.maximum(lse0, lse1)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    w0 = torch.exp(lse0 - m).unsqueeze(-1)
+    w1 = torch.exp(lse1 - m).unsqueeze(-1)
+    merged = (out0.float() * w0 + out1.float() * w1) / (w0 + w1).clamp_min(1e-30)
+    return merged.to(out0.dtype)
+
+
+def topk_with_scores(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k positions [B, Q, k] int32 (-1 where fewer than k are visible) and the k-th best score [B, Q]."""
+    T = scores.shape[-1]
+    kk = min(k, T)
+    values, pos = torch.topk(scores, kk, dim=-1)
+    pos = torch.where(torch.isfinite(values), pos, -1).to(torch.int32)
+    if kk < k:
+        pos = torch.cat([pos, pos.new_full((*pos.shape[:-1], k - kk), -1)], dim=-1)
+        return pos, torch.full(values.shape[:-1], float("-inf"), device=scores.device)
+    return pos, values[..., -1]
+
+
+class _Streams:
+    """The main stream and one side stream on CUDA; on CPU, no-ops (steps then run in program order)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.side = torch.cuda.Stream(device) if self.cuda else None
+
+    def on_side(self):
+        """Work in this block runs on the side stream, after everything queued on the main stream so far."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        self.side.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(self.side)
+
+    def mark(self):
+        """An event on the side stream: what has been queued there so far."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.side)
+        return ev
+
+    def wait(self, ev=None) -> None:
+        """The main stream waits for a mark (or for everything queued on the side stream)."""
+        if not self.cuda:
+            return
+        if ev is None:
+            torch.cuda.current_stream().wait_stream(self.side)
+        else:
+            torch.cuda.current_stream().wait_event(ev)
+
+
+def _indexer(kind: str):
+    from ess_sglang.kernels.indexer import indexer_logits
+
+    def run(q_index, w_index, cache, batch: DecodeBatch, max_len: int) -> torch.Tensor:
+        return indexer_logits(q_index, w_index, cache, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                              max_len, impl=kind)
+    return run
+
+
+def _slice(batch: DecodeBatch, x: LayerInputs, lo: int, hi: int) -> tuple[DecodeBatch, LayerInputs]:
+    b = DecodeBatch(batch.req_to_token, batch.req_pool_indices[lo:hi], batch.seq_lens[lo:hi], batch.new_locs[lo:hi])
+    return b, LayerInputs(x.q_index[lo:hi], x.w_index[lo:hi], x.q[lo:hi], x.new_latent[lo:hi],
+                          x.new_index_key[lo:hi])
+
+
+ScoreHook = Callable[[int, torch.Tensor, DecodeBatch], torch.Tensor]
+
+
+class _StackBase:
+    def __init__(self, num_layers: int, index_cache: torch.Tensor, max_len: int, options: StackOptions,
+                 score_hook: ScoreHook | None):
+        if len(options.modes) != num_layers:
+            raise ValueError(f"{len(options.modes)} overlap modes for {num_layers} layers")
+        self.num_layers = num_layers
+        self.index_cache = index_cache  # [layers, locations, 132] uint8, every token of every layer
+        self.max_len = max_len  # positions the indexer scores (the request table's width)
+        self.options = options
+        dev = index_cache.device
+        self.attention = options.attention if options.attention != "auto" else (
+            "flashmla" if dev.type == "cuda" else "reference")
+        self.run_indexer = _indexer(options.indexer)
+        self.score_hook = score_hook  # benchmarks: scores that replace the logits for the selection
+        self.softmax_scale = QK_HEAD_DIM ** -0.5
+
+    def _scores(self, layer: int, x: LayerInputs, batch: DecodeBatch) -> torch.Tensor:
+        """Indexer logits [B, Q, max_len] (or, when a score hook is set, the scores it puts in their place)."""
+        logits = self.run_indexer(x.q_index, x.w_index, self.index_cache[layer], batch, self.max_len)
+        return self.score_hook(layer, logits, batch) if self.score_hook is not None else logits
+
+    def _select(self, layer: int, x: LayerInputs, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor]:
+        """Scores, top-k positions and the k-th best score."""
+        logits = self._scores(layer, x, batch)
+        return (logits, *topk_with_scores(logits, self.options.top_k))
+
+
+class HbmDecodeStack(_StackBase):
+    """The reference: every latent entry of every layer in device memory at its KV location."""
+
+    def __init__(self, latents: torch.Tensor, index_cache: torch.Tensor, max_len: int, options: StackOptions,
+                 score_hook: ScoreHook | None = None, split_attention: bool = False):
+        super().__init__(latents.shape[0], index_cache, max_len, options, score_hook)
+        if latents.shape[1] % 64:
+            raise ValueError("the latent store must hold a multiple of 64 rows (FlashMLA pages)")
+        self.latents = latents  # [layers, rows, 656] uint8
+        self.num_locations = latents.shape[1]
+        self.split_attention = split_attention
+
+    def _translate(self, pos: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        if pos.is_cuda:
+            from ess_sglang.kernels.translate import translate_positions_triton
+            return translate_positions_triton(pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                              self.num_locations)
+        locs, _ = positions_to_locations(pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                         self.num_locations)
+        return locs.to(torch.int32)
+
+    def forward_layer(self, layer: int, batch: DecodeBatch, x: LayerInputs) -> torch.Tensor:
+        at = batch.new_locs.long()
+        self.index_cache[layer, at] = x.new_index_key
+        self.latents[layer, at] = x.new_latent
+        _, pos, _ = self._select(layer, x, batch)
+        table = self._translate(pos, batch)
+        if self.split_attention and self.options.modes[layer] == "dba":
+            h = _split_point(pos.shape[0], self.options.dba_split)
+            outs = [attend(self.attention, x.q[lo:hi], self.latents[layer], table[lo:hi], self.softmax_scale)[0]
+                    for lo, hi in ((0, h), (h, pos.shape[0]))]
+            return torch.cat(outs)
+        return attend(self.attention, x.q, self.latents[layer], table, self.softmax_scale)[0]
+
+    def step(self, batch: DecodeBatch, inputs: Sequence[LayerInputs]) -> list[torch.Tensor]:
+        return [self.forward_layer(layer, batch, inputs[layer]) for layer in range(self.num_layers)]
+
+
+def _split_point(B: int, fraction: float) -> int:
+    return min(B - 1, max(1, round(B * fraction))) if B > 1 else B
+
+
+class EssDecodeStack(_StackBase):
+    """ESS: latents in the host total pool, hot pools on the device, one of the modes above per layer."""
+
+    def __init__(self, manager: HotPoolCacheManager, index_cache: torch.Tensor, max_len: int, options: StackOptions,
+                 max_batch: int, prefetcher: EchoPrefetcher | None = None, score_hook: ScoreHook | None = None):
+        super().__init__(manager.num_layers, index_cache, max_len, options, score_hook)
+        if options.prefetch and prefetcher is None:
+            raise ValueError("options.prefetch needs an EchoPrefetcher")
+        if manager.slots_per_layer % 64:
+            raise ValueError("hot pools must hold a multiple of 64 slots (FlashMLA pages)")
+        self.m = manager
+        self.prefetcher = prefetcher if options.prefetch else None
+        self.streams = _Streams(manager.device)
+        q_rows = max_batch * 2  # up to 2 query tokens per request (MTP)
+        self.fetch_list = manager.new_fetch_list(q_rows * options.top_k)  # DA: the deferred copies
+        self.fetch_early = manager.new_fetch_list(q_rows * options.top_k)
+        if self.prefetcher is not None:
+            self.prefetch_list = manager.new_fetch_list(max_batch * self.prefetcher.width)
+
+    def step(self, batch: DecodeBatch, inputs: Sequence[LayerInputs]) -> list[torch.Tensor]:
+        self.m.begin_step()
+        return [self.forward_layer(layer, batch, inputs[layer]) for layer in range(self.num_layers)]
+
+    def forward_layer(self, layer: int, batch: DecodeBatch, x: LayerInputs) -> torch.Tensor:
+        m, st = self.m, self.streams
+        # 1. this step's token: indexer key on the device; latent to host (D2H) and into a hot slot (side stream)
+        self.index_cache[layer, batch.new_locs.long()] = x.new_index_key
+        with st.on_side():
+            m.write_new_tokens(layer, batch.new_locs, x.new_latent)
+        if self.options.modes[layer] == "dba":
+            out = self._dual_batch(layer, batch, x)
+        else:
+            # 2-4. indexer, [prefetch on the side stream], top-k
+            pos = self._select_and_prefetch(layer, x, batch)
+            st.wait()  # the new token is in its slot, prefetches have landed: the exact resolve may start
+            # 5. resolve + fetch + attention
+            if self.options.modes[layer] == "sync":
+                slots = m.resolve(layer, pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                  settle_prefetch=self.prefetcher is not None)
+                out = attend(self.attention, x.q, m.layer_entries(layer), slots, self.softmax_scale)[0]
+            else:
+                out = self._dual_attention(layer, batch, x, pos)
+        st.wait()  # 6.
+        return out
+
+    # -------------------------------------------------------------------------------------------- pieces
+    def _select_and_prefetch(self, layer: int, x: LayerInputs, batch: DecodeBatch) -> torch.Tensor:
+        """Steps 2-4: indexer logits; prefetch above the threshold on the side stream; top-k on the main stream."""
+        pf = self.prefetcher
+        if pf is None:
+            return self._select(layer, x, batch)[1]
+        logits = self._scores(layer, x, batch)
+        with self.streams.on_side():
+            cand = pf.candidates(layer, logits, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                 self.m.loc_to_slot[layer], self.m.num_locations)
+            self.m.prefetch(layer, cand, self.prefetch_list)
+        pos, kth = topk_with_scores(logits, self.options.top_k)
+        pf.update(layer, kth, batch.req_pool_indices)
+        return pos
+
+    def _dual_attention(self, layer: int, batch: DecodeBatch, x: LayerInputs, pos: torch.Tensor) -> torch.Tensor:
+        m, st, W = self.m, self.streams, self.options.da_width
+        S = m.slots_per_layer
+        fl, early = self.fetch_list, self.fetch_early
+        slots = m.resolve(layer, pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, fetch_list=fl,
+                          settle_prefetch=self.prefetcher is not None)
+        # which selected entries wait for a copy: those in slots the deferred resolve just assigned
+        pending = torch.zeros(S + 1, dtype=torch.bool, device=m.device)
+        pending.scatter_(0, torch.where(fl.dst >= 0, fl.dst, S), True)
+        pending[S] = False
+        sl = slots.long()
+        at = torch.where(sl >= 0, sl, S)
+        miss = pending[at]
+        rank = miss.int().cumsum(-1) - 1
+        # a row with more than W misses: its excess is copied before Attn0 (then those slots are hits for Attn0)
+        excess = torch.zeros(S + 1, dtype=torch.bool, device=m.device)
+        excess.scatter_(0, torch.where(miss & (rank >= W), sl, S).reshape(-1), True)
+        excess[S] = False
+        dst_at = torch.where(fl.dst >= 0, fl.dst, S)
+        now = excess[dst_at]
+        early.src.copy_(torch.where(now, fl.src, -1))
+        early.dst.copy_(torch.where(now, fl.dst, -1))
+        fl.src.masked_fill_(now, -1)
+        fl.dst.masked_fill_(now, -1)
+        m.fetch(layer, early)
+        with st.on_side():
+            m.fetch(layer, fl)
+        late = miss & ~excess[at]
+        table0 = torch.where(late, -1, slots)
+        table1 = torch.full((*slots.shape[:-1], W + 1), -1, dtype=torch.int32, device=m.device)
+        table1.scatter_(-1, torch.where(late, rank, W).long(), slots)
+        table1 = table1[..., :W].contiguous()
+        entries = m.layer_entries(layer)
+        out0, lse0 = attend(self.attention, x.q, entries, table0, self.softmax_scale)
+        st.wait()  # the misses have landed
+        out1, lse1 = attend(self.attention, x.q, entries, table1, self.softmax_scale)
+        return merge_attention(out0, lse0, out1, lse1)
+
+    def _dual_batch(self, layer: int, batch: DecodeBatch, x: LayerInputs) -> torch.Tensor:
+        m, st = self.m, self.streams
+        B = batch.seq_lens.shape[0]
+        h = _split_point(B, self.options.dba_split)
+        halves = [_slice(batch, x, 0, h), _slice(batch, x, h, B)]
+        marks, slot_tables = [], []
+        for b, xi in halves:
+            pos = self._select_and_prefetch(layer, xi, b)  # main stream (half B's overlaps half A's fetch)
+            with st.on_side():
+                slot_tables.append(m.resolve(layer, pos, b.req_to_token, b.req_pool_indices, b.seq_lens,
+                                             settle_prefetch=self.prefetcher is not None))
+            marks.append(st.mark())
+        outs = []
+        for (_, xi), mark, slots in zip(halves, marks, slot_tables, strict=True):
+            st.wait(mark)  # this half's entries are resident (half B's copy overlaps half A's attention)
+            outs.append(attend(self.attention, xi.q, m.layer_entries(layer), slots, self.softmax_scale)[0])
+        return torch.cat(outs)
+
+
+def latent_store_rows(num_locations: int) -> int:
+    """Rows of an all-in-HBM latent store: whole FlashMLA pages of 64 entries."""
+    return (num_locations + 63) // 64 * 64
+
+
+__all__ = ["MODES", "DecodeBatch", "LayerInputs", "StackOptions", "HbmDecodeStack", "EssDecodeStack",
+           "attend", "merge_attention", "topk_with_scores", "latent_store_rows", "KV_LORA_RANK", "LATENT_ENTRY_BYTES"]

@@ -1,0 +1,81 @@
+"""ECHO prefetch: fetch likely misses while the exact top-k is still being computed.
+
+The indexer's k-th best score moves slowly from step to step. Per layer and request row we keep an EMA of it,
+
+    threshold <- alpha * kth_score + (1 - alpha) * threshold        (the first step takes kth_score as it is)
+
+and, as soon as a step's indexer logits exist, every visible position scoring above the threshold whose entry is
+not resident is a prefetch candidate. Candidates are taken most recent first, at most `cap(seq_len)` per request:
+
+    cap(seq_len) = clamp(ceil(cap_fraction * seq_len), cap_min_tokens, width),   width = the static list width
+
+so the cap grows with context length and bounds the bytes a wrong guess can waste. The cache manager fetches them
+(`HotPoolCacheManager.prefetch`) on a side stream while the main stream runs the top-k; the exact resolve that
+follows finds them resident, counts them useful or wasted, and fetches whatever is still missing (exact backfill),
+so prefetching changes which entries are resident, never which entries attention reads.
+
+Everything here is fixed-shape torch ops on device tensors (no host synchronisation): it runs inside a CUDA graph.
+A row's threshold starts at +inf (nothing is prefetched before the row's first step); `reset_rows` restores that
+when a request row is reused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class EchoPrefetcher:
+    def __init__(self, num_layers: int, num_rows: int, max_context: int, alpha: float = 0.5,
+                 cap_fraction: float = 0.05, cap_min_tokens: int = 64, device: torch.device | str = "cpu"):
+        if not 0 < alpha <= 1:
+            raise ValueError(f"prefetch alpha must be in (0, 1], got {alpha}")
+        if not 0 <= cap_fraction <= 1 or cap_min_tokens < 0 or max_context <= 0:
+            raise ValueError(f"prefetch cap: cap_fraction in [0, 1], cap_min_tokens >= 0 and max_context > 0 needed, "
+                             f"got {cap_fraction}, {cap_min_tokens}, {max_context}")
+        self.alpha = float(alpha)
+        self.cap_fraction = float(cap_fraction)
+        self.cap_min_tokens = int(cap_min_tokens)
+        self.width = max(1, min(max_context, max(cap_min_tokens, math.ceil(cap_fraction * max_context))))
+        self.device = torch.device(device)
+        self.threshold = torch.full((num_layers, num_rows), math.inf, dtype=torch.float32, device=self.device)
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """Forget the thresholds of request rows (a new request takes them)."""
+        self.threshold[:, rows.long().to(self.device)] = math.inf
+
+    def caps(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Most entries prefetched per request and layer, [B] int64."""
+        cap = torch.ceil(seq_lens.double() * self.cap_fraction).long()
+        return cap.clamp(min=self.cap_min_tokens).clamp(max=self.width)
+
+    def candidates(self, layer: int, logits: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                   seq_lens: torch.Tensor, loc_to_slot: torch.Tensor, num_locations: int) -> torch.Tensor:
+        """KV locations to prefetch for one layer: int64 [B * width], -1 padded.
+
+        logits [B, Q, T] (T <= the table width); loc_to_slot: the layer's token -> slot map (with its sink element).
+        """
+        B, _, T = logits.shape
+        thr = self.threshold[layer, req_pool_indices.long()].view(B, 1, 1)
+        above = (logits > thr).any(dim=1)  # [B, T]
+        pos = torch.arange(T, device=logits.device).view(1, T)
+        locs = req_to_token[req_pool_indices.long(), :T].long()
+        ok = (pos < seq_lens.long().view(B, 1)) & (locs >= 0) & (locs < num_locations)
+        at = torch.where(ok, locs, num_locations)
+        resident = loc_to_slot[at] >= 0
+        cand = above & ok & ~resident
+        rank = cand.flip(-1).cumsum(-1).flip(-1) - 1  # 0 = the most recent candidate
+        take = cand & (rank < self.caps(seq_lens).view(B, 1))
+        W = self.width
+        out = torch.full((B, W + 1), -1, dtype=torch.int64, device=logits.device)
+        out.scatter_(1, torch.where(take, rank, W), torch.where(take, locs, -1))
+        return out[:, :W].reshape(-1)
+
+    def update(self, layer: int, kth_scores: torch.Tensor, req_pool_indices: torch.Tensor) -> None:
+        """Fold this step's k-th best score of each request ([B, Q] or [B]; the lowest over query tokens counts)."""
+        kth = kth_scores.float().reshape(kth_scores.shape[0], -1).amin(dim=1)
+        rows = req_pool_indices.long()
+        old = self.threshold[layer, rows]
+        new = torch.where(torch.isfinite(old), self.alpha * kth + (1 - self.alpha) * old, kth)
+        self.threshold[layer].index_copy_(0, rows, new)

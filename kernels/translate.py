@@ -1,0 +1,46 @@
+"""Top-k positions -> KV locations in one launch: what an all-in-HBM DSA decode does before sparse attention.
+
+SGLang's DSA backend turns the indexer's positions into rows of the device KV cache with one kernel
+(`transform_index_page_table_decode`); the decode-stack benchmark's all-HBM baseline must be as lean, so this is
+one Triton kernel beside its torch definition, `ess_sglang.cache_manager.positions_to_locations` (the same
+bounds rules: a position is read from its own request's row only when 0 <= pos < seq_len and pos < the table
+width; a table entry outside [0, num_locations) gives -1, as padding does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+
+
+@triton.jit
+def _translate_kernel(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, width, n, per_batch, num_locations, out_ptr,
+                      BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    pos = tl.load(pos_ptr + i, mask=m, other=-1).to(tl.int64)
+    b = i // per_batch
+    seq = tl.load(seq_ptr + b, mask=m, other=0).to(tl.int64)
+    valid = m & (pos >= 0) & (pos < seq) & (pos < width)
+    row = tl.load(rpi_ptr + b, mask=m, other=0).to(tl.int64)
+    loc = tl.load(r2t_ptr + row * r2t_stride + pos, mask=valid, other=-1).to(tl.int64)
+    ok = valid & (loc >= 0) & (loc < num_locations)
+    tl.store(out_ptr + i, tl.where(ok, loc, -1).to(tl.int32), mask=m)
+
+
+def translate_positions_triton(topk_pos: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                               seq_lens: torch.Tensor, num_locations: int) -> torch.Tensor:
+    """topk_pos [B, Q, K] -> int32 KV locations [B, Q, K], -1 where padding or out of bounds."""
+    if topk_pos.dim() != 3 or req_to_token.stride(1) != 1:
+        raise ValueError("translate_positions_triton wants topk_pos [B, Q, K] and req_to_token rows contiguous")
+    pos = topk_pos.contiguous()
+    out = torch.empty(pos.shape, dtype=torch.int32, device=pos.device)
+    n = pos.numel()
+    if n:
+        _translate_kernel[(triton.cdiv(n, BLOCK),)](
+            pos, seq_lens, req_pool_indices, req_to_token, req_to_token.stride(0), req_to_token.shape[1], n,
+            pos.shape[1] * pos.shape[2], num_locations, out, BLOCK=BLOCK)
+    return out

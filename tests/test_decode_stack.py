@@ -1,0 +1,184 @@
+"""The decode-layer stack in every overlap mode against the all-in-HBM stack (CPU: torch references, no streams)."""
+
+import pytest
+import torch
+
+from ess_sglang.cache_manager import Counter, HotPoolCacheManager
+from ess_sglang.decode_stack import (
+    DecodeBatch,
+    EssDecodeStack,
+    HbmDecodeStack,
+    LayerInputs,
+    StackOptions,
+    latent_store_rows,
+    merge_attention,
+)
+from ess_sglang.formats import INDEXER_ENTRY_BYTES, pack_indexer_key, pack_latent
+from ess_sglang.host_pool import HostTotalPool
+from ess_sglang.prefetch import EchoPrefetcher
+from ess_sglang.reference.dsa import sparse_mla_reference
+from ess_sglang.request_table import RequestTable
+
+LAYERS, HEADS, IHEADS, TOPK = 2, 8, 4, 128
+LENGTHS = (700, 450, 900)
+
+
+def build(modes, slots=512, prefetch=False, da_width=64, split_attention=False, cap_fraction=0.1, seed=0,
+          resolve_impl="torch"):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(LENGTHS) + 64 * len(LENGTHS)
+    host = HostTotalPool(LAYERS, T, device="cpu")
+    table = RequestTable(len(LENGTHS), max(LENGTHS) + 64)
+    rows, locs = [], []
+    for n in LENGTHS:
+        r = table.alloc_row()
+        loc = host.alloc(n + 32)
+        table.set(r, 0, loc)
+        rows.append(r)
+        locs.append(loc)
+    rows_t = torch.tensor(rows)
+    # context: random latents (host pool and HBM store alike) and indexer keys with some structure
+    latents = torch.zeros((LAYERS, latent_store_rows(T), 656), dtype=torch.uint8)
+    index_cache = torch.zeros((LAYERS, T, INDEXER_ENTRY_BYTES), dtype=torch.uint8)
+    for layer in range(LAYERS):
+        ent = pack_latent(torch.randn(T, 512, generator=g), torch.randn(T, 64, generator=g))
+        host.entries[layer] = ent
+        latents[layer, :T] = ent
+        index_cache[layer] = pack_indexer_key(torch.randn(T, 128, generator=g))
+    m = HotPoolCacheManager(host, slots, device="cpu", max_selected=len(LENGTHS) * TOPK, resolve_impl=resolve_impl)
+    opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, da_width=da_width, indexer="torch")
+    pf = EchoPrefetcher(LAYERS, table.req_to_token.shape[0], max(LENGTHS) + 64, cap_fraction=cap_fraction,
+                        cap_min_tokens=8) if prefetch else None
+    width = table.req_to_token.shape[1]
+    ess = EssDecodeStack(m, index_cache.clone(), width, opts, max_batch=len(LENGTHS), prefetcher=pf)
+    hbm = HbmDecodeStack(latents, index_cache.clone(), width, StackOptions(modes=modes, top_k=TOPK, indexer="torch"),
+                         split_attention=split_attention)
+    return ess, hbm, table, rows_t, locs
+
+
+def steps(n, table, rows, locs, seed=1):
+    """Per step: the batch tables and per-layer inputs; the indexer query drifts slowly, so selections overlap."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(LENGTHS)
+    base = [torch.randn(B, 1, IHEADS, 128, generator=g) for _ in range(LAYERS)]
+    for s in range(n):
+        seq = torch.tensor([ln + s + 1 for ln in LENGTHS])
+        new_locs = torch.stack([locs[b][LENGTHS[b] + s] for b in range(B)])
+        batch = DecodeBatch(table.req_to_token, rows, seq, new_locs)
+        inputs = []
+        for layer in range(LAYERS):
+            base[layer] = base[layer] + 0.15 * torch.randn(base[layer].shape, generator=g)
+            inputs.append(LayerInputs(
+                q_index=base[layer], w_index=torch.rand(B, 1, IHEADS, generator=g),
+                q=torch.randn(B, 1, HEADS, 576, generator=g),
+                new_latent=pack_latent(torch.randn(B, 512, generator=g), torch.randn(B, 64, generator=g)),
+                new_index_key=pack_indexer_key(torch.randn(B, 128, generator=g))))
+        yield batch, inputs
+
+
+@pytest.mark.parametrize("modes,prefetch", [(("sync", "sync"), False), (("sync", "sync"), True),
+                                            (("dba", "dba"), False), (("dba", "sync"), True)])
+def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch):
+    ess, hbm, table, rows, locs = build(modes, prefetch=prefetch, split_attention=True)
+    for s, (batch, inputs) in enumerate(steps(12, table, rows, locs)):
+        got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
+        for layer in range(LAYERS):
+            assert torch.equal(got[layer], want[layer]), f"step {s} layer {layer}"
+    c = ess.m.counters.sum(0)
+    assert c[Counter.MISSES] > 0 and c[Counter.HITS] > c[Counter.MISSES], "the test should exercise hits and misses"
+    assert c[Counter.OVERFLOW] == 0 and c[Counter.BAD_INDICES] == 0
+    if prefetch:
+        assert c[Counter.PREFETCHED] > 0 and c[Counter.PREFETCH_USEFUL] > 0
+        assert c[Counter.PREFETCH_USEFUL] + c[Counter.PREFETCH_WASTED] == c[Counter.PREFETCHED]
+    else:
+        assert c[Counter.PREFETCHED] == 0
+    ess.m.check_invariants()
+
+
+@pytest.mark.parametrize("da_width", [64, 128])
+def test_dual_attention_equals_single_pass_up_to_rounding(da_width):
+    # da_width 64 is narrower than many rows' misses: their excess is copied before Attn0
+    ess, hbm, table, rows, locs = build(("da", "da"), da_width=da_width, slots=448)
+    worst = 0.0
+    for batch, inputs in steps(10, table, rows, locs):
+        got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
+        for layer in range(LAYERS):
+            worst = max(worst, float((got[layer] - want[layer]).abs().max() / want[layer].abs().max()))
+    assert worst < 1e-5, worst  # float32 reference attention: the merge differs by rounding only
+    assert ess.m.counters[:, Counter.MISSES].sum() > 0
+    ess.m.check_invariants()
+
+
+def test_prefetch_waste_stays_under_the_cap_and_the_threshold_follows_the_kth_score():
+    ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, cap_fraction=0.02)
+    pf = ess.prefetcher
+    caps = 0
+    for batch, inputs in steps(8, table, rows, locs):
+        ess.step(batch, inputs)
+        caps += int(pf.caps(batch.seq_lens).sum()) * LAYERS
+    c = ess.m.counters.sum(0)
+    assert 0 < c[Counter.PREFETCH_WASTED] <= c[Counter.PREFETCHED] <= caps
+    assert bool(torch.isfinite(pf.threshold[:, rows]).all())
+
+
+def test_prefetch_threshold_is_an_ema_of_the_kth_score():
+    pf = EchoPrefetcher(1, 4, 1000, alpha=0.5)
+    rows = torch.tensor([2, 0])
+    pf.update(0, torch.tensor([[4.0], [1.0]]), rows)
+    assert pf.threshold[0].tolist()[:3] == [1.0, float("inf"), 4.0]
+    pf.update(0, torch.tensor([[2.0, 3.0], [3.0, 5.0]]), rows)  # the lower of two query tokens counts
+    assert pf.threshold[0, 2] == 3.0 and pf.threshold[0, 0] == 2.0
+    pf.reset_rows(torch.tensor([2]))
+    assert pf.threshold[0, 2] == float("inf")
+
+
+def test_prefetch_candidates_are_above_threshold_missing_recent_first_and_capped():
+    pf = EchoPrefetcher(1, 2, 256, cap_fraction=0.0, cap_min_tokens=3)
+    req_to_token = torch.arange(512).view(2, 256).int()
+    logits = torch.full((2, 1, 256), -1.0)
+    logits[0, 0, [5, 6, 7, 8, 200]] = 2.0  # 5 candidates for request 0 (cap 3), 200 beyond its length
+    logits[1, 0, [1, 2]] = 2.0
+    loc_to_slot = torch.full((513,), -1, dtype=torch.int32)
+    loc_to_slot[7] = 3  # resident: not a candidate
+    pf.threshold[0] = 0.0
+    c = pf.candidates(0, logits, req_to_token, torch.tensor([0, 1]), torch.tensor([100, 100]), loc_to_slot, 512)
+    assert c.view(2, -1).tolist() == [[8, 6, 5], [258, 257, -1]]
+
+
+def test_merge_attention_handles_empty_sides():
+    q = torch.randn(2, 1, 4, 576)
+    entries = pack_latent(torch.randn(64, 512), torch.randn(64, 64))
+    table = torch.randperm(64)[:32].view(1, 1, 32).expand(2, 1, 32).int().clone()
+    full, lse = sparse_mla_reference(q, entries, table, 0.05)
+    t0, t1 = table.clone(), table.clone()
+    t0[..., 20:] = -1
+    t1[..., :20] = -1
+    t1[1] = table[1]
+    t0[1] = -1  # request 1: everything on side 1
+    o0, l0 = sparse_mla_reference(q, entries, t0, 0.05)
+    o1, l1 = sparse_mla_reference(q, entries, t1, 0.05)
+    merged = merge_attention(o0, l0, o1, l1)
+    assert torch.allclose(merged, full, rtol=1e-5, atol=1e-6)
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="overlap modes"):
+        StackOptions(modes=["sync", "fast"])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        StackOptions(modes=["da"], da_width=100)
+    with pytest.raises(ValueError, match="2 overlap modes for 3 layers"):
+        HbmDecodeStack(torch.zeros(3, 64, 656, dtype=torch.uint8), torch.zeros(3, 64, 132, dtype=torch.uint8), 64,
+                       StackOptions(modes=["sync", "sync"]))
+
+
+def test_translate_kernel_equals_the_torch_definition():
+    from ess_sglang.cache_manager import positions_to_locations
+    from ess_sglang.kernels.translate import translate_positions_triton
+
+    g = torch.Generator().manual_seed(5)
+    req_to_token = torch.randint(-2, 3000, (6, 400), generator=g).int()  # some entries out of range on purpose
+    pos = torch.randint(-1, 450, (4, 2, 96), generator=g).int()
+    rpi, seq = torch.tensor([5, 0, 3, 2]), torch.tensor([400, 10, 300, 1])
+    want, _ = positions_to_locations(pos, req_to_token, rpi, seq, 2500)
+    got = translate_positions_triton(pos, req_to_token, rpi, seq, 2500)
+    assert torch.equal(got, want.int())
