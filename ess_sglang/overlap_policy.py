@@ -1,0 +1,470 @@
+"""Per-layer overlap policy: which way each decode layer hides its miss fetch, chosen offline from a profile.
+
+Every decode layer resolves the indexer's exact top-k selection against its hot pool, and fetches the distinct
+misses over PCIe before attention reads them. Three modes, chosen per layer:
+
+    sync  resolve + fetch, then attention: nothing overlaps.
+    da    dual attention: attention over the hits runs while the misses are in flight on a copy stream, then a
+          small attention over the misses; the two are merged by log-sum-exp.
+    dba   dual-batch: the batch is split in two halves; half A's resolve + fetch runs on a side stream while half
+          B's indexer + top-k run, and half B's fetch while half A's attention runs.
+
+`ess profile` (ess_sglang/profile_cmd.py) replays top-k traces through the cache manager to count every layer's
+misses per step, applies the cost model below and writes an overlap profile (YAML, `OverlapProfile`); the runtime
+reads it with `modes_for_layers(path, num_layers)` through `ess_config.overlap_profile`.
+
+Cost model (one layer, one decode step; all times in microseconds, constants in `DeviceTimings`)::
+
+    M        distinct misses of the whole batch in the step
+    B, C     batch (requests) and mean context length (tokens per request)
+    T        = M x entry_bytes / h2d_gbps / 1e3          fetch time of the misses over PCIe
+    A(b)     attention of b requests: `attention_us` interpolated linearly in b (beyond the last point, the last
+             segment's slope continues; below the first point, the first segment's)
+    I(b, C)  = indexer_topk_us x (b x C) / (indexer_ref_batch x indexer_ref_context)    indexer + top-k
+    R        = resolve_us                                 resolve bookkeeping (lookup, dedup, eviction)
+
+    exposed time (what ESS adds to the layer's critical path, against the same layer with every latent in HBM):
+    sync  = R + T
+    da    = R + max(0, T - A(B)) + da_overhead_us
+    dba   = R + max(0, T - H) + dba_overhead_us + S,   H = I(B/2, C) + A(B/2),   S = max(0, 2 A(B/2) - A(B))
+            (H: what the two halves' overlap can hide; S: two half-batch attention kernels cost more than one;
+            B/2 is not rounded; dba is unavailable, None, when B < 2)
+
+    mode = the one with the smallest exposed time (ties go to the earlier of MODES); M == 0 always gives "sync".
+
+Resolve is counted on the critical path in every mode (in dba each half's resolve runs on the side stream, but it is
+SM work competing with the kernels it would overlap, so the model does not count it as hidden); it therefore never
+moves the choice, and the exposed times read as ESS's whole per-layer cost.
+
+With the H200 defaults at B = 64, C = 32K (A = 95, I(32) = 150, A(32) = 59.7, S = 24.3 us): sync is best below
+610 misses per step (T < 10 us), da up to about 7,600 (T < 124 us), dba above.
+
+File layout (`save_profile` writes it, `load_profile` validates it)::
+
+    format_version: 1
+    header:  {command, date, source, trace, slots_per_layer, ratio, batch, context, top_k, steps, ...}
+    device:  {entry_bytes, h2d_gbps, attention_us, indexer_topk_us, ..., note}
+    layers:
+    - {layer: 0, misses_mean, misses_p95, lookups_mean, hit_rate, model_misses, mode, exposed_us: {sync, da, dba}}
+
+Every error is an `OverlapProfileError` naming the file, the YAML key (``layers[3].mode``) and the layer.
+This module imports pydantic, numpy and pyyaml only (no torch): the runtime reads profiles before allocating.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import numpy as np
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+MODES = ("sync", "da", "dba")
+FORMAT_VERSION = 1
+OVERLAP_LEVELS = ("none", "da", "full")
+"""`ess_config.prefetch_overlap_level` values that `restrict_modes` understands."""
+
+_LINE = "ESS per-layer overlap profile: sync / da (dual attention) / dba (dual-batch) per decode layer."
+
+
+class OverlapProfileError(ValueError):
+    """An invalid overlap profile or request; the message names the file, the YAML key and the layer."""
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+PosInt = Annotated[StrictInt, Field(gt=0)]
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
+
+H200_NOTE = ("NVIDIA H200 (PCIe Gen5 x16), docs DESIGN.md section 2, measured 2026-11-29: UVA gather of 656-B "
+             "entries 39-45 GB/s (40 used); FlashMLA sparse decode (V32 fp8, top-k 2048, 128 heads) per layer 22 us "
+             "at batch 1, 42 at 16, 95 at 64, 181 at 128; indexer + top-k ~300 us per layer at batch 64 and 32K "
+             "context, linear in batch x context (estimate); resolve ~40 us per layer (estimate, fused Triton "
+             "resolve not yet at target); DA and DBA fixed overheads 10 and 15 us (estimates: extra launches)")
+
+
+class DeviceTimings(BaseModel):
+    """The cost model's constants (see the module docstring); the defaults are the project's H200."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr = "NVIDIA H200 (PCIe Gen5 x16)"
+    note: StrictStr = H200_NOTE
+    """Where the numbers come from."""
+    entry_bytes: PosInt = 656
+    """Bytes one miss moves (V32 latent entry)."""
+    h2d_gbps: PosFloat = 40.0
+    """Achieved H2D gather bandwidth for scattered entries, GB/s (1e9 B/s)."""
+    attention_us: dict[int, PosFloat] = Field(default_factory=lambda: {1: 22.0, 16: 42.0, 64: 95.0, 128: 181.0})
+    """Sparse attention time of one layer by batch size (interpolated linearly); at least two points."""
+    indexer_topk_us: NonNegFloat = 300.0
+    """Indexer + top-k time of one layer at indexer_ref_batch x indexer_ref_context; linear in batch x context."""
+    indexer_ref_batch: PosInt = 64
+    indexer_ref_context: PosInt = 32768
+    resolve_us: NonNegFloat = 40.0
+    """Resolve bookkeeping per layer (lookup, dedup, eviction, slot table)."""
+    da_overhead_us: NonNegFloat = 10.0
+    """Fixed cost of DA: the second small attention, the table split and the log-sum-exp merge."""
+    dba_overhead_us: NonNegFloat = 15.0
+    """Fixed cost of DBA: about two extra kernel launches per op."""
+
+    @field_validator("attention_us")
+    @classmethod
+    def _two_points(cls, v: dict[int, float]) -> dict[int, float]:
+        if len(v) < 2:
+            raise ValueError(f"needs at least two batch sizes to interpolate, got {len(v)}")
+        if any(b < 1 for b in v):
+            raise ValueError(f"batch sizes must be >= 1, got {sorted(v)}")
+        return dict(sorted(v.items()))
+
+    # ---------------------------------------------------------------- the model's terms
+    def fetch_us(self, misses: float) -> float:
+        """T: time to fetch `misses` entries over PCIe."""
+        return misses * self.entry_bytes / (self.h2d_gbps * 1e3)
+
+    def attention_time_us(self, batch: float) -> float:
+        """A(b): attention of one layer for b requests, linear between (and beyond) the table's points."""
+        xs = list(self.attention_us)
+        ys = list(self.attention_us.values())
+        i = min(max(bisect.bisect_right(xs, batch) - 1, 0), len(xs) - 2)
+        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+        return max(y0 + (y1 - y0) * (batch - x0) / (x1 - x0), 0.0)
+
+    def indexer_time_us(self, batch: float, context: float) -> float:
+        """I(b, C): indexer + top-k of one layer."""
+        return self.indexer_topk_us * batch * context / (self.indexer_ref_batch * self.indexer_ref_context)
+
+
+class ModeTimes(BaseModel):
+    """Predicted exposed time of each mode for one layer, microseconds (dba None: not possible at batch 1)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sync: NonNegFloat
+    da: NonNegFloat
+    dba: NonNegFloat | None
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {m: getattr(self, m) for m in MODES}
+
+
+class LayerProfile(BaseModel):
+    """One decode layer: its measured misses and the mode chosen for it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    layer: NonNegInt
+    misses_mean: NonNegFloat
+    """Distinct misses per step, whole batch, mean over the profiled steps."""
+    misses_p95: NonNegFloat
+    """95th percentile of the same."""
+    lookups_mean: NonNegFloat
+    """Selected entries per step, whole batch."""
+    hit_rate: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+    model_misses: NonNegFloat
+    """Misses per step the cost model used: misses_mean or misses_p95 (header.chosen_by) x header.miss_scale."""
+    mode: StrictStr
+    exposed_us: ModeTimes
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, v: str) -> str:
+        if v not in MODES:
+            raise ValueError(f"unknown mode {v!r}; expected one of {', '.join(MODES)}")
+        return v
+
+
+class ProfileHeader(BaseModel):
+    """What produced the profile, and the cost model's inputs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    command: StrictStr
+    """The `ess profile` command line that regenerates the file."""
+    date: StrictStr
+    source: Literal["trace", "synthetic", "demo"]
+    trace: StrictStr | None = None
+    """Trace file (source trace), or a short description of the generated trace."""
+    trace_batch: PosInt
+    trace_top_k: PosInt
+    trace_context_mean: NonNegFloat
+    """Mean tokens per request over the profiled steps."""
+    steps: PosInt
+    """Decode steps replayed."""
+    slots_per_layer: PosInt
+    ratio: PosFloat | None = None
+    """Hot-pool ratio the slots came from (slots / tokens held), None when slots were given directly."""
+    warmup: StrictStr
+    batch: PosInt
+    """Cost model: requests per decode batch."""
+    context: PosInt
+    """Cost model: tokens per request."""
+    top_k: PosInt
+    """Cost model: entries selected per request and layer."""
+    miss_scale: PosFloat
+    """(batch / trace_batch) x (top_k / trace_top_k): measured misses x this = the cost model's misses."""
+    chosen_by: Literal["mean", "p95"]
+
+
+class OverlapProfile(BaseModel):
+    """A whole profile file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: Literal[1] = FORMAT_VERSION
+    header: ProfileHeader
+    device: DeviceTimings = Field(default_factory=DeviceTimings)
+    layers: list[LayerProfile]
+
+    @model_validator(mode="after")
+    def _layers_in_order(self) -> OverlapProfile:
+        if not self.layers:
+            raise ValueError("layers: the profile lists no layers")
+        for i, lp in enumerate(self.layers):
+            if lp.layer != i:
+                raise ValueError(f"layers[{i}].layer (layer {lp.layer}): layers must be listed in order 0, 1, ...; "
+                                 f"expected layer {i} here")
+        return self
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def modes(self) -> list[str]:
+        return [lp.mode for lp in self.layers]
+
+
+# ------------------------------------------------------------------------------------------------ cost model
+
+def exposed_times(misses: float, batch: int, context: float, device: DeviceTimings | None = None) -> ModeTimes:
+    """Predicted exposed time of each mode for one layer with `misses` distinct misses per step (module docstring)."""
+    d = device or DeviceTimings()
+    if misses < 0 or not math.isfinite(misses):
+        raise OverlapProfileError(f"misses: must be a finite number >= 0, got {misses}")
+    if batch < 1 or context <= 0:
+        raise OverlapProfileError(f"batch and context must be positive, got batch={batch}, context={context}")
+    T, R = d.fetch_us(misses), d.resolve_us
+    A = d.attention_time_us(batch)
+    sync = R + T
+    da = R + max(0.0, T - A) + d.da_overhead_us
+    dba = None
+    if batch >= 2:
+        half_a = d.attention_time_us(batch / 2)
+        hide = d.indexer_time_us(batch / 2, context) + half_a
+        split = max(0.0, 2 * half_a - A)
+        dba = R + max(0.0, T - hide) + d.dba_overhead_us + split
+    return ModeTimes(sync=sync, da=da, dba=dba)
+
+
+def best_mode(times: ModeTimes, misses: float) -> str:
+    """The mode with the smallest exposed time (ties: the earlier of MODES); "sync" when there are no misses."""
+    if misses <= 0:
+        return "sync"
+    cand = [(t, i) for i, t in enumerate(times.as_dict().values()) if t is not None]
+    return MODES[min(cand)[1]]
+
+
+def choose_modes(misses_per_step: Sequence[float], batch: int, context: float,
+                 device: DeviceTimings | None = None) -> list[str]:
+    """The mode of every layer, given each layer's distinct misses per step (whole batch)."""
+    return [best_mode(exposed_times(m, batch, context, device), m) for m in misses_per_step]
+
+
+def restrict_modes(modes: Sequence[str], level: str) -> list[str]:
+    """Apply `ess_config.prefetch_overlap_level`: "none" -> all sync, "da" -> dba layers use da, "full" -> as is."""
+    if level not in OVERLAP_LEVELS:
+        raise OverlapProfileError(f"prefetch_overlap_level: {level!r} is not one of {', '.join(OVERLAP_LEVELS)}")
+    if level == "none":
+        return ["sync"] * len(modes)
+    if level == "da":
+        return ["da" if m == "dba" else m for m in modes]
+    return list(modes)
+
+
+def build_profile(misses: np.ndarray, lookups: np.ndarray, header: ProfileHeader,
+                  device: DeviceTimings | None = None) -> OverlapProfile:
+    """A profile from per-step counts: `misses` and `lookups` are [steps, layers] (whole batch, one layer's step).
+
+    The cost model runs at header.batch / header.context with misses_mean (or misses_p95, header.chosen_by) x
+    header.miss_scale. Numbers are rounded as they will be written (3 decimals; hit rate 6), so a saved and loaded
+    profile equals this one.
+    """
+    d = device or DeviceTimings()
+    misses = np.asarray(misses, dtype=np.float64)
+    lookups = np.asarray(lookups, dtype=np.float64)
+    if misses.ndim != 2 or misses.shape != lookups.shape or misses.shape[0] < 1 or misses.shape[1] < 1:
+        raise OverlapProfileError(f"misses and lookups must both be [steps, layers], got {misses.shape} and "
+                                  f"{lookups.shape}")
+    layers = []
+    for layer in range(misses.shape[1]):
+        m, look = misses[:, layer], lookups[:, layer]
+        mean, p95 = round(float(m.mean()), 3), round(float(np.percentile(m, 95)), 3)
+        model_m = round((mean if header.chosen_by == "mean" else p95) * header.miss_scale, 3)
+        t = exposed_times(model_m, header.batch, header.context, d)
+        times = ModeTimes(**{k: None if v is None else round(v, 3) for k, v in t.as_dict().items()})
+        hit = 1.0 - float(m.sum()) / float(look.sum()) if look.sum() > 0 else 1.0
+        layers.append(LayerProfile(layer=layer, misses_mean=mean, misses_p95=p95,
+                                   lookups_mean=round(float(look.mean()), 3), hit_rate=round(hit, 6),
+                                   model_misses=model_m, mode=best_mode(t, model_m), exposed_us=times))
+    return OverlapProfile(header=header, device=d, layers=layers)
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+def _key_path(loc: Sequence[Any]) -> str:
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) and not isinstance(p, bool) else (f".{p}" if out else str(p))
+    return out or "(top level)"
+
+
+def _convert(exc: ValidationError, where: str) -> OverlapProfileError:
+    """One line per pydantic problem: ``<where>: <yaml key> (layer N): <message>``."""
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        key = _key_path(loc)
+        if len(loc) >= 2 and loc[0] == "layers" and isinstance(loc[1], int):
+            key += f" (layer {loc[1]})"
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        elif err["type"] == "value_error":
+            msg = str(err["ctx"]["error"])
+            if not loc and ":" in msg:  # a model-level check already names its key
+                key, msg = msg.split(": ", 1)
+        else:
+            msg = err["msg"][:1].lower() + err["msg"][1:]
+            if "input" in err and not isinstance(err["input"], Mapping | list):
+                msg += f" (got {err['input']!r})"
+        lines.append(f"{where}: {key}: {msg}")
+    return OverlapProfileError("\n".join(lines))
+
+
+def profile_from_mapping(data: Any, where: str = "overlap profile") -> OverlapProfile:
+    """Validate a parsed YAML document; `where` (the file) starts every error line."""
+    if not isinstance(data, Mapping):
+        raise OverlapProfileError(f"{where}: expected a mapping with keys format_version, header, device, layers; "
+                                  f"got {type(data).__name__}")
+    if "format_version" in data and data["format_version"] != FORMAT_VERSION:
+        raise OverlapProfileError(f"{where}: format_version: {data['format_version']!r} is not supported (this "
+                                  f"code reads {FORMAT_VERSION})")
+    try:
+        return OverlapProfile.model_validate(dict(data))
+    except ValidationError as exc:
+        raise _convert(exc, where) from None
+
+
+def device_timings_from_mapping(data: Any, where: str = "device timings") -> DeviceTimings:
+    """DeviceTimings from a mapping (the `device:` section of a profile, or a bare mapping of its keys).
+
+    Keys not given keep their H200 defaults; `attention_us`, when given, replaces the whole table.
+    """
+    if isinstance(data, Mapping) and "device" in data:
+        data, prefix = data["device"], "device."
+    else:
+        prefix = ""
+    if not isinstance(data, Mapping):
+        raise OverlapProfileError(f"{where}: {prefix or '(top level)'}: expected a mapping of device timings, got "
+                                  f"{type(data).__name__}")
+    try:
+        return DeviceTimings.model_validate({**DeviceTimings().model_dump(), **dict(data)})
+    except ValidationError as exc:
+        err = _convert(exc, where)
+        if prefix:
+            err = OverlapProfileError("\n".join(line.replace(f"{where}: ", f"{where}: {prefix}", 1)
+                                                for line in str(err).splitlines()))
+        raise err from None
+
+
+def read_yaml(path: str | Path, what: str = "overlap profile") -> Any:
+    """Parse a YAML file; a missing file or malformed YAML raises OverlapProfileError naming the file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise OverlapProfileError(f"{what} {p}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OverlapProfileError(f"{what} {p}: cannot read: {exc}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise OverlapProfileError(f"{what} {p}: malformed YAML{at}: {problem}") from None
+
+
+def dump_profile(profile: OverlapProfile) -> str:
+    """The YAML text of a profile: header and device as blocks, one line per layer."""
+    def block(obj: Any) -> str:
+        return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False, width=10**6, allow_unicode=True)
+
+    data = profile.model_dump(mode="python")
+    lines = [f"# {_LINE}",
+             "# Written by `ess profile` (ess_sglang/profile_cmd.py); regenerate with header.command. The runtime",
+             "# reads `mode` of every layer (ess_config.overlap_profile); the other numbers explain the choice.",
+             block({"format_version": data["format_version"]}).rstrip("\n"),
+             block({"header": data["header"]}).rstrip("\n"),
+             block({"device": data["device"]}).rstrip("\n"),
+             "layers:"]
+    for lp in data["layers"]:
+        lines.append("- " + yaml.safe_dump(lp, sort_keys=False, default_flow_style=True, width=10**6).strip())
+    return "\n".join(lines) + "\n"
+
+
+def save_profile(profile: OverlapProfile, path: str | Path) -> Path:
+    """Write `profile` as YAML (creating parent directories); returns the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(dump_profile(profile), encoding="utf-8")
+    return p
+
+
+def _check_num_layers(num_layers: Any) -> int:
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int | np.integer) or num_layers < 1:
+        raise OverlapProfileError(f"num_layers: must be a positive integer, got {num_layers!r}")
+    return int(num_layers)
+
+
+def _check_count(profile: OverlapProfile, num_layers: int | None, where: str) -> OverlapProfile:
+    if num_layers is not None and profile.num_layers != _check_num_layers(num_layers):
+        raise OverlapProfileError(f"{where}: layers: the profile lists {profile.num_layers} layers, the model has "
+                                  f"{num_layers}; profile the model's own layers (ess profile)")
+    return profile
+
+
+def load_profile(path: str | Path, num_layers: int | None = None) -> OverlapProfile:
+    """Read and validate a profile; with `num_layers`, also check that it lists exactly that many layers."""
+    if num_layers is not None:
+        _check_num_layers(num_layers)
+    where = f"overlap profile {Path(path)}"
+    return _check_count(profile_from_mapping(read_yaml(path), where), num_layers, where)
+
+
+def modes_for_layers(path_or_profile: str | Path | OverlapProfile, num_layers: int) -> list[str]:
+    """The mode ("sync", "da" or "dba") of each of the model's `num_layers` decode layers, in layer order."""
+    _check_num_layers(num_layers)
+    if isinstance(path_or_profile, OverlapProfile):
+        return _check_count(path_or_profile, num_layers, "overlap profile").modes()
+    if not isinstance(path_or_profile, str | Path):
+        raise OverlapProfileError(f"overlap profile: expected a path or an OverlapProfile, got "
+                                  f"{type(path_or_profile).__name__}")
+    return load_profile(path_or_profile, num_layers).modes()
