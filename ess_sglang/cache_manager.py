@@ -33,7 +33,7 @@ from enum import IntEnum
 import torch
 
 from ess_sglang.host_pool import HostTotalPool
-from ess_sglang.kernels.flashtrans import copy_rows
+from ess_sglang.kernels.flashtrans import copy_rows, copy_rows_counted, copy_rows_reference
 from ess_sglang.kernels.resolve import MODE_LOCATIONS, MODE_POSITIONS, FusedResolver
 
 FREE_STAMP = -(1 << 40)
@@ -56,6 +56,7 @@ class Counter(IntEnum):
     PREFETCHED = 10  # entries fetched by prefetch, before the exact top-k was known (also counted in H2D_ENTRIES)
     PREFETCH_USEFUL = 11  # prefetched entries that the exact top-k of the same step selected
     PREFETCH_WASTED = 12  # prefetched entries that it did not select
+    NOT_RESIDENT = 13  # entries a resident-only lookup did not find (a broken all-resident promise: must stay 0)
 
 
 @dataclass
@@ -63,10 +64,13 @@ class FetchList:
     """The host -> hot-pool copies a deferred resolve leaves to do: host location src[i] into slot dst[i].
 
     Fixed-size int64 tensors (so that they live inside a CUDA graph); -1 in both where there is nothing to copy.
+    `count` (one int64 on the device): only the first `count` pairs can be real (the fused resolve lists its misses
+    first), so the copy kernel stops there without the host ever reading it.
     """
 
     src: torch.Tensor
     dst: torch.Tensor
+    count: torch.Tensor
 
 
 def positions_to_locations(topk_pos: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -147,9 +151,22 @@ class HotPoolCacheManager:
             raise ValueError(f"resolve_impl must be 'auto', 'triton' or 'torch', got {resolve_impl!r}")
         self.resolve_impl = resolve_impl
         self._fused = FusedResolver(S, max_selected, dev) if resolve_impl == "triton" else None
+        # persistent programs of a deferred fetch when the caller names none: enough to fill the GPU
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
+        self.copy_programs = 4 * sms if sms else 2
         # Optional observer of PCIe copies, called as on_transfer(direction, run) and expected to call run(): the
         # demo times them with it. The fused resolve copies misses inside its kernel, without passing through here.
         self.on_transfer = None
+
+    def reset(self) -> None:
+        """Empty every hot pool and zero the clock and counters (the host pool is untouched): benchmarks start each
+        variant from the same state with it."""
+        self.loc_to_slot.fill_(-1)
+        self.slot_to_loc.fill_(-1)
+        self.slot_stamp.fill_(FREE_STAMP)
+        self.prefetched.fill_(-1)
+        self.clock.zero_()
+        self.counters.zero_()
 
     # ------------------------------------------------------------------ per step
     def begin_step(self) -> None:
@@ -206,24 +223,67 @@ class HotPoolCacheManager:
             self._settle_prefetch(layer, slots)
         return slots.view(topk_pos.shape)
 
+    def lookup_resident(self, layer: int, topk_pos: torch.Tensor, req_to_token: torch.Tensor,
+                        req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """The slot table of a selection whose every entry is known to be resident (the caller's promise, e.g. all
+        live tokens fit the pool and were loaded): one lookup, no protection, eviction or copy, for small batches.
+
+        Counts LOOKUPS and HITS; an entry that is not resident after all gets slot -1 and counts NOT_RESIDENT.
+        """
+        cnt = self.counters[layer]
+        if topk_pos.is_cuda:
+            from ess_sglang.kernels.translate import translate_positions_triton
+            return translate_positions_triton(
+                topk_pos, req_to_token, req_pool_indices, seq_lens, self.num_locations,
+                loc_to_slot=self.loc_to_slot[layer], num_slots=self.slots_per_layer, counters=cnt,
+                counter_ids=(int(Counter.LOOKUPS), int(Counter.HITS), int(Counter.NOT_RESIDENT)))
+        locs, _ = self.translate(topk_pos, req_to_token, req_pool_indices, seq_lens)
+        slot = self._lookup(layer, locs.reshape(-1)).view(locs.shape)
+        ok = locs >= 0
+        cnt[Counter.LOOKUPS] += ok.sum()
+        cnt[Counter.HITS] += (slot >= 0).sum()
+        cnt[Counter.NOT_RESIDENT] += (ok & (slot < 0)).sum()
+        return slot.to(torch.int32)
+
     def new_fetch_list(self, capacity: int | None = None) -> FetchList:
         """A fetch list for deferred resolves of up to `capacity` entries (default: `max_selected`)."""
         n = capacity if capacity is not None else self._entry_ids.numel()
         return FetchList(torch.full((n,), -1, dtype=torch.int64, device=self.device),
-                         torch.full((n,), -1, dtype=torch.int64, device=self.device))
+                         torch.full((n,), -1, dtype=torch.int64, device=self.device),
+                         torch.zeros(1, dtype=torch.int64, device=self.device))
 
-    def fetch(self, layer: int, fetch_list: FetchList) -> None:
-        """Copy what a deferred resolve left to do (FlashTrans H2D gather into the hot slots)."""
-        self._copy(self.host.layer(layer), self.hot_entries[layer], fetch_list.src, fetch_list.dst, direction="h2d")
+    def fetch(self, layer: int, fetch_list: FetchList, programs: int | None = None) -> None:
+        """Copy what a deferred resolve left to do (FlashTrans H2D gather into the hot slots).
 
-    def prefetch(self, layer: int, locs: torch.Tensor, fetch_list: FetchList | None = None) -> torch.Tensor:
+        `programs`: persistent copy programs (default `copy_programs`, enough for the whole GPU); fewer leave SMs to
+        the compute a copy on a side stream overlaps.
+        """
+        if self.copy_impl == "none":
+            return
+        src, dst = self.host.layer(layer), self.hot_entries[layer]
+
+        def run() -> None:
+            if fetch_list.src.is_cuda or self.copy_impl == "triton":
+                copy_rows_counted(src, dst, fetch_list.src, fetch_list.dst, fetch_list.count,
+                                  programs or self.copy_programs)
+            else:  # CPU torch path: -1 marks every pair past the count as well
+                copy_rows_reference(src, dst, fetch_list.src, fetch_list.dst)
+
+        if self.on_transfer is not None:
+            self.on_transfer("h2d", run)
+        else:
+            run()
+
+    def prefetch(self, layer: int, locs: torch.Tensor, fetch_list: FetchList | None = None,
+                 programs: int | None = None) -> torch.Tensor:
         """Fetch the given KV locations (1-D, -1 to skip) before the exact top-k is known (ECHO prefetch).
 
         Like warm-up, but nothing is protected: resident entries keep their recency and new ones are stamped as the
         newest evictable entries (clock - 1), so the exact resolve of the step can always evict them (a prefetch can
         cost extra misses, never an overflow). The new slots are marked, so that the exact resolve
         (`settle_prefetch=True`) counts each as useful (selected, still holding its entry) or wasted.
-        `fetch_list` (at least len(locs) entries) receives what was fetched; by default a scratch list. Returns slots.
+        `fetch_list` (at least len(locs) entries) receives what was fetched; by default a scratch list. `programs`:
+        the copy's persistent programs (see `fetch`). Returns slots.
         """
         flat = locs.reshape(-1).long()
         flat = torch.where((flat >= 0) & (flat < self.num_locations), flat, -1)
@@ -231,15 +291,19 @@ class HotPoolCacheManager:
         if self._fused is not None:
             slots = self._fused_run(layer, flat, MODE_LOCATIONS, count=False,
                                     fetch=(Counter.PREFETCHED, Counter.H2D_ENTRIES),
-                                    copy_from=self.host.layer(layer), fetch_list=record, protect=False).long()
+                                    copy_from=None, fetch_list=record, protect=False).long()
+            if record.src.numel() > flat.numel():
+                record.src[flat.numel():].fill_(-1)
+                record.dst[flat.numel():].fill_(-1)
         else:
-            slots, _, fetched = self._make_resident(layer, flat, copy=True, record=record, protect=False)
+            slots, _, fetched = self._make_resident(layer, flat, copy=False, record=record, protect=False)
             self.counters[layer, Counter.PREFETCHED] += fetched
             self.counters[layer, Counter.H2D_ENTRIES] += fetched
+        self.fetch(layer, record, programs)
         n = flat.numel()
         dst = record.dst[:n]
         self.prefetched[layer].scatter_(0, torch.where(dst >= 0, dst, self.slots_per_layer), record.src[:n].int())
-        self.prefetched[layer, self.slots_per_layer] = -1
+        self.prefetched[layer, self.slots_per_layer:].fill_(-1)  # the sink (a slice: no host scalar in a graph)
         return slots
 
     def _prefetch_scratch(self, n: int) -> FetchList:
@@ -328,7 +392,8 @@ class HotPoolCacheManager:
             stamp=self.slot_stamp[layer], clock=self.clock, counters=self.counters[layer], count=count,
             fetch_counters=(int(fetch[0]), int(fetch[1])), counter_ids=_COUNTER_IDS,
             copy_from=copy_from if self.copy_impl != "none" else None, hot=self.hot_entries[layer],
-            fetch_list=(fetch_list.src, fetch_list.dst) if fetch_list is not None else None, protect=protect, **tables)
+            fetch_list=(fetch_list.src, fetch_list.dst, fetch_list.count) if fetch_list is not None else None,
+            protect=protect, **tables)
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,
               direction: str | None = None) -> None:
@@ -388,6 +453,7 @@ class HotPoolCacheManager:
             record.dst[:n].copy_(new_slot)
             record.src[n:].fill_(-1)
             record.dst[n:].fill_(-1)
+            record.count.fill_(n)
         if copy:
             self._copy(self.host.layer(layer), self.hot_entries[layer], fetch_src, new_slot, direction="h2d")
         return slot, hit.sum(), (new_slot >= 0).sum()

@@ -7,19 +7,28 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
     2. indexer logits over the request's whole context (main stream);
     3. [prefetch] candidates scoring above the EMA of the k-th best score are fetched on the side stream while
        the main stream runs the top-k (ECHO; `ess_sglang.prefetch`);
-    4. top-k positions; the k-th best score updates the prefetch threshold;
+    4. top-k positions (the k-th best score updates the prefetch threshold at the end of the layer, once the side
+       stream has read it);
     5. resolve + fetch, then attention over hot-pool slots, in the layer's mode:
-       sync  resolve (lookup, protect, evict, assign) and copy the misses, then attend. Exact.
+       sync  resolve (lookup, protect, evict, assign), copy the misses (a persistent FlashTrans copy over the
+             resolve's miss list, as many programs as fill the GPU), then attend. Exact.
        da    dual attention: resolve without copying; the misses are copied on the side stream while attention
              runs over the hits (Attn0); then attention over the misses (Attn1, a narrow table of `da_width`
              entries per query row); the two are merged with their log-sum-exps. Rows with more misses than
              `da_width` copy the excess before Attn0, so every entry is attended exactly once. Differs from
              single-pass attention by rounding only.
        dba   dual-batch attention: the batch is split in two; half A's resolve + copy run on the side stream
-             while the main stream runs half B's indexer and top-k, and half B's while half A attends. No merge;
-             FlashMLA's split-KV schedule depends on the batch size, so half-batch attention can differ from
-             whole-batch attention by rounding (the all-HBM stack given the same split is bit-identical).
+             while the main stream runs half B's indexer and top-k. Then either one attention over the whole
+             batch once half B's copy has landed (`dba_attention="whole"`, the default: exact), or half A attends
+             while half B's copy runs ("split": hides more, but FlashMLA's split-KV schedule depends on the batch
+             size, so half-batch attention can differ from whole-batch attention by rounding; the all-HBM stack
+             given the same split is bit-identical).
     6. the main stream waits for the side stream before the layer ends.
+
+Copies that overlap compute (DA's misses, DBA's halves, prefetches) run with `overlap_programs` persistent programs,
+leaving the other SMs to the kernels they overlap. When the caller knows that every live token of the batch is
+resident (`step(..., all_resident=True)`: small batches whose tokens all fit the pools and were loaded), step 5 is one
+lookup kernel (`HotPoolCacheManager.lookup_resident`) and attention: no resolve, no H2D traffic.
 
 `HbmDecodeStack` is the reference: the same steps 1, 2, 4 with every latent entry in device memory, positions
 translated to KV locations by one kernel, and attention over them; `split_attention=True` splits its attention
@@ -74,6 +83,9 @@ class StackOptions:
     prefetch: bool = False
     da_width: int = 256  # Attn1's table width (a multiple of 64 for FlashMLA)
     dba_split: float = 0.5  # fraction of the batch in half A
+    dba_attention: str = "whole"  # "whole": one attention over the batch (exact); "split": per half (hides more)
+    overlap_programs: int = 32  # persistent programs of a copy that overlaps compute (the rest of the SMs compute)
+    sync_copy: str = "counted"  # sync mode: "counted" (deferred list, whole-GPU copy) or "inline" (in the resolve)
     attention: str = "auto"  # "flashmla", "reference", or "auto" (FlashMLA on CUDA)
     indexer: str = "auto"  # "triton", "torch", or "auto"
 
@@ -86,17 +98,33 @@ class StackOptions:
                              f"got {self.da_width}")
         if not 0 < self.dba_split < 1:
             raise ValueError(f"dba_split must be in (0, 1), got {self.dba_split}")
+        if self.dba_attention not in ("whole", "split"):
+            raise ValueError(f"dba_attention must be 'whole' or 'split', got {self.dba_attention!r}")
+        if self.sync_copy not in ("counted", "inline"):
+            raise ValueError(f"sync_copy must be 'counted' or 'inline', got {self.sync_copy!r}")
+        if self.overlap_programs < 1:
+            raise ValueError(f"overlap_programs must be >= 1, got {self.overlap_programs}")
 
 
 # ------------------------------------------------------------------------------------------------ shared pieces
-def attend(kind: str, q: torch.Tensor, entries: torch.Tensor, table: torch.Tensor,
-           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(kind: str, q: torch.Tensor, entries: torch.Tensor, table: torch.Tensor, scale: float,
+           schedules: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over `entries` rows named by `table` [B, Q, K] (-1 padding).
 
+    `schedules`: FlashMLA split-KV schedules by table shape, computed by the first call of a step and reused by the
+    other layers (as SGLang does once per forward batch); None computes one per call.
     Returns (out [B, Q, H, 512], lse [B, Q, H] natural log, -inf for a row with no entry).
     """
     if kind == "flashmla":
-        out, lse = sparse_mla_flashmla(q, entries, table, scale)
+        meta = None
+        if schedules is not None:
+            from flash_mla import get_mla_metadata
+
+            key = (tuple(table.shape), q.shape[2])
+            if key not in schedules:
+                schedules[key] = get_mla_metadata()[0]
+            meta = schedules[key]
+        out, lse = sparse_mla_flashmla(q, entries, table, scale, metadata=meta)
         lse = lse.transpose(1, 2)  # FlashMLA: [B, H, Q]; +inf where a row has no entry
         empty = (table < 0).all(dim=-1).unsqueeze(-1)
         return out, torch.where(empty, float("-inf"), lse)
@@ -131,7 +159,9 @@ class _Streams:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.side = torch.cuda.Stream(device) if self.cuda else None
+        # High priority: the block scheduler then runs the side stream's few blocks (resolve, copies) as soon as SMs
+        # free up, instead of after every queued block of the main stream's big kernels (the indexer).
+        self.side = torch.cuda.Stream(device, priority=-1) if self.cuda else None
 
     def on_side(self):
         """Work in this block runs on the side stream, after everything queued on the main stream so far."""
@@ -191,6 +221,10 @@ class _StackBase:
         self.run_indexer = _indexer(options.indexer)
         self.score_hook = score_hook  # benchmarks: scores that replace the logits for the selection
         self.softmax_scale = QK_HEAD_DIM ** -0.5
+        self.schedules: dict = {}  # FlashMLA schedules of the current step, by table shape
+
+    def _attend(self, q: torch.Tensor, entries: torch.Tensor, table: torch.Tensor):
+        return attend(self.attention, q, entries, table, self.softmax_scale, self.schedules)
 
     def _scores(self, layer: int, x: LayerInputs, batch: DecodeBatch) -> torch.Tensor:
         """Indexer logits [B, Q, max_len] (or, when a score hook is set, the scores it puts in their place)."""
@@ -233,12 +267,13 @@ class HbmDecodeStack(_StackBase):
         table = self._translate(pos, batch)
         if self.split_attention and self.options.modes[layer] == "dba":
             h = _split_point(pos.shape[0], self.options.dba_split)
-            outs = [attend(self.attention, x.q[lo:hi], self.latents[layer], table[lo:hi], self.softmax_scale)[0]
+            outs = [self._attend(x.q[lo:hi], self.latents[layer], table[lo:hi].contiguous())[0]
                     for lo, hi in ((0, h), (h, pos.shape[0]))]
             return torch.cat(outs)
-        return attend(self.attention, x.q, self.latents[layer], table, self.softmax_scale)[0]
+        return self._attend(x.q, self.latents[layer], table)[0]
 
     def step(self, batch: DecodeBatch, inputs: Sequence[LayerInputs]) -> list[torch.Tensor]:
+        self.schedules = {}
         return [self.forward_layer(layer, batch, inputs[layer]) for layer in range(self.num_layers)]
 
 
@@ -258,6 +293,7 @@ class EssDecodeStack(_StackBase):
             raise ValueError("hot pools must hold a multiple of 64 slots (FlashMLA pages)")
         self.m = manager
         self.prefetcher = prefetcher if options.prefetch else None
+        self._pending_thresholds: list = []
         self.streams = _Streams(manager.device)
         q_rows = max_batch * 2  # up to 2 query tokens per request (MTP)
         self.fetch_list = manager.new_fetch_list(q_rows * options.top_k)  # DA: the deferred copies
@@ -265,17 +301,25 @@ class EssDecodeStack(_StackBase):
         if self.prefetcher is not None:
             self.prefetch_list = manager.new_fetch_list(max_batch * self.prefetcher.width)
 
-    def step(self, batch: DecodeBatch, inputs: Sequence[LayerInputs]) -> list[torch.Tensor]:
+    def step(self, batch: DecodeBatch, inputs: Sequence[LayerInputs], all_resident: bool = False) -> list[torch.Tensor]:
+        """One decode step of every layer. `all_resident`: the caller knows every live token of the batch is in
+        every layer's hot pool (all of them fit and were loaded), so each layer only looks its selection up."""
         self.m.begin_step()
-        return [self.forward_layer(layer, batch, inputs[layer]) for layer in range(self.num_layers)]
+        self.schedules = {}
+        return [self.forward_layer(layer, batch, inputs[layer], all_resident) for layer in range(self.num_layers)]
 
-    def forward_layer(self, layer: int, batch: DecodeBatch, x: LayerInputs) -> torch.Tensor:
+    def forward_layer(self, layer: int, batch: DecodeBatch, x: LayerInputs, all_resident: bool = False) -> torch.Tensor:
         m, st = self.m, self.streams
         # 1. this step's token: indexer key on the device; latent to host (D2H) and into a hot slot (side stream)
         self.index_cache[layer, batch.new_locs.long()] = x.new_index_key
         with st.on_side():
             m.write_new_tokens(layer, batch.new_locs, x.new_latent)
-        if self.options.modes[layer] == "dba":
+        if all_resident:  # small batches whose every token fits: a lookup instead of a resolve, no traffic but D2H
+            pos = self._select(layer, x, batch)[1]
+            st.wait()
+            slots = m.lookup_resident(layer, pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens)
+            out = self._attend(x.q, m.layer_entries(layer), slots)[0]
+        elif self.options.modes[layer] == "dba":
             out = self._dual_batch(layer, batch, x)
         else:
             # 2-4. indexer, [prefetch on the side stream], top-k
@@ -283,15 +327,28 @@ class EssDecodeStack(_StackBase):
             st.wait()  # the new token is in its slot, prefetches have landed: the exact resolve may start
             # 5. resolve + fetch + attention
             if self.options.modes[layer] == "sync":
-                slots = m.resolve(layer, pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                                  settle_prefetch=self.prefetcher is not None)
-                out = attend(self.attention, x.q, m.layer_entries(layer), slots, self.softmax_scale)[0]
+                out = self._attend(x.q, m.layer_entries(layer), self._resolve_and_fetch(layer, batch, pos))[0]
             else:
                 out = self._dual_attention(layer, batch, x, pos)
         st.wait()  # 6.
+        for kth, rows in self._pending_thresholds:  # ECHO: fold this step's k-th best scores into the thresholds
+            self.prefetcher.update(layer, kth, rows)
+        self._pending_thresholds.clear()
         return out
 
     # -------------------------------------------------------------------------------------------- pieces
+    def _resolve_and_fetch(self, layer: int, batch: DecodeBatch, pos: torch.Tensor,
+                           programs: int | None = None) -> torch.Tensor:
+        """Resolve, then copy the misses (with the whole GPU unless `programs` says fewer); returns the slots."""
+        settle = self.prefetcher is not None
+        if self.options.sync_copy == "inline" and programs is None:
+            return self.m.resolve(layer, pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                  settle_prefetch=settle)
+        slots = self.m.resolve(layer, pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                               fetch_list=self.fetch_list, settle_prefetch=settle)
+        self.m.fetch(layer, self.fetch_list, programs)
+        return slots
+
     def _select_and_prefetch(self, layer: int, x: LayerInputs, batch: DecodeBatch) -> torch.Tensor:
         """Steps 2-4: indexer logits; prefetch above the threshold on the side stream; top-k on the main stream."""
         pf = self.prefetcher
@@ -301,9 +358,10 @@ class EssDecodeStack(_StackBase):
         with self.streams.on_side():
             cand = pf.candidates(layer, logits, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                                  self.m.loc_to_slot[layer], self.m.num_locations)
-            self.m.prefetch(layer, cand, self.prefetch_list)
+            self.m.prefetch(layer, cand, self.prefetch_list, programs=self.options.overlap_programs)
         pos, kth = topk_with_scores(logits, self.options.top_k)
-        pf.update(layer, kth, batch.req_pool_indices)
+        # the threshold moves only once the side stream has read it (at the end of the layer)
+        self._pending_thresholds.append((kth, batch.req_pool_indices))
         return pos
 
     def _dual_attention(self, layer: int, batch: DecodeBatch, x: LayerInputs, pos: torch.Tensor) -> torch.Tensor:
@@ -315,7 +373,7 @@ class EssDecodeStack(_StackBase):
         # which selected entries wait for a copy: those in slots the deferred resolve just assigned
         pending = torch.zeros(S + 1, dtype=torch.bool, device=m.device)
         pending.scatter_(0, torch.where(fl.dst >= 0, fl.dst, S), True)
-        pending[S] = False
+        pending[S:].fill_(False)  # the sink (a slice: no host scalar copied during graph capture)
         sl = slots.long()
         at = torch.where(sl >= 0, sl, S)
         miss = pending[at]
@@ -323,25 +381,26 @@ class EssDecodeStack(_StackBase):
         # a row with more than W misses: its excess is copied before Attn0 (then those slots are hits for Attn0)
         excess = torch.zeros(S + 1, dtype=torch.bool, device=m.device)
         excess.scatter_(0, torch.where(miss & (rank >= W), sl, S).reshape(-1), True)
-        excess[S] = False
+        excess[S:].fill_(False)
         dst_at = torch.where(fl.dst >= 0, fl.dst, S)
         now = excess[dst_at]
         early.src.copy_(torch.where(now, fl.src, -1))
         early.dst.copy_(torch.where(now, fl.dst, -1))
+        early.count.copy_(fl.count)
         fl.src.masked_fill_(now, -1)
         fl.dst.masked_fill_(now, -1)
         m.fetch(layer, early)
         with st.on_side():
-            m.fetch(layer, fl)
+            m.fetch(layer, fl, self.options.overlap_programs)
         late = miss & ~excess[at]
         table0 = torch.where(late, -1, slots)
         table1 = torch.full((*slots.shape[:-1], W + 1), -1, dtype=torch.int32, device=m.device)
         table1.scatter_(-1, torch.where(late, rank, W).long(), slots)
         table1 = table1[..., :W].contiguous()
         entries = m.layer_entries(layer)
-        out0, lse0 = attend(self.attention, x.q, entries, table0, self.softmax_scale)
+        out0, lse0 = self._attend(x.q, entries, table0)
         st.wait()  # the misses have landed
-        out1, lse1 = attend(self.attention, x.q, entries, table1, self.softmax_scale)
+        out1, lse1 = self._attend(x.q, entries, table1)
         return merge_attention(out0, lse0, out1, lse1)
 
     def _dual_batch(self, layer: int, batch: DecodeBatch, x: LayerInputs) -> torch.Tensor:
@@ -352,14 +411,16 @@ class EssDecodeStack(_StackBase):
         marks, slot_tables = [], []
         for b, xi in halves:
             pos = self._select_and_prefetch(layer, xi, b)  # main stream (half B's overlaps half A's fetch)
-            with st.on_side():
-                slot_tables.append(m.resolve(layer, pos, b.req_to_token, b.req_pool_indices, b.seq_lens,
-                                             settle_prefetch=self.prefetcher is not None))
+            with st.on_side():  # both halves' resolve + copy run here, in order, sharing one fetch list
+                slot_tables.append(self._resolve_and_fetch(layer, b, pos, self.options.overlap_programs))
             marks.append(st.mark())
+        if self.options.dba_attention == "whole":
+            st.wait()
+            return self._attend(x.q, m.layer_entries(layer), torch.cat(slot_tables))[0]
         outs = []
         for (_, xi), mark, slots in zip(halves, marks, slot_tables, strict=True):
             st.wait(mark)  # this half's entries are resident (half B's copy overlaps half A's attention)
-            outs.append(attend(self.attention, xi.q, m.layer_entries(layer), slots, self.softmax_scale)[0])
+            outs.append(self._attend(xi.q, m.layer_entries(layer), slots)[0])
         return torch.cat(outs)
 
 

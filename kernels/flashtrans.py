@@ -120,6 +120,21 @@ def _copy_rows_flat_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n_rows,
     tl.store(dst_ptr + d * DST_STRIDE + w, vals, mask=live)
 
 
+@triton.jit
+def _copy_rows_counted_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, count_ptr, n_rows, WORDS: tl.constexpr,
+                              SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr, BLOCK_WORDS: tl.constexpr,
+                              ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
+    # Persistent: PROGRAMS programs walk the first count[0] rows of the lists (a count the device wrote, e.g. the
+    # number of misses), ROWS at a time. Few programs leave the other SMs to concurrent compute.
+    n = tl.minimum(tl.load(count_ptr).to(tl.int64), n_rows)
+    for start in range(tl.program_id(0) * ROWS, n, PROGRAMS * ROWS):
+        r = start + tl.arange(0, ROWS)
+        in_range = r < n
+        s = tl.load(src_rows_ptr + r, mask=in_range, other=-1).to(tl.int64)
+        d = tl.load(dst_rows_ptr + r, mask=in_range, other=-1).to(tl.int64)
+        _copy_masked(src_ptr, dst_ptr, s, d, (s >= 0) & (d >= 0), WORDS, SRC_STRIDE, DST_STRIDE, BLOCK_WORDS)
+
+
 def _as_words(t: torch.Tensor) -> torch.Tensor:
     """A 4-byte-word view of rows; rows may be strided (a padded layout) but each row must be contiguous."""
     nbytes, stride = t.shape[1] * t.element_size(), t.stride(0) * t.element_size()
@@ -163,6 +178,26 @@ def copy_rows_triton(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tenso
                                        ROWS=rows_per_program, num_warps=num_warps)
     else:
         raise ValueError(f"copy_rows_triton: variant must be 'chunks', 'flat' or 'masked', got {variant!r}")
+
+
+def copy_rows_counted(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,
+                      count: torch.Tensor, programs: int, rows_per_program: int = 8, num_warps: int = 4) -> None:
+    """Like `copy_rows_triton` over the first `count` rows only (a 1-element device tensor, read by the kernel: no
+    host synchronisation), with a fixed number of persistent programs; the torch definition is
+    `copy_rows_reference(src, dst, src_rows[:count], dst_rows[:count])`."""
+    _check(src, dst, src_rows, dst_rows)
+    n = src_rows.shape[0]
+    if n == 0:
+        return
+    if programs < 1 or count.numel() != 1:
+        raise ValueError(f"copy_rows_counted wants programs >= 1 and a 1-element count, got {programs}, "
+                         f"{tuple(count.shape)}")
+    src_w, dst_w = _as_words(src), _as_words(dst)
+    words = src_w.shape[1]
+    _copy_rows_counted_kernel[(programs,)](
+        src_w, dst_w, src_rows, dst_rows, count, n, WORDS=words, SRC_STRIDE=src_w.stride(0),
+        DST_STRIDE=dst_w.stride(0), BLOCK_WORDS=triton.next_power_of_2(words), ROWS=rows_per_program,
+        PROGRAMS=programs, num_warps=num_warps)
 
 
 def interpreting() -> bool:

@@ -126,7 +126,7 @@ def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, num_slots, A: tl
 
 @triton.jit
 def _assign_kernel(scr_ptr, victims_ptr, miss_loc_ptr, miss_idx_ptr, l2s_ptr, s2l_ptr, stamp_ptr, clock_ptr,
-                   out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr, n,
+                   out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr, pend_count_ptr, n,
                    COPY: tl.constexpr, PEND: tl.constexpr, WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr,
                    C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr, C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr,
                    STAMP_BACK: tl.constexpr, ROWS: tl.constexpr):
@@ -136,6 +136,8 @@ def _assign_kernel(scr_ptr, victims_ptr, miss_loc_ptr, miss_idx_ptr, l2s_ptr, s2
     n_victims = tl.minimum(n_miss, tl.load(scr_ptr + 1) + tl.load(scr_ptr + 2))
     mj = (j < n_miss) & (j < n)
     if PEND:  # the fetch list of a deferred copy: (host location, slot) of each miss that got a slot, -1 elsewhere
+        if tl.program_id(0) == 0:
+            tl.store(pend_count_ptr, tl.minimum(n_miss, n).to(tl.int64))
         rest = (j < n) & ~mj
         tl.store(pend_src_ptr + j, tl.full(j.shape, -1, tl.int64), mask=rest)
         tl.store(pend_dst_ptr + j, tl.full(j.shape, -1, tl.int64), mask=rest)
@@ -206,12 +208,14 @@ class FusedResolver:
             counter_ids: dict[str, int], copy_from: torch.Tensor | None, hot: torch.Tensor | None,
             seq_lens: torch.Tensor | None = None, req_pool_indices: torch.Tensor | None = None,
             req_to_token: torch.Tensor | None = None, per_batch: int = 1,
-            fetch_list: tuple[torch.Tensor, torch.Tensor] | None = None, protect: bool = True) -> torch.Tensor:
+            fetch_list: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+            protect: bool = True) -> torch.Tensor:
         """Resolve the flat list `src` (positions in MODE_POSITIONS, KV locations in MODE_LOCATIONS); returns the
         int32 slot of each entry (-1 where padding, bad, or overflowed).
 
-        `fetch_list`: two int64 tensors of at least n elements; when given, the assign kernel records (host location,
-        slot) of every newly assigned miss in their first n elements (-1 elsewhere), whether or not it copies."""
+        `fetch_list`: (src, dst, count) int64 tensors, src and dst of at least n elements; when given, the assign
+        kernel records (host location, slot) of every newly assigned miss in their first n elements (-1 elsewhere),
+        misses first, and their number in count[0], whether or not it copies."""
         n = src.numel()
         self._grow(n)
         S = self.num_slots
@@ -238,10 +242,10 @@ class FusedResolver:
         src_w = copy_from.view(torch.int32) if copy else self.scratch
         dst_w = hot.view(torch.int32) if copy else self.scratch
         pend = fetch_list is not None
-        pend_src, pend_dst = fetch_list if pend else (self.miss_loc, self.miss_loc)
+        pend_src, pend_dst, pend_count = fetch_list if pend else (self.miss_loc, self.miss_loc, self.miss_loc)
         _assign_kernel[(triton.cdiv(n, ROWS),)](
             self.scratch, self.victims, self.miss_loc, self.miss_idx, l2s, s2l, stamp, clock, out, counters,
-            src_w, dst_w, pend_src, pend_dst, n, COPY=copy, PEND=pend, WORDS=words,
+            src_w, dst_w, pend_src, pend_dst, pend_count, n, COPY=copy, PEND=pend, WORDS=words,
             BLOCK_WORDS=triton.next_power_of_2(words),
             C_FETCH_A=fetch_counters[0], C_FETCH_B=fetch_counters[1], C_EVICT=counter_ids["EVICTIONS"],
             C_OVERFLOW=counter_ids["OVERFLOW"], STAMP_BACK=0 if protect else 1, ROWS=ROWS, num_warps=NUM_WARPS)

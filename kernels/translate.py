@@ -18,7 +18,8 @@ BLOCK = 1024
 
 @triton.jit
 def _translate_kernel(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, width, n, per_batch, num_locations, out_ptr,
-                      BLOCK: tl.constexpr):
+                      l2s_ptr, num_slots, cnt_ptr, THROUGH_SLOTS: tl.constexpr, C_LOOKUPS: tl.constexpr,
+                      C_HITS: tl.constexpr, C_NOT_RESIDENT: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     pos = tl.load(pos_ptr + i, mask=m, other=-1).to(tl.int64)
@@ -28,12 +29,26 @@ def _translate_kernel(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, width, n, 
     row = tl.load(rpi_ptr + b, mask=m, other=0).to(tl.int64)
     loc = tl.load(r2t_ptr + row * r2t_stride + pos, mask=valid, other=-1).to(tl.int64)
     ok = valid & (loc >= 0) & (loc < num_locations)
-    tl.store(out_ptr + i, tl.where(ok, loc, -1).to(tl.int32), mask=m)
+    if THROUGH_SLOTS:  # an ESS layer whose every live entry is resident: location -> hot slot, counted
+        slot = tl.load(l2s_ptr + loc, mask=ok, other=-1)
+        found = ok & (slot >= 0) & (slot < num_slots)
+        tl.store(out_ptr + i, tl.where(found, slot, -1).to(tl.int32), mask=m)
+        tl.atomic_add(cnt_ptr + C_LOOKUPS, tl.sum(ok.to(tl.int64)), sem="relaxed")
+        tl.atomic_add(cnt_ptr + C_HITS, tl.sum(found.to(tl.int64)), sem="relaxed")
+        tl.atomic_add(cnt_ptr + C_NOT_RESIDENT, tl.sum((ok & ~found).to(tl.int64)), sem="relaxed")
+    else:
+        tl.store(out_ptr + i, tl.where(ok, loc, -1).to(tl.int32), mask=m)
 
 
 def translate_positions_triton(topk_pos: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                               seq_lens: torch.Tensor, num_locations: int) -> torch.Tensor:
-    """topk_pos [B, Q, K] -> int32 KV locations [B, Q, K], -1 where padding or out of bounds."""
+                               seq_lens: torch.Tensor, num_locations: int, loc_to_slot: torch.Tensor | None = None,
+                               num_slots: int = 0, counters: torch.Tensor | None = None,
+                               counter_ids: tuple[int, int, int] = (0, 0, 0)) -> torch.Tensor:
+    """topk_pos [B, Q, K] -> int32 KV locations [B, Q, K], -1 where padding or out of bounds.
+
+    With `loc_to_slot` (a layer's token -> slot map), each location goes on to its hot slot (-1 if not resident),
+    and `counters[counter_ids]` (LOOKUPS, HITS, NOT_RESIDENT) are incremented.
+    """
     if topk_pos.dim() != 3 or req_to_token.stride(1) != 1:
         raise ValueError("translate_positions_triton wants topk_pos [B, Q, K] and req_to_token rows contiguous")
     pos = topk_pos.contiguous()
@@ -42,5 +57,8 @@ def translate_positions_triton(topk_pos: torch.Tensor, req_to_token: torch.Tenso
     if n:
         _translate_kernel[(triton.cdiv(n, BLOCK),)](
             pos, seq_lens, req_pool_indices, req_to_token, req_to_token.stride(0), req_to_token.shape[1], n,
-            pos.shape[1] * pos.shape[2], num_locations, out, BLOCK=BLOCK)
+            pos.shape[1] * pos.shape[2], num_locations, out,
+            loc_to_slot if loc_to_slot is not None else out, num_slots, counters if counters is not None else out,
+            THROUGH_SLOTS=loc_to_slot is not None, C_LOOKUPS=counter_ids[0], C_HITS=counter_ids[1],
+            C_NOT_RESIDENT=counter_ids[2], BLOCK=BLOCK)
     return out

@@ -24,7 +24,7 @@ LENGTHS = (700, 450, 900)
 
 
 def build(modes, slots=512, prefetch=False, da_width=64, split_attention=False, cap_fraction=0.1, seed=0,
-          resolve_impl="torch"):
+          resolve_impl="torch", dba_attention="split"):
     g = torch.Generator().manual_seed(seed)
     T = sum(LENGTHS) + 64 * len(LENGTHS)
     host = HostTotalPool(LAYERS, T, device="cpu")
@@ -46,7 +46,8 @@ def build(modes, slots=512, prefetch=False, da_width=64, split_attention=False, 
         latents[layer, :T] = ent
         index_cache[layer] = pack_indexer_key(torch.randn(T, 128, generator=g))
     m = HotPoolCacheManager(host, slots, device="cpu", max_selected=len(LENGTHS) * TOPK, resolve_impl=resolve_impl)
-    opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, da_width=da_width, indexer="torch")
+    opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, da_width=da_width, indexer="torch",
+                        dba_attention=dba_attention)
     pf = EchoPrefetcher(LAYERS, table.req_to_token.shape[0], max(LENGTHS) + 64, cap_fraction=cap_fraction,
                         cap_min_tokens=8) if prefetch else None
     width = table.req_to_token.shape[1]
@@ -76,10 +77,12 @@ def steps(n, table, rows, locs, seed=1):
         yield batch, inputs
 
 
-@pytest.mark.parametrize("modes,prefetch", [(("sync", "sync"), False), (("sync", "sync"), True),
-                                            (("dba", "dba"), False), (("dba", "sync"), True)])
-def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch):
-    ess, hbm, table, rows, locs = build(modes, prefetch=prefetch, split_attention=True)
+@pytest.mark.parametrize("modes,prefetch,dba_attention", [
+    (("sync", "sync"), False, "split"), (("sync", "sync"), True, "split"), (("dba", "dba"), False, "split"),
+    (("dba", "sync"), True, "split"), (("dba", "dba"), True, "whole")])
+def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attention):
+    ess, hbm, table, rows, locs = build(modes, prefetch=prefetch, split_attention=dba_attention == "split",
+                                        dba_attention=dba_attention)
     for s, (batch, inputs) in enumerate(steps(12, table, rows, locs)):
         got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
         for layer in range(LAYERS):
@@ -172,8 +175,9 @@ def test_options_are_checked():
 
 
 def test_translate_kernel_equals_the_torch_definition():
-    from ess_sglang.cache_manager import positions_to_locations
     from ess_sglang.kernels.translate import translate_positions_triton
+
+    from ess_sglang.cache_manager import positions_to_locations
 
     g = torch.Generator().manual_seed(5)
     req_to_token = torch.randint(-2, 3000, (6, 400), generator=g).int()  # some entries out of range on purpose
@@ -182,3 +186,42 @@ def test_translate_kernel_equals_the_torch_definition():
     want, _ = positions_to_locations(pos, req_to_token, rpi, seq, 2500)
     got = translate_positions_triton(pos, req_to_token, rpi, seq, 2500)
     assert torch.equal(got, want.int())
+
+
+def test_all_resident_lookup_is_bit_identical_when_everything_fits():
+    ess, hbm, table, rows, locs = build(("sync", "sync"), slots=2304)
+    m = ess.m
+    for layer in range(LAYERS):  # load every token each request has or will have in these steps
+        m.warm_up(layer, torch.cat([loc[:ln + 8] for loc, ln in zip(locs, LENGTHS, strict=True)]))
+    m.counters.zero_()
+    for s, (batch, inputs) in enumerate(steps(6, table, rows, locs)):
+        got, want = ess.step(batch, inputs, all_resident=True), hbm.step(batch, inputs)
+        for layer in range(LAYERS):
+            assert torch.equal(got[layer], want[layer]), f"step {s} layer {layer}"
+    c = m.counters.sum(0)
+    assert c[Counter.LOOKUPS] == c[Counter.HITS] > 0 and c[Counter.NOT_RESIDENT] == 0 and c[Counter.H2D_ENTRIES] == 0
+    # a broken promise is counted, never read out of range
+    m.reset()
+    batch, inputs = next(steps(1, table, rows, locs))
+    ess.step(batch, inputs, all_resident=True)
+    assert m.counters[:, Counter.NOT_RESIDENT].sum() > 0
+
+
+def test_translate_kernel_through_slots_counts_like_the_torch_lookup():
+    from ess_sglang.kernels.translate import translate_positions_triton
+
+    m = HotPoolCacheManager(HostTotalPool(1, 3000, device="cpu"), 512, device="cpu", max_selected=768)
+    g = torch.Generator().manual_seed(2)
+    m.warm_up(0, torch.randperm(3000, generator=g)[:400])
+    req_to_token = torch.randint(-2, 3100, (6, 400), generator=g).int()
+    pos = torch.randint(-1, 450, (4, 2, 96), generator=g).int()
+    rpi, seq = torch.tensor([5, 0, 3, 2]), torch.tensor([400, 10, 300, 1])
+    m.counters.zero_()
+    want = m.lookup_resident(0, pos, req_to_token, rpi, seq)
+    counted = m.counters[0].clone()
+    m.counters.zero_()
+    ids = (int(Counter.LOOKUPS), int(Counter.HITS), int(Counter.NOT_RESIDENT))
+    got = translate_positions_triton(pos, req_to_token, rpi, seq, 3000, loc_to_slot=m.loc_to_slot[0], num_slots=512,
+                                     counters=m.counters[0], counter_ids=ids)
+    assert torch.equal(got, want) and torch.equal(m.counters[0], counted)
+    assert counted[Counter.HITS] > 0 and counted[Counter.NOT_RESIDENT] > 0

@@ -74,3 +74,16 @@ def test_bad_arguments():
         copy_rows(src, dst, sr, dr[:3])
     with pytest.raises(ValueError, match="impl"):
         copy_rows(src, dst, sr, dr, impl="cuda")
+
+
+@pytest.mark.parametrize("programs,rows", [(1, 8), (3, 4), (16, 2)])
+@pytest.mark.parametrize("count", [0, 5, 37, 100])
+def test_counted_kernel_copies_the_first_count_rows(programs, rows, count):
+    from ess_sglang.kernels.flashtrans import copy_rows_counted
+
+    src, dst, sr, dr = _case(64, 48, 37, 656, seed=count + programs)
+    want = dst.clone()
+    copy_rows_reference(src, want, sr[:count], dr[:count])
+    got = dst.clone()
+    copy_rows_counted(src, got, sr, dr, torch.tensor([count]), programs=programs, rows_per_program=rows)
+    assert torch.equal(got, want)

@@ -1,0 +1,415 @@
+"""A stack of DSA decode layers on the GPU: ESS in each overlap mode against the same stack with every latent in HBM.
+
+Each layer of each step runs, as `ess_sglang.decode_stack` defines it: store the new token (indexer key; latent
+entry), the Triton indexer over the whole context (64 index heads x 128, bf16 queries, fp8 keys), torch.topk
+(2048), then sparse MLA with FlashMLA (V32, 128 heads). The all-HBM stack attends over a device latent store; the
+ESS stack over hot pools filled by the cache manager from a pinned host pool, in one of these modes:
+
+    sync       resolve + copy, then attention
+    prefetch   sync, plus ECHO prefetch of candidates above the EMA threshold while the top-k runs
+    da         dual attention (hits while misses copy; then misses; merged by LSE)
+    dba        dual-batch (half A's resolve + copy behind half B's indexer, half B's behind half A's attention)
+    layerwise  per layer, the mode `ess_sglang.overlap_policy.choose_modes` picks from the misses per layer the
+               sync run of the same configuration measured (the offline profile), with prefetch
+
+Every variant of a configuration runs the same inputs from the same state: the hot pools are emptied, warmed with
+each request's most recent tokens, then `--warm` untimed steps; the whole step (all layers) is captured in one CUDA
+graph; each of `--steps` timed steps copies its inputs into the graph's buffers, then is timed alone with CUDA
+events around the replay. The indexer queries drift from step to step as an AR(1) process q <- rho q + sqrt(1 - rho^2)
+noise; rho is calibrated per configuration (bisection on the sync stack) so that the hit rate is near the target; the
+table reports the hit rate each variant measured. Hot pools hold `--ratio` of the batch's tokens per layer.
+
+Correctness is checked in the same run, eagerly, on the first configuration: sync and prefetch bit-identical to the
+all-HBM stack; dba bit-identical to the all-HBM stack whose attention is split the same way (and its difference to
+whole-batch attention reported); da's max relative error against single-pass attention.
+
+    python benchmarks/decode_layers.py --out benchmarks/results            (decode_layers.json / .png)
+    python benchmarks/decode_layers.py --quick --out /tmp/res              (a few configurations)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from ess_sglang.cache_manager import Counter, HotPoolCacheManager
+from ess_sglang.decode_stack import (
+    DecodeBatch,
+    EssDecodeStack,
+    HbmDecodeStack,
+    LayerInputs,
+    StackOptions,
+    latent_store_rows,
+)
+from ess_sglang.formats import INDEXER_ENTRY_BYTES, LATENT_ENTRY_BYTES, pack_indexer_key, pack_latent
+from ess_sglang.host_pool import HostTotalPool
+from ess_sglang.overlap_policy import DeviceTimings, choose_modes
+from ess_sglang.prefetch import EchoPrefetcher
+
+HEADS, IHEADS, TOP_K = 128, 64, 2048
+MODES = ["sync", "prefetch", "da", "dba", "layerwise"]
+EXTRA_MODES = ["sync_inline",  # sync with the copy fused into the resolve's assign kernel (the previous default)
+               "dba_split"]  # dba with per-half attention (hides half B's copy behind half A's attention; inexact)
+
+
+class Pools:
+    """Host pool, device latent store and indexer cache for up to `tokens` tokens, filled once with valid entries."""
+
+    def __init__(self, layers: int, tokens: int, seed: int = 0):
+        dev = torch.device("cuda")
+        t0 = time.time()
+        self.host = HostTotalPool(layers, tokens, device=dev)
+        self.latents = torch.empty((layers, latent_store_rows(tokens), LATENT_ENTRY_BYTES), dtype=torch.uint8,
+                                   device=dev)
+        self.index_cache = torch.empty((layers, tokens, INDEXER_ENTRY_BYTES), dtype=torch.uint8, device=dev)
+        g = torch.Generator(device=dev).manual_seed(seed)
+        chunk = 1 << 20
+        for layer in range(layers):
+            for lo in range(0, tokens, chunk):
+                hi = min(tokens, lo + chunk)
+                n = hi - lo
+                ent = pack_latent(torch.randn(n, 512, device=dev, generator=g),
+                                  torch.randn(n, 64, device=dev, generator=g))
+                self.latents[layer, lo:hi] = ent
+                self.host.entries[layer, lo:hi].copy_(ent, non_blocking=True)
+                self.index_cache[layer, lo:hi] = pack_indexer_key(torch.randn(n, 128, device=dev, generator=g))
+        torch.cuda.synchronize()
+        self.host_ref = self.host.entries  # kept equal to `latents` for positions below the contexts
+        print(f"pools: {layers} layers x {tokens:,} tokens: host {self.host.entries.numel() / 2**30:.1f} GiB pinned, "
+              f"{time.time() - t0:.1f} s", flush=True)
+
+
+class Config:
+    """One (context, batch) configuration: request table, step inputs, and the stacks' static buffers."""
+
+    def __init__(self, pools: Pools, layers: int, context: int, batch: int, steps: int, seed: int):
+        dev = torch.device("cuda")
+        self.layers, self.context, self.batch, self.steps = layers, context, batch, steps
+        width = context + steps
+        self.width = width
+        self.req_to_token = (torch.arange(batch * width, device=dev, dtype=torch.int32).view(batch, width))
+        self.rows = torch.arange(batch, device=dev, dtype=torch.int32)
+        g = torch.Generator(device=dev).manual_seed(seed)
+        self.w_index = [(torch.rand(batch, 1, IHEADS, device=dev, generator=g) * IHEADS ** -0.5).float()
+                        for _ in range(layers)]
+        self.q = [torch.randn(batch, 1, HEADS, 576, device=dev, generator=g).bfloat16() for _ in range(layers)]
+        self.new_latent = [pack_latent(torch.randn(batch, 512, device=dev, generator=g),
+                                       torch.randn(batch, 64, device=dev, generator=g)) for _ in range(layers)]
+        self.new_key = [pack_indexer_key(torch.randn(batch, 128, device=dev, generator=g)) for _ in range(layers)]
+        self.q0 = [torch.randn(batch, 1, IHEADS, 128, device=dev, generator=g) for _ in range(layers)]
+        self.noise_seed = seed + 1
+        # static buffers the captured graphs read
+        self.seq_lens = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.new_locs = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.q_index = [torch.zeros(batch, 1, IHEADS, 128, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+        self.batch_tables = DecodeBatch(self.req_to_token, self.rows, self.seq_lens, self.new_locs)
+        self.inputs = [LayerInputs(self.q_index[i], self.w_index[i], self.q[i], self.new_latent[i], self.new_key[i])
+                       for i in range(layers)]
+
+    def queries(self, rho: float) -> list[list[torch.Tensor]]:
+        """Indexer queries of every step and layer: an AR(1) drift with correlation rho between steps."""
+        g = torch.Generator(device="cuda").manual_seed(self.noise_seed)
+        cur = [q.clone() for q in self.q0]
+        out = []
+        for _ in range(self.steps):
+            step = []
+            for layer in range(self.layers):
+                cur[layer] = rho * cur[layer] + math.sqrt(max(0.0, 1 - rho * rho)) * torch.randn(
+                    cur[layer].shape, device="cuda", generator=g)
+                step.append(cur[layer].bfloat16())
+            out.append(step)
+        return out
+
+    def load_step(self, s: int, queries) -> None:
+        self.seq_lens.fill_(self.context + s + 1)
+        self.new_locs.copy_(self.rows.long() * self.width + self.context + s)
+        for layer in range(self.layers):
+            self.q_index[layer].copy_(queries[s][layer])
+
+
+def build_ess(pools: Pools, cfg: Config, slots: int, modes, prefetch: bool, **options) -> EssDecodeStack:
+    m = HotPoolCacheManager(pools.host, slots, max_selected=cfg.batch * TOP_K)
+    pf = EchoPrefetcher(cfg.layers, cfg.batch, cfg.width, device="cuda") if prefetch else None
+    opts = StackOptions(modes=list(modes), top_k=TOP_K, prefetch=prefetch, **options)
+    return EssDecodeStack(m, pools.index_cache, cfg.width, opts, max_batch=cfg.batch, prefetcher=pf)
+
+
+def fits(cfg: Config, slots: int) -> bool:
+    """Every token the batch will have in this run fits one layer's hot pool (warm-up then loads all of them)."""
+    return cfg.batch * cfg.width <= slots
+
+
+def reset_and_warm(ess: EssDecodeStack, cfg: Config) -> None:
+    """Empty the pools, then load each request's most recent tokens (as many as fit beside a few steps' growth)."""
+    m = ess.m
+    m.reset()
+    if ess.prefetcher is not None:
+        ess.prefetcher.threshold.fill_(math.inf)
+    recent = cfg.context if fits(cfg, m.slots_per_layer) else max(
+        0, min(cfg.context, m.slots_per_layer // cfg.batch - 2 * cfg.steps))
+    locs = cfg.req_to_token[:, cfg.context - recent:cfg.context].reshape(-1)
+    for layer in range(cfg.layers):
+        m.warm_up(layer, locs)
+    m.counters.zero_()
+
+
+def run_variant(stack, cfg: Config, queries, warm: int, is_ess: bool, all_resident: bool = False) -> dict:
+    """Warm steps eagerly, capture one step, replay the timed steps; per-step times and counters of the timed part."""
+    kw = {"all_resident": True} if all_resident else {}
+    if is_ess:
+        reset_and_warm(stack, cfg)
+    for s in range(warm):
+        cfg.load_step(s, queries)
+        stack.step(cfg.batch_tables, cfg.inputs, **kw)
+    torch.cuda.synchronize()
+    if is_ess:
+        stack.m.counters.zero_()
+    graph = torch.cuda.CUDAGraph()
+    cfg.load_step(warm, queries)
+    with torch.cuda.graph(graph):
+        stack.step(cfg.batch_tables, cfg.inputs, **kw)
+    # capture does not run the step: the timed steps start at `warm`
+    times = []
+    for s in range(warm, cfg.steps):
+        cfg.load_step(s, queries)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    out = {"step_us": statistics.median(times), "layer_us": statistics.median(times) / cfg.layers}
+    if is_ess:
+        c = stack.m.counters.cpu()
+        look = int(c[:, Counter.LOOKUPS].sum())
+        n = cfg.steps - warm
+        out.update(hit_rate=int(c[:, Counter.HITS].sum()) / max(1, look),
+                   misses_per_layer_step=[int(x) / n for x in c[:, Counter.MISSES]],
+                   h2d_mb_per_step=int(c[:, Counter.H2D_ENTRIES].sum()) * LATENT_ENTRY_BYTES / n / 1e6,
+                   prefetched=int(c[:, Counter.PREFETCHED].sum()),
+                   prefetch_useful=int(c[:, Counter.PREFETCH_USEFUL].sum()),
+                   prefetch_wasted=int(c[:, Counter.PREFETCH_WASTED].sum()),
+                   overflow=int(c[:, Counter.OVERFLOW].sum()), not_resident=int(c[:, Counter.NOT_RESIDENT].sum()))
+    del graph
+    return out
+
+
+def calibrate_rho(pools, cfg, slots, target, warm, iters=7) -> tuple[float, float]:
+    """Bisection on rho (1 - rho on a log scale) so that the sync stack's hit rate is near `target`."""
+    ess = build_ess(pools, cfg, slots, ["sync"] * cfg.layers, prefetch=False)
+    lo, hi = math.log(1e-5), math.log(0.5)  # log(1 - rho): small -> slow drift -> high hit rate
+    best = (0.0, 0.0)
+    n = min(cfg.steps, warm + 4)
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        rho = 1 - math.exp(mid)
+        queries = cfg.queries(rho)[:n]
+        reset_and_warm(ess, cfg)
+        for s in range(n):
+            if s == warm:
+                ess.m.counters.zero_()
+            cfg.load_step(s, queries)
+            ess.step(cfg.batch_tables, cfg.inputs)
+        c = ess.m.counters.cpu()
+        hit = int(c[:, Counter.HITS].sum()) / max(1, int(c[:, Counter.LOOKUPS].sum()))
+        if abs(hit - target) < abs(best[1] - target):
+            best = (rho, hit)
+        if hit < target:
+            hi = mid
+        else:
+            lo = mid
+    return best
+
+
+def check_correctness(pools, cfg, slots, queries, warm) -> dict:
+    """Eager steps from the same state: ESS modes against the all-HBM stack (whole-batch and split attention)."""
+    res = {}
+    hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
+                         StackOptions(modes=["sync"] * cfg.layers, top_k=TOP_K))
+    hbm_split = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
+                               StackOptions(modes=["dba"] * cfg.layers, top_k=TOP_K), split_attention=True)
+    want, want_split = [], []
+    for s in range(cfg.steps):
+        cfg.load_step(s, queries)
+        want.append([o.clone() for o in hbm.step(cfg.batch_tables, cfg.inputs)])
+        want_split.append([o.clone() for o in hbm_split.step(cfg.batch_tables, cfg.inputs)])
+    for name, modes, prefetch in (("sync", "sync", False), ("prefetch", "sync", True), ("da", "da", False),
+                                  ("dba", "dba", False)):
+        ess = build_ess(pools, cfg, slots, [modes] * cfg.layers, prefetch)
+        reset_and_warm(ess, cfg)
+        identical, identical_split, rel = True, True, 0.0
+        for s in range(cfg.steps):
+            cfg.load_step(s, queries)
+            got = ess.step(cfg.batch_tables, cfg.inputs)
+            for layer in range(cfg.layers):
+                w, ws, g = want[s][layer].float(), want_split[s][layer].float(), got[layer].float()
+                identical &= torch.equal(g, w)
+                identical_split &= torch.equal(g, ws)
+                rel = max(rel, float((g - w).abs().max() / w.abs().max()))
+        c = ess.m.counters.cpu()
+        res[name] = dict(bit_identical=identical, bit_identical_to_split_hbm=identical_split, max_rel_err=rel,
+                         hit_rate=int(c[:, Counter.HITS].sum()) / max(1, int(c[:, Counter.LOOKUPS].sum())))
+        del ess
+    return res
+
+
+def pool_slots(args, batch: int, context: int, steps: int) -> int:
+    """Hot slots per layer: `ratio` of the batch's tokens; a batch below 16 runs on an instance sized for
+    `--pool-batch` requests (the small-batch case: a few requests on a big instance). Never below 1.25 selections."""
+    sized_for = batch if batch >= 16 else max(batch, args.pool_batch)
+    slots = math.ceil(args.ratio * sized_for * context / 64) * 64
+    return max(slots, math.ceil(batch * (TOP_K + 2 * steps) * 1.25 / 64) * 64)
+
+
+def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
+    cfg = Config(pools, layers, context, batch, args.warm + args.steps, seed=context + batch)
+    slots = pool_slots(args, batch, context, cfg.steps)
+    rho, cal_hit = calibrate_rho(pools, cfg, slots, hit, args.warm)
+    queries = cfg.queries(rho)
+    rows = []
+    base = dict(context=context, batch=batch, target_hit=hit, rho=rho, calibrated_hit=cal_hit, slots_per_layer=slots,
+                layers=layers)
+    hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width, StackOptions(modes=["sync"] * layers,
+                                                                                    top_k=TOP_K))
+    t_hbm = run_variant(hbm, cfg, queries, args.warm, is_ess=False)
+    rows.append(dict(base, variant="hbm", **t_hbm, ratio=1.0))
+    sync_misses = None
+    options = dict(dba_split=args.dba_split, overlap_programs=args.overlap_programs)
+    for mode in args.modes:
+        resident = False
+        if mode == "layerwise":  # the policy: all-resident lookups when everything fits, else the profile's modes
+            resident = fits(cfg, slots)
+            modes, prefetch = choose_modes(sync_misses, batch, context, timings), not resident
+        elif mode in ("sync_inline", "dba_split"):
+            modes, prefetch = [mode.split("_")[0]] * layers, False
+        else:
+            modes, prefetch = [mode if mode != "prefetch" else "sync"] * layers, mode == "prefetch"
+        if "dba" in modes and batch < 2:
+            continue
+        ess = build_ess(pools, cfg, slots, modes, prefetch,
+                        **dict(options, sync_copy="inline" if mode == "sync_inline" else "counted",
+                               dba_attention="split" if mode == "dba_split" else "whole"))
+        r = run_variant(ess, cfg, queries, args.warm, is_ess=True, all_resident=resident)
+        r["all_resident"] = resident
+        if mode == "sync":
+            sync_misses = r["misses_per_layer_step"]
+        rows.append(dict(base, variant=mode, layer_modes=list(modes), **r, ratio=r["step_us"] / t_hbm["step_us"]))
+        del ess
+        torch.cuda.empty_cache()
+    sync = next((r for r in rows if r["variant"] == "sync"), None)
+    for r in rows:
+        if sync is not None and r["variant"] != "hbm":
+            exposed_sync = sync["step_us"] - t_hbm["step_us"]
+            r["hidden_fraction"] = (1 - (r["step_us"] - t_hbm["step_us"]) / exposed_sync) if exposed_sync > 0 else None
+    return rows
+
+
+def print_table(rows) -> None:
+    print(f"\n{'ctx':>6} {'B':>4} {'hit*':>5} {'variant':>9} {'hit':>6} {'us/layer':>9} {'x HBM':>6} {'hidden':>7} "
+          f"{'H2D MB/step':>11} {'pf useful/wasted':>17}  modes")
+    for r in rows:
+        hid = r.get("hidden_fraction")
+        pf = f"{r.get('prefetch_useful', 0)}/{r.get('prefetch_wasted', 0)}" if r.get("prefetched") else ""
+        modes = ",".join(sorted(set(r.get("layer_modes", [])))) if r["variant"] == "layerwise" else ""
+        if r.get("all_resident"):
+            modes = "all-resident lookup"
+        print(f"{r['context'] // 1024:>5}K {r['batch']:>4} {r['target_hit']:>5.2f} {r['variant']:>9} "
+              f"{r.get('hit_rate', float('nan')):>6.3f} {r['layer_us']:>9.1f} {r['ratio']:>6.3f} "
+              f"{'' if hid is None else f'{hid:>6.0%}':>7} {r.get('h2d_mb_per_step', 0):>11.2f} {pf:>17}  {modes}")
+
+
+def plot(rows, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.2), squeeze=False)
+    for ax, ctx in zip(axes[0], contexts, strict=True):
+        sel = [r for r in rows if r["context"] == ctx and abs(r["target_hit"] - 0.95) < 1e-9]
+        for variant in ["hbm"] + MODES:
+            pts = sorted((r["batch"], r["ratio"]) for r in sel if r["variant"] == variant)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
+        ax.axhline(1.05, color="grey", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch")
+        ax.set_ylabel("decode-stack time / all-HBM")
+        ax.set_title(f"context {ctx // 1024}K, target hit rate 0.95")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--contexts", default="32768,131072")
+    p.add_argument("--batches", default="1,2,16,64,128")
+    p.add_argument("--hits", default="0.9,0.95,0.99")
+    p.add_argument("--small-batch-hits", default="0.95", help="hit targets for batches below 16")
+    p.add_argument("--modes", default=",".join(MODES), help=f"of {MODES + EXTRA_MODES}")
+    p.add_argument("--ratio", type=float, default=0.2, help="hot slots per layer / tokens of the batch")
+    p.add_argument("--pool-batch", type=int, default=64, help="batches below 16 run on pools sized for this many")
+    p.add_argument("--dba-split", type=float, default=0.5, help="fraction of the batch in DBA's first half")
+    p.add_argument("--overlap-programs", type=int, default=32, help="programs of a copy that overlaps compute")
+    p.add_argument("--warm", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="32K; hit 0.95; batches 2, 64 unless --batches says")
+    p.add_argument("--max-tokens", type=int, default=0, help="skip configurations with more tokens than this")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("decode_layers.py needs a CUDA GPU (FlashMLA, pinned host memory)", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.contexts, args.hits = "32768", "0.95"
+        args.batches = args.batches if args.batches != p.get_default("batches") else "2,64"
+    args.modes = args.modes.split(",")
+    contexts = [int(x) for x in args.contexts.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    hits = [float(x) for x in args.hits.split(",")]
+    small_hits = [float(x) for x in args.small_batch_hits.split(",")]
+    configs = [(c, b, h) for c in contexts for b in batches for h in (hits if b >= 16 else small_hits)
+               if not args.max_tokens or c * b <= args.max_tokens]
+    steps = args.warm + args.steps
+    tokens = max(b * (c + steps) for c, b, _ in configs)
+    pools = Pools(args.layers, tokens)
+    timings = DeviceTimings()
+    t0 = time.time()
+    first = configs[0]
+    cfg0 = Config(pools, args.layers, first[0], 16, steps, seed=7)
+    slots0 = pool_slots(args, cfg0.batch, cfg0.context, steps)
+    rho0, _ = calibrate_rho(pools, cfg0, slots0, 0.95, args.warm)
+    correctness = dict(context=cfg0.context, batch=cfg0.batch, **check_correctness(pools, cfg0, slots0,
+                                                                                    cfg0.queries(rho0), args.warm))
+    print("correctness:", json.dumps(correctness), flush=True)
+    rows = []
+    for c, b, h in configs:
+        rows += run_config(pools, args.layers, c, b, h, args, timings)
+        print_table([r for r in rows if (r["context"], r["batch"], r["target_hit"]) == (c, b, h)])
+        sys.stdout.flush()
+    print_table(rows)
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(command="python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])),
+                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), device=torch.cuda.get_device_name(),
+                wall_s=time.time() - t0, layers=args.layers, heads=HEADS, index_heads=IHEADS, top_k=TOP_K,
+                ratio=args.ratio, warm=args.warm, steps=args.steps, pool_batch=args.pool_batch,
+                dba_split=args.dba_split, overlap_programs=args.overlap_programs)
+    with open(os.path.join(args.out, "decode_layers.json"), "w") as f:
+        json.dump(dict(meta=meta, correctness=correctness, rows=rows), f, indent=1)
+    plot(rows, os.path.join(args.out, "decode_layers.png"))
+    print(f"wrote {args.out}/decode_layers.json and .png ({time.time() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

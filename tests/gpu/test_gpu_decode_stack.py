@@ -1,0 +1,171 @@
+"""The decode-layer stack on the GPU with the Triton indexer, the fused resolve and FlashMLA (run on the H200).
+
+- sync and prefetch: bit-identical to the all-HBM stack at every layer of every step;
+- dba: bit-identical to the all-HBM stack (whole-batch attention, the default), or to the all-HBM stack with its
+  attention split the same way ("split");
+- da: within bf16 rounding of single-pass attention (max relative error <= 1e-2);
+- the whole step (all layers, side streams, prefetch) captured in one CUDA graph and replayed gives the eager outputs
+  (bit for bit, except DA layers: their hit / miss split depends on which equally old entries the GPU evicted, so two
+  runs can round differently).
+"""
+
+import math
+
+import pytest
+import torch
+
+from ess_sglang.cache_manager import Counter, HotPoolCacheManager
+from ess_sglang.decode_stack import (
+    DecodeBatch,
+    EssDecodeStack,
+    HbmDecodeStack,
+    LayerInputs,
+    StackOptions,
+    latent_store_rows,
+)
+from ess_sglang.formats import INDEXER_ENTRY_BYTES, pack_indexer_key, pack_latent
+from ess_sglang.host_pool import HostTotalPool
+from ess_sglang.prefetch import EchoPrefetcher
+
+pytestmark = pytest.mark.gpu
+
+LAYERS, B, CTX, STEPS, TOPK = 2, 8, 12288, 10, 2048
+
+
+@pytest.fixture(scope="module")
+def world():
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    width = CTX + STEPS
+    T = B * width
+    host = HostTotalPool(LAYERS, T, device=dev)
+    latents = torch.zeros((LAYERS, latent_store_rows(T), 656), dtype=torch.uint8, device=dev)
+    index_cache = torch.empty((LAYERS, T, INDEXER_ENTRY_BYTES), dtype=torch.uint8, device=dev)
+    for layer in range(LAYERS):
+        ent = pack_latent(torch.randn(T, 512, device=dev, generator=g), torch.randn(T, 64, device=dev, generator=g))
+        latents[layer, :T] = ent
+        host.entries[layer].copy_(ent.cpu())
+        index_cache[layer] = pack_indexer_key(torch.randn(T, 128, device=dev, generator=g))
+    req_to_token = torch.arange(T, device=dev, dtype=torch.int32).view(B, width)
+    rows = torch.arange(B, device=dev, dtype=torch.int32)
+    # per step and layer: drifting indexer queries (consecutive selections overlap), fixed attention queries
+    q0 = [torch.randn(B, 1, 64, 128, device=dev, generator=g) for _ in range(LAYERS)]
+    steps = []
+    for _ in range(STEPS):
+        for layer in range(LAYERS):
+            q0[layer] = 0.995 * q0[layer] + math.sqrt(1 - 0.995 ** 2) * torch.randn(q0[layer].shape, device=dev,
+                                                                                     generator=g)
+        steps.append([q.bfloat16() for q in q0])
+    fixed = [dict(w=torch.rand(B, 1, 64, device=dev, generator=g) / 8,
+                  q=torch.randn(B, 1, 128, 576, device=dev, generator=g).bfloat16(),
+                  lat=pack_latent(torch.randn(B, 512, device=dev, generator=g),
+                                  torch.randn(B, 64, device=dev, generator=g)),
+                  key=pack_indexer_key(torch.randn(B, 128, device=dev, generator=g))) for _ in range(LAYERS)]
+    return dict(host=host, latents=latents, index_cache=index_cache, req_to_token=req_to_token, rows=rows,
+                steps=steps, fixed=fixed, width=width)
+
+
+def _batch(w, s, seq_lens=None, new_locs=None):
+    seq = torch.full((B,), CTX + s + 1, dtype=torch.int64, device="cuda")
+    loc = w["rows"].long() * w["width"] + CTX + s
+    if seq_lens is not None:
+        seq_lens.copy_(seq)
+        new_locs.copy_(loc)
+        return DecodeBatch(w["req_to_token"], w["rows"], seq_lens, new_locs)
+    return DecodeBatch(w["req_to_token"], w["rows"], seq, loc)
+
+
+def _inputs(w, s, q_index=None):
+    out = []
+    for layer in range(LAYERS):
+        f = w["fixed"][layer]
+        qi = w["steps"][s][layer]
+        if q_index is not None:
+            q_index[layer].copy_(qi)
+            qi = q_index[layer]
+        out.append(LayerInputs(qi, f["w"], f["q"], f["lat"], f["key"]))
+    return out
+
+
+def _ess(w, modes, prefetch=False, dba_attention="whole"):
+    slots = math.ceil(0.25 * B * CTX / 64) * 64
+    m = HotPoolCacheManager(w["host"], slots, max_selected=B * TOPK)
+    recent = slots // B - 64
+    for layer in range(LAYERS):
+        m.warm_up(layer, w["req_to_token"][:, CTX - recent:CTX].reshape(-1))
+    pf = EchoPrefetcher(LAYERS, B, w["width"], device="cuda") if prefetch else None
+    opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, dba_attention=dba_attention)
+    return EssDecodeStack(m, w["index_cache"], w["width"], opts, max_batch=B, prefetcher=pf)
+
+
+def _hbm(w, modes, split=False):
+    return HbmDecodeStack(w["latents"], w["index_cache"], w["width"], StackOptions(modes=modes, top_k=TOPK),
+                          split_attention=split)
+
+
+@pytest.fixture(scope="module")
+def reference(world):
+    """All-HBM outputs of every step: whole-batch and split attention."""
+    whole, split = _hbm(world, ["sync"] * LAYERS), _hbm(world, ["dba"] * LAYERS, split=True)
+    out_w, out_s = [], []
+    for s in range(STEPS):
+        out_w.append([o.clone() for o in whole.step(_batch(world, s), _inputs(world, s))])
+        out_s.append([o.clone() for o in split.step(_batch(world, s), _inputs(world, s))])
+    return out_w, out_s
+
+
+@pytest.mark.parametrize("mode,prefetch,dba_attention", [("sync", False, "whole"), ("sync", True, "whole"),
+                                                        ("dba", True, "whole"), ("dba", False, "split"),
+                                                        ("da", False, "whole")])
+def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attention):
+    ess = _ess(world, [mode] * LAYERS, prefetch, dba_attention)
+    worst = 0.0
+    for s in range(STEPS):
+        got = ess.step(_batch(world, s), _inputs(world, s))
+        for layer in range(LAYERS):
+            want = reference[1 if dba_attention == "split" else 0][s][layer]
+            if mode == "da":
+                worst = max(worst, float((got[layer].float() - want.float()).abs().max() / want.float().abs().max()))
+            else:
+                assert torch.equal(got[layer], want), f"{mode} prefetch={prefetch}: step {s} layer {layer}"
+    c = ess.m.counters.sum(0).cpu()
+    hit = int(c[Counter.HITS]) / int(c[Counter.LOOKUPS])
+    print(f"\n{mode} prefetch={prefetch}: hit {hit:.3f}, misses {int(c[Counter.MISSES])}, prefetched "
+          f"{int(c[Counter.PREFETCHED])} (useful {int(c[Counter.PREFETCH_USEFUL])}), da max rel err {worst:.2e}")
+    assert int(c[Counter.MISSES]) > 0 and int(c[Counter.OVERFLOW]) == 0
+    if mode == "da":
+        assert worst <= 1e-2
+    if prefetch:
+        assert int(c[Counter.PREFETCHED]) > 0
+        assert int(c[Counter.PREFETCH_USEFUL]) + int(c[Counter.PREFETCH_WASTED]) == int(c[Counter.PREFETCHED])
+    ess.m.check_invariants()
+
+
+@pytest.mark.parametrize("modes", [["da", "dba"], ["sync", "da"]])
+def test_whole_step_in_one_cuda_graph(world, modes):
+    """Capture a step with prefetch and mixed modes; replaying it over later steps equals the same steps eagerly."""
+    seq_lens = torch.zeros(B, dtype=torch.int64, device="cuda")
+    new_locs = torch.zeros(B, dtype=torch.int64, device="cuda")
+    q_index = [torch.zeros(B, 1, 64, 128, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+    eager, graphed = _ess(world, modes, prefetch=True), _ess(world, modes, prefetch=True)
+    for s in range(3):  # warm-up (Triton compiles) on both
+        for st in (eager, graphed):
+            st.step(_batch(world, s), _inputs(world, s))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    batch, inputs = _batch(world, 3, seq_lens, new_locs), _inputs(world, 3, q_index)
+    with torch.cuda.graph(graph):
+        outs = graphed.step(batch, inputs)
+    for s in range(3, STEPS):
+        _batch(world, s, seq_lens, new_locs)
+        _inputs(world, s, q_index)
+        graph.replay()
+        want = eager.step(_batch(world, s), _inputs(world, s))
+        for layer in range(LAYERS):
+            if modes[layer] == "da":
+                err = float((outs[layer].float() - want[layer].float()).abs().max() / want[layer].float().abs().max())
+                assert err <= 1e-2, f"step {s} layer {layer}: {err}"
+            else:
+                assert torch.equal(outs[layer], want[layer]), f"step {s} layer {layer}"
+    assert int(graphed.m.counters[:, Counter.PREFETCHED].sum()) > 0
+    graphed.m.check_invariants()
