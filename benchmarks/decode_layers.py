@@ -9,8 +9,10 @@ ESS stack over hot pools filled by the cache manager from a pinned host pool, in
     prefetch   sync, plus ECHO prefetch of candidates above the EMA threshold while the top-k runs
     da         dual attention (hits while misses copy; then misses; merged by LSE)
     dba        dual-batch (half A's resolve + copy behind half B's indexer, half B's behind half A's attention)
-    layerwise  per layer, the mode `ess_sglang.overlap_policy.choose_modes` picks from the misses per layer the
-               sync run of the same configuration measured (the offline profile), with prefetch
+    layerwise  the policy: when every token of the batch fits the pools, the all-resident path (one lookup per
+               layer, new tokens into reserved slots); otherwise per layer the mode
+               `ess_sglang.overlap_policy.choose_modes` picks from the misses per layer the sync run of the same
+               configuration measured (the offline profile), without prefetch
 
 Every variant of a configuration runs the same inputs from the same state: the hot pools are emptied, warmed with
 each request's most recent tokens, then `--warm` untimed steps; the whole step (all layers) is captured in one CUDA
@@ -155,8 +157,11 @@ def reset_and_warm(ess: EssDecodeStack, cfg: Config) -> None:
     recent = cfg.context if fits(cfg, m.slots_per_layer) else max(
         0, min(cfg.context, m.slots_per_layer // cfg.batch - 2 * cfg.steps))
     locs = cfg.req_to_token[:, cfg.context - recent:cfg.context].reshape(-1)
+    future = cfg.req_to_token[:, cfg.context:].reshape(-1)
     for layer in range(cfg.layers):
         m.warm_up(layer, locs)
+        if fits(cfg, m.slots_per_layer):  # everything fits: slots for the tokens to come (all-resident writes)
+            m.reserve(layer, future)
     m.counters.zero_()
 
 
@@ -201,9 +206,9 @@ def run_variant(stack, cfg: Config, queries, warm: int, is_ess: bool, all_reside
     return out
 
 
-def calibrate_rho(pools, cfg, slots, target, warm, iters=7) -> tuple[float, float]:
+def calibrate_rho(pools, cfg, slots, target, warm, iters=7, topk="torch") -> tuple[float, float]:
     """Bisection on rho (1 - rho on a log scale) so that the sync stack's hit rate is near `target`."""
-    ess = build_ess(pools, cfg, slots, ["sync"] * cfg.layers, prefetch=False)
+    ess = build_ess(pools, cfg, slots, ["sync"] * cfg.layers, prefetch=False, topk=topk)
     lo, hi = math.log(1e-5), math.log(0.5)  # log(1 - rho): small -> slow drift -> high hit rate
     best = (0.0, 0.0)
     n = min(cfg.steps, warm + 4)
@@ -271,32 +276,37 @@ def pool_slots(args, batch: int, context: int, steps: int) -> int:
 def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
     cfg = Config(pools, layers, context, batch, args.warm + args.steps, seed=context + batch)
     slots = pool_slots(args, batch, context, cfg.steps)
-    rho, cal_hit = calibrate_rho(pools, cfg, slots, hit, args.warm)
+    rho, cal_hit = calibrate_rho(pools, cfg, slots, hit, args.warm, topk=args.topk)
     queries = cfg.queries(rho)
     rows = []
     base = dict(context=context, batch=batch, target_hit=hit, rho=rho, calibrated_hit=cal_hit, slots_per_layer=slots,
                 layers=layers)
-    hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width, StackOptions(modes=["sync"] * layers,
-                                                                                    top_k=TOP_K))
+    hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
+                         StackOptions(modes=["sync"] * layers, top_k=TOP_K, topk=args.topk))
     t_hbm = run_variant(hbm, cfg, queries, args.warm, is_ess=False)
     rows.append(dict(base, variant="hbm", **t_hbm, ratio=1.0))
     sync_misses = None
-    options = dict(dba_split=args.dba_split, overlap_programs=args.overlap_programs)
+    options = dict(dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk)
     for mode in args.modes:
         resident = False
         if mode == "layerwise":  # the policy: all-resident lookups when everything fits, else the profile's modes
             resident = fits(cfg, slots)
-            modes, prefetch = choose_modes(sync_misses, batch, context, timings), not resident
+            modes, prefetch = choose_modes(sync_misses, batch, context, timings), False
         elif mode in ("sync_inline", "dba_split"):
             modes, prefetch = [mode.split("_")[0]] * layers, False
         else:
             modes, prefetch = [mode if mode != "prefetch" else "sync"] * layers, mode == "prefetch"
         if "dba" in modes and batch < 2:
             continue
-        ess = build_ess(pools, cfg, slots, modes, prefetch,
-                        **dict(options, sync_copy="inline" if mode == "sync_inline" else "counted",
-                               dba_attention="split" if mode == "dba_split" else "whole"))
-        r = run_variant(ess, cfg, queries, args.warm, is_ess=True, all_resident=resident)
+        try:
+            ess = build_ess(pools, cfg, slots, modes, prefetch,
+                            **dict(options, sync_copy="inline" if mode == "sync_inline" else "counted",
+                                   dba_attention="split" if mode == "dba_split" else "whole"))
+            r = run_variant(ess, cfg, queries, args.warm, is_ess=True, all_resident=resident)
+        except Exception as exc:  # keep the other variants' results; the row says what failed
+            print(f"{mode} at context {context}, batch {batch}: {type(exc).__name__}: {exc}", flush=True)
+            rows.append(dict(base, variant=mode, error=f"{type(exc).__name__}: {exc}"))
+            continue
         r["all_resident"] = resident
         if mode == "sync":
             sync_misses = r["misses_per_layer_step"]
@@ -305,7 +315,7 @@ def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
         torch.cuda.empty_cache()
     sync = next((r for r in rows if r["variant"] == "sync"), None)
     for r in rows:
-        if sync is not None and r["variant"] != "hbm":
+        if sync is not None and r["variant"] != "hbm" and "step_us" in r:
             exposed_sync = sync["step_us"] - t_hbm["step_us"]
             r["hidden_fraction"] = (1 - (r["step_us"] - t_hbm["step_us"]) / exposed_sync) if exposed_sync > 0 else None
     return rows
@@ -315,6 +325,9 @@ def print_table(rows) -> None:
     print(f"\n{'ctx':>6} {'B':>4} {'hit*':>5} {'variant':>9} {'hit':>6} {'us/layer':>9} {'x HBM':>6} {'hidden':>7} "
           f"{'H2D MB/step':>11} {'pf useful/wasted':>17}  modes")
     for r in rows:
+        if "error" in r:
+            print(f"{r['context'] // 1024:>5}K {r['batch']:>4} {r['target_hit']:>5.2f} {r['variant']:>9} {r['error']}")
+            continue
         hid = r.get("hidden_fraction")
         pf = f"{r.get('prefetch_useful', 0)}/{r.get('prefetch_wasted', 0)}" if r.get("prefetched") else ""
         modes = ",".join(sorted(set(r.get("layer_modes", [])))) if r["variant"] == "layerwise" else ""
@@ -336,7 +349,7 @@ def plot(rows, path) -> None:
     for ax, ctx in zip(axes[0], contexts, strict=True):
         sel = [r for r in rows if r["context"] == ctx and abs(r["target_hit"] - 0.95) < 1e-9]
         for variant in ["hbm"] + MODES:
-            pts = sorted((r["batch"], r["ratio"]) for r in sel if r["variant"] == variant)
+            pts = sorted((r["batch"], r["ratio"]) for r in sel if r["variant"] == variant and "ratio" in r)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
         ax.axhline(1.05, color="grey", ls=":", lw=1)
@@ -359,7 +372,9 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default=",".join(MODES), help=f"of {MODES + EXTRA_MODES}")
     p.add_argument("--ratio", type=float, default=0.2, help="hot slots per layer / tokens of the batch")
     p.add_argument("--pool-batch", type=int, default=64, help="batches below 16 run on pools sized for this many")
-    p.add_argument("--dba-split", type=float, default=0.5, help="fraction of the batch in DBA's first half")
+    p.add_argument("--dba-split", default="0.5",
+                   help="fraction of the batch in DBA's first chunk, or every chunk's fraction (0.5,0.3,0.2)")
+    p.add_argument("--topk", default="torch", choices=["triton", "torch"], help="top-k kernel of both stacks")
     p.add_argument("--overlap-programs", type=int, default=32, help="programs of a copy that overlaps compute")
     p.add_argument("--warm", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
@@ -374,6 +389,8 @@ def main(argv=None) -> int:
         args.contexts, args.hits = "32768", "0.95"
         args.batches = args.batches if args.batches != p.get_default("batches") else "2,64"
     args.modes = args.modes.split(",")
+    split = [float(f) for f in args.dba_split.split(",")]
+    args.dba_split = split[0] if len(split) == 1 else tuple(split)
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     hits = [float(x) for x in args.hits.split(",")]
@@ -393,19 +410,20 @@ def main(argv=None) -> int:
                                                                                     cfg0.queries(rho0), args.warm))
     print("correctness:", json.dumps(correctness), flush=True)
     rows = []
-    for c, b, h in configs:
-        rows += run_config(pools, args.layers, c, b, h, args, timings)
-        print_table([r for r in rows if (r["context"], r["batch"], r["target_hit"]) == (c, b, h)])
-        sys.stdout.flush()
-    print_table(rows)
     os.makedirs(args.out, exist_ok=True)
     meta = dict(command="python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])),
                 date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), device=torch.cuda.get_device_name(),
                 wall_s=time.time() - t0, layers=args.layers, heads=HEADS, index_heads=IHEADS, top_k=TOP_K,
                 ratio=args.ratio, warm=args.warm, steps=args.steps, pool_batch=args.pool_batch,
-                dba_split=args.dba_split, overlap_programs=args.overlap_programs)
-    with open(os.path.join(args.out, "decode_layers.json"), "w") as f:
-        json.dump(dict(meta=meta, correctness=correctness, rows=rows), f, indent=1)
+                dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk)
+    for c, b, h in configs:
+        rows += run_config(pools, args.layers, c, b, h, args, timings)
+        print_table([r for r in rows if (r["context"], r["batch"], r["target_hit"]) == (c, b, h)])
+        sys.stdout.flush()
+        meta["wall_s"] = time.time() - t0
+        with open(os.path.join(args.out, "decode_layers.json"), "w") as f:  # after every configuration
+            json.dump(dict(meta=meta, correctness=correctness, rows=rows), f, indent=1)
+    print_table(rows)
     plot(rows, os.path.join(args.out, "decode_layers.png"))
     print(f"wrote {args.out}/decode_layers.json and .png ({time.time() - t0:.0f} s)")
     return 0

@@ -331,10 +331,13 @@ class HotPoolCacheManager:
                   seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return positions_to_locations(topk_pos, req_to_token, req_pool_indices, seq_lens, self.num_locations)
 
-    def write_new_tokens(self, layer: int, locs: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+    def write_new_tokens(self, layer: int, locs: torch.Tensor, entries: torch.Tensor,
+                         reserved: bool = False) -> torch.Tensor:
         """Store this step's new entries: D2H into the host pool, and into hot slots (protected this step).
 
         locs: [n] KV locations (-1 to skip), distinct; entries: [n, entry_bytes] uint8 on the device.
+        reserved: every location already has a slot (`reserve`): write into it, with no lookup-and-evict pass (an
+        entry without one is skipped in the hot pool and counted NOT_RESIDENT; the host copy is always written).
         Returns the slot of each entry (int64, -1 where skipped).
         """
         if locs.dim() != 1 or entries.shape != (locs.shape[0], self.entry_bytes):
@@ -346,7 +349,10 @@ class HotPoolCacheManager:
         rows = torch.arange(n, device=self.device)
         # write-back (D2H), then the same entries into their hot slots (device to device)
         self._copy(entries, self.host.layer(layer), torch.where(flat >= 0, rows, -1), flat, direction="d2h")
-        if self._fused is not None:
+        if reserved:
+            slot = self._lookup(layer, flat)
+            self.counters[layer, Counter.NOT_RESIDENT] += ((flat >= 0) & (slot < 0)).sum()
+        elif self._fused is not None:
             slot = self._fused_run(layer, flat, MODE_LOCATIONS, count=False, fetch=(Counter.NEW_TOKENS, -1),
                                    copy_from=None).long()
         else:
@@ -371,6 +377,15 @@ class HotPoolCacheManager:
         self.counters[layer, Counter.WARMUP_ENTRIES] += fetched
         self.counters[layer, Counter.H2D_ENTRIES] += fetched
         return slots
+
+    def reserve(self, layer: int, locs: torch.Tensor) -> torch.Tensor:
+        """Give the given KV locations (1-D, -1 to skip) slots without loading anything: for tokens still to come,
+        so that `write_new_tokens(..., reserved=True)` can store them directly. Returns their slots."""
+        flat = locs.reshape(-1).long().to(self.device)
+        flat = torch.where((flat >= 0) & (flat < self.num_locations), flat, -1)
+        if self._fused is not None:
+            return self._fused_run(layer, flat, MODE_LOCATIONS, count=False, fetch=(-1, -1), copy_from=None).long()
+        return self._make_resident(layer, flat, copy=False)[0]
 
     def release(self, locs: torch.Tensor) -> None:
         """Forget the given KV locations in every layer (a request finished or was aborted): frees their slots."""

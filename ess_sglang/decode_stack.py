@@ -7,8 +7,8 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
     2. indexer logits over the request's whole context (main stream);
     3. [prefetch] candidates scoring above the EMA of the k-th best score are fetched on the side stream while
        the main stream runs the top-k (ECHO; `ess_sglang.prefetch`);
-    4. top-k positions (the k-th best score updates the prefetch threshold at the end of the layer, once the side
-       stream has read it);
+    4. top-k positions (torch.topk, or the Triton kernel `ess_sglang.kernels.topk`); the k-th best score updates
+       the prefetch threshold at the end of the layer, once the side stream has read it;
     5. resolve + fetch, then attention over hot-pool slots, in the layer's mode:
        sync  resolve (lookup, protect, evict, assign), copy the misses (a persistent FlashTrans copy over the
              resolve's miss list, as many programs as fill the GPU), then attend. Exact.
@@ -17,18 +17,20 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
              entries per query row); the two are merged with their log-sum-exps. Rows with more misses than
              `da_width` copy the excess before Attn0, so every entry is attended exactly once. Differs from
              single-pass attention by rounding only.
-       dba   dual-batch attention: the batch is split in two; half A's resolve + copy run on the side stream
-             while the main stream runs half B's indexer and top-k. Then either one attention over the whole
-             batch once half B's copy has landed (`dba_attention="whole"`, the default: exact), or half A attends
-             while half B's copy runs ("split": hides more, but FlashMLA's split-KV schedule depends on the batch
-             size, so half-batch attention can differ from whole-batch attention by rounding; the all-HBM stack
-             given the same split is bit-identical).
+       dba   dual-batch attention: the batch is split in two (or more chunks, `dba_split`); half A's resolve +
+             copy run on the side stream while the main stream runs half B's indexer and top-k (and so on).
+             Then either one attention over the whole batch once the last copy has landed
+             (`dba_attention="whole"`, the default: exact), or half A attends while half B's copy runs ("split":
+             hides more, but FlashMLA's split-KV schedule depends on the batch size, so half-batch attention can
+             differ from whole-batch attention by rounding; the all-HBM stack given the same split is
+             bit-identical).
     6. the main stream waits for the side stream before the layer ends.
 
 Copies that overlap compute (DA's misses, DBA's halves, prefetches) run with `overlap_programs` persistent programs,
 leaving the other SMs to the kernels they overlap. When the caller knows that every live token of the batch is
-resident (`step(..., all_resident=True)`: small batches whose tokens all fit the pools and were loaded), step 5 is one
-lookup kernel (`HotPoolCacheManager.lookup_resident`) and attention: no resolve, no H2D traffic.
+resident (`step(..., all_resident=True)`: small batches whose tokens all fit the pools and were loaded, with slots
+reserved for the tokens to come), the new token goes straight to its reserved slot and step 5 is one lookup kernel
+(`HotPoolCacheManager.lookup_resident`) and attention: no resolve, no eviction, no H2D traffic.
 
 `HbmDecodeStack` is the reference: the same steps 1, 2, 4 with every latent entry in device memory, positions
 translated to KV locations by one kernel, and attention over them; `split_attention=True` splits its attention
@@ -82,12 +84,13 @@ class StackOptions:
     top_k: int = 2048
     prefetch: bool = False
     da_width: int = 256  # Attn1's table width (a multiple of 64 for FlashMLA)
-    dba_split: float = 0.5  # fraction of the batch in half A
+    dba_split: float | Sequence[float] = 0.5  # fraction of the batch in chunk A, or every chunk's fraction (>= 2)
     dba_attention: str = "whole"  # "whole": one attention over the batch (exact); "split": per half (hides more)
     overlap_programs: int = 32  # persistent programs of a copy that overlaps compute (the rest of the SMs compute)
     sync_copy: str = "counted"  # sync mode: "counted" (deferred list, whole-GPU copy) or "inline" (in the resolve)
     attention: str = "auto"  # "flashmla", "reference", or "auto" (FlashMLA on CUDA)
     indexer: str = "auto"  # "triton", "torch", or "auto"
+    topk: str = "auto"  # "triton" (one-launch radix select), "torch" (torch.topk), or "auto" (torch: faster so far)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
@@ -96,12 +99,18 @@ class StackOptions:
         if self.da_width <= 0 or self.da_width % 64:
             raise ValueError(f"da_width must be a positive multiple of 64 (FlashMLA reads 64 entries a block), "
                              f"got {self.da_width}")
-        if not 0 < self.dba_split < 1:
-            raise ValueError(f"dba_split must be in (0, 1), got {self.dba_split}")
+        fr = (self.dba_split, 1 - self.dba_split) if isinstance(self.dba_split, (int, float)) else \
+            tuple(float(f) for f in self.dba_split)
+        if len(fr) < 2 or any(not 0 < f < 1 for f in fr) or abs(sum(fr) - 1) > 1e-6:
+            raise ValueError(f"dba_split must be a fraction in (0, 1) or >= 2 fractions in (0, 1) summing to 1, "
+                             f"got {self.dba_split}")
+        self.dba_fractions = fr
         if self.dba_attention not in ("whole", "split"):
             raise ValueError(f"dba_attention must be 'whole' or 'split', got {self.dba_attention!r}")
         if self.sync_copy not in ("counted", "inline"):
             raise ValueError(f"sync_copy must be 'counted' or 'inline', got {self.sync_copy!r}")
+        if self.topk not in ("auto", "triton", "torch"):
+            raise ValueError(f"topk must be 'auto', 'triton' or 'torch', got {self.topk!r}")
         if self.overlap_programs < 1:
             raise ValueError(f"overlap_programs must be >= 1, got {self.overlap_programs}")
 
@@ -142,8 +151,15 @@ def merge_attention(out0: torch.Tensor, lse0: torch.Tensor, out1: torch.Tensor,
     return merged.to(out0.dtype)
 
 
-def topk_with_scores(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k positions [B, Q, k] int32 (-1 where fewer than k are visible) and the k-th best score [B, Q]."""
+def topk_with_scores(scores: torch.Tensor, k: int, impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k positions [B, Q, k] int32 (-1 where fewer than k are visible) and the k-th best score [B, Q].
+
+    impl "triton": `ess_sglang.kernels.topk.topk_triton` (one launch; ties broken by position, positions in its
+    own order); "torch": torch.topk. Both stacks of a comparison must use the same one.
+    """
+    if impl == "triton":
+        from ess_sglang.kernels.topk import topk_triton
+        return topk_triton(scores.float().contiguous(), k)
     T = scores.shape[-1]
     kk = min(k, T)
     values, pos = torch.topk(scores, kk, dim=-1)
@@ -219,6 +235,8 @@ class _StackBase:
         self.attention = options.attention if options.attention != "auto" else (
             "flashmla" if dev.type == "cuda" else "reference")
         self.run_indexer = _indexer(options.indexer)
+        # torch.topk is faster than the one-program-per-row Triton kernel on the H200 so far (benchmarks/NOTES.md)
+        self.topk_impl = options.topk if options.topk != "auto" else "torch"
         self.score_hook = score_hook  # benchmarks: scores that replace the logits for the selection
         self.softmax_scale = QK_HEAD_DIM ** -0.5
         self.schedules: dict = {}  # FlashMLA schedules of the current step, by table shape
@@ -235,7 +253,7 @@ class _StackBase:
                                                                                torch.Tensor]:
         """Scores, top-k positions and the k-th best score."""
         logits = self._scores(layer, x, batch)
-        return (logits, *topk_with_scores(logits, self.options.top_k))
+        return (logits, *topk_with_scores(logits, self.options.top_k, self.topk_impl))
 
 
 class HbmDecodeStack(_StackBase):
@@ -266,9 +284,8 @@ class HbmDecodeStack(_StackBase):
         _, pos, _ = self._select(layer, x, batch)
         table = self._translate(pos, batch)
         if self.split_attention and self.options.modes[layer] == "dba":
-            h = _split_point(pos.shape[0], self.options.dba_split)
             outs = [self._attend(x.q[lo:hi], self.latents[layer], table[lo:hi].contiguous())[0]
-                    for lo, hi in ((0, h), (h, pos.shape[0]))]
+                    for lo, hi in chunk_bounds(pos.shape[0], self.options.dba_fractions)]
             return torch.cat(outs)
         return self._attend(x.q, self.latents[layer], table)[0]
 
@@ -277,8 +294,19 @@ class HbmDecodeStack(_StackBase):
         return [self.forward_layer(layer, batch, inputs[layer]) for layer in range(self.num_layers)]
 
 
-def _split_point(B: int, fraction: float) -> int:
-    return min(B - 1, max(1, round(B * fraction))) if B > 1 else B
+def chunk_bounds(B: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges of DBA's chunks: cumulative fractions of B, rounded; empty chunks dropped."""
+    ends, acc = [], 0.0
+    for f in fractions[:-1]:
+        acc += f
+        ends.append(min(B, max(1, round(B * acc))))
+    ends.append(B)
+    bounds, lo = [], 0
+    for hi in ends:
+        if hi > lo:
+            bounds.append((lo, hi))
+            lo = hi
+    return bounds
 
 
 class EssDecodeStack(_StackBase):
@@ -313,7 +341,7 @@ class EssDecodeStack(_StackBase):
         # 1. this step's token: indexer key on the device; latent to host (D2H) and into a hot slot (side stream)
         self.index_cache[layer, batch.new_locs.long()] = x.new_index_key
         with st.on_side():
-            m.write_new_tokens(layer, batch.new_locs, x.new_latent)
+            m.write_new_tokens(layer, batch.new_locs, x.new_latent, reserved=all_resident)
         if all_resident:  # small batches whose every token fits: a lookup instead of a resolve, no traffic but D2H
             pos = self._select(layer, x, batch)[1]
             st.wait()
@@ -359,7 +387,7 @@ class EssDecodeStack(_StackBase):
             cand = pf.candidates(layer, logits, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                                  self.m.loc_to_slot[layer], self.m.num_locations)
             self.m.prefetch(layer, cand, self.prefetch_list, programs=self.options.overlap_programs)
-        pos, kth = topk_with_scores(logits, self.options.top_k)
+        pos, kth = topk_with_scores(logits, self.options.top_k, self.topk_impl)
         # the threshold moves only once the side stream has read it (at the end of the layer)
         self._pending_thresholds.append((kth, batch.req_pool_indices))
         return pos
@@ -406,12 +434,11 @@ class EssDecodeStack(_StackBase):
     def _dual_batch(self, layer: int, batch: DecodeBatch, x: LayerInputs) -> torch.Tensor:
         m, st = self.m, self.streams
         B = batch.seq_lens.shape[0]
-        h = _split_point(B, self.options.dba_split)
-        halves = [_slice(batch, x, 0, h), _slice(batch, x, h, B)]
+        halves = [_slice(batch, x, lo, hi) for lo, hi in chunk_bounds(B, self.options.dba_fractions)]
         marks, slot_tables = [], []
         for b, xi in halves:
-            pos = self._select_and_prefetch(layer, xi, b)  # main stream (half B's overlaps half A's fetch)
-            with st.on_side():  # both halves' resolve + copy run here, in order, sharing one fetch list
+            pos = self._select_and_prefetch(layer, xi, b)  # main stream (chunk i+1's overlaps chunk i's fetch)
+            with st.on_side():  # every chunk's resolve + copy run here, in order, sharing one fetch list
                 slot_tables.append(self._resolve_and_fetch(layer, b, pos, self.options.overlap_programs))
             marks.append(st.mark())
         if self.options.dba_attention == "whole":

@@ -51,11 +51,19 @@ class EchoPrefetcher:
         return cap.clamp(min=self.cap_min_tokens).clamp(max=self.width)
 
     def candidates(self, layer: int, logits: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                   seq_lens: torch.Tensor, loc_to_slot: torch.Tensor, num_locations: int) -> torch.Tensor:
+                   seq_lens: torch.Tensor, loc_to_slot: torch.Tensor, num_locations: int,
+                   impl: str = "auto") -> torch.Tensor:
         """KV locations to prefetch for one layer: int64 [B * width], -1 padded.
 
         logits [B, Q, T] (T <= the table width); loc_to_slot: the layer's token -> slot map (with its sink element).
+        impl: "triton" (two launches, `ess_sglang.kernels.prefetch`), "torch" (the definition below), "auto"
+        (triton on CUDA).
         """
+        if impl == "triton" or (impl == "auto" and logits.is_cuda):
+            from ess_sglang.kernels.prefetch import prefetch_candidates_triton
+            return prefetch_candidates_triton(logits.contiguous(), self.threshold[layer], req_to_token,
+                                              req_pool_indices, seq_lens, loc_to_slot, num_locations,
+                                              self.caps(seq_lens), self.width)
         B, _, T = logits.shape
         thr = self.threshold[layer, req_pool_indices.long()].view(B, 1, 1)
         above = (logits > thr).any(dim=1)  # [B, T]

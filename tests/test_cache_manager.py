@@ -348,3 +348,22 @@ def test_prefetch_can_never_make_the_exact_resolve_overflow(impl):
     c = m.counters[0]
     assert c[Counter.OVERFLOW] == 0 and c[Counter.PREFETCH_WASTED] > 0 and c[Counter.PREFETCH_USEFUL] == 0
     m.check_invariants()
+
+
+def test_reserved_slots_take_new_tokens_without_eviction(impl):
+    m, host, table, rpi, sl = make(impl=impl)
+    future = host.alloc(4).long()  # locations of tokens still to come
+    m.begin_step()
+    slots = m.reserve(0, future)
+    assert bool((slots >= 0).all()) and m.counters[0, Counter.H2D_ENTRIES] == 0
+    entries = torch.randint(0, 256, (4, 656), dtype=torch.uint8)
+    got = m.write_new_tokens(0, torch.cat([future[:2], torch.tensor([-1])]), entries[:3], reserved=True)
+    assert torch.equal(got[:2], slots[:2]) and got[2] == -1
+    assert torch.equal(m.hot_entries[0][slots[:2]], entries[:2])
+    assert torch.equal(host.entries[0][future[:2]], entries[:2])
+    # a location without a reserved slot: the host copy is written, the hot pool is not, and it is counted
+    other = host.alloc(1).long()
+    assert m.write_new_tokens(0, other, entries[3:], reserved=True)[0] == -1
+    assert torch.equal(host.entries[0][other], entries[3:]) and m.counters[0, Counter.NOT_RESIDENT] == 1
+    assert m.counters[0, Counter.EVICTIONS] == 0
+    m.check_invariants()

@@ -24,7 +24,7 @@ LENGTHS = (700, 450, 900)
 
 
 def build(modes, slots=512, prefetch=False, da_width=64, split_attention=False, cap_fraction=0.1, seed=0,
-          resolve_impl="torch", dba_attention="split"):
+          resolve_impl="torch", dba_attention="split", dba_split=0.5):
     g = torch.Generator().manual_seed(seed)
     T = sum(LENGTHS) + 64 * len(LENGTHS)
     host = HostTotalPool(LAYERS, T, device="cpu")
@@ -47,7 +47,7 @@ def build(modes, slots=512, prefetch=False, da_width=64, split_attention=False, 
         index_cache[layer] = pack_indexer_key(torch.randn(T, 128, generator=g))
     m = HotPoolCacheManager(host, slots, device="cpu", max_selected=len(LENGTHS) * TOPK, resolve_impl=resolve_impl)
     opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, da_width=da_width, indexer="torch",
-                        dba_attention=dba_attention)
+                        dba_attention=dba_attention, dba_split=dba_split)
     pf = EchoPrefetcher(LAYERS, table.req_to_token.shape[0], max(LENGTHS) + 64, cap_fraction=cap_fraction,
                         cap_min_tokens=8) if prefetch else None
     width = table.req_to_token.shape[1]
@@ -79,10 +79,12 @@ def steps(n, table, rows, locs, seed=1):
 
 @pytest.mark.parametrize("modes,prefetch,dba_attention", [
     (("sync", "sync"), False, "split"), (("sync", "sync"), True, "split"), (("dba", "dba"), False, "split"),
-    (("dba", "sync"), True, "split"), (("dba", "dba"), True, "whole")])
+    (("dba", "sync"), True, "split"), (("dba", "dba"), True, "whole"), (("dba", "dba"), False, "three chunks")])
 def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attention):
+    split = (0.4, 0.3, 0.3) if dba_attention == "three chunks" else 0.5
+    dba_attention = "whole" if dba_attention == "three chunks" else dba_attention
     ess, hbm, table, rows, locs = build(modes, prefetch=prefetch, split_attention=dba_attention == "split",
-                                        dba_attention=dba_attention)
+                                        dba_attention=dba_attention, dba_split=split)
     for s, (batch, inputs) in enumerate(steps(12, table, rows, locs)):
         got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
         for layer in range(LAYERS):
@@ -191,8 +193,9 @@ def test_translate_kernel_equals_the_torch_definition():
 def test_all_resident_lookup_is_bit_identical_when_everything_fits():
     ess, hbm, table, rows, locs = build(("sync", "sync"), slots=2304)
     m = ess.m
-    for layer in range(LAYERS):  # load every token each request has or will have in these steps
-        m.warm_up(layer, torch.cat([loc[:ln + 8] for loc, ln in zip(locs, LENGTHS, strict=True)]))
+    for layer in range(LAYERS):  # load every token each request has; reserve slots for the ones to come
+        m.warm_up(layer, torch.cat([loc[:ln] for loc, ln in zip(locs, LENGTHS, strict=True)]))
+        m.reserve(layer, torch.cat([loc[ln:ln + 8] for loc, ln in zip(locs, LENGTHS, strict=True)]))
     m.counters.zero_()
     for s, (batch, inputs) in enumerate(steps(6, table, rows, locs)):
         got, want = ess.step(batch, inputs, all_resident=True), hbm.step(batch, inputs)
@@ -200,6 +203,7 @@ def test_all_resident_lookup_is_bit_identical_when_everything_fits():
             assert torch.equal(got[layer], want[layer]), f"step {s} layer {layer}"
     c = m.counters.sum(0)
     assert c[Counter.LOOKUPS] == c[Counter.HITS] > 0 and c[Counter.NOT_RESIDENT] == 0 and c[Counter.H2D_ENTRIES] == 0
+    assert c[Counter.EVICTIONS] == 0 and c[Counter.D2H_ENTRIES] == 6 * len(LENGTHS) * LAYERS
     # a broken promise is counted, never read out of range
     m.reset()
     batch, inputs = next(steps(1, table, rows, locs))
@@ -225,3 +229,21 @@ def test_translate_kernel_through_slots_counts_like_the_torch_lookup():
                                      counters=m.counters[0], counter_ids=ids)
     assert torch.equal(got, want) and torch.equal(m.counters[0], counted)
     assert counted[Counter.HITS] > 0 and counted[Counter.NOT_RESIDENT] > 0
+
+
+def test_prefetch_candidate_kernels_equal_the_torch_definition():
+    g = torch.Generator().manual_seed(4)
+    B, Q, T, rows = 3, 2, 2600, 5
+    pf = EchoPrefetcher(1, rows, T, cap_fraction=0.02, cap_min_tokens=7)
+    pf.threshold[0] = torch.randn(rows, generator=g)
+    pf.threshold[0, 1] = float("-inf")  # a short request: everything visible passes
+    req_to_token = torch.randint(-1, 9000, (rows, T), generator=g).int()
+    logits = torch.randn(B, Q, T, generator=g) * 2
+    rpi, seq = torch.tensor([4, 1, 0]), torch.tensor([T, 900, 1500])
+    loc_to_slot = torch.full((8001,), -1, dtype=torch.int32)
+    loc_to_slot[torch.randint(0, 8000, (3000,), generator=g)] = 5  # some entries are resident
+    args = (0, logits, req_to_token, rpi, seq, loc_to_slot, 8000)
+    want = pf.candidates(*args, impl="torch")
+    got = pf.candidates(*args, impl="triton")
+    assert torch.equal(got, want)
+    assert int((want >= 0).sum()) > 0 and int((want.view(B, -1) >= 0).sum(1).max()) == pf.width

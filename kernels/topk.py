@@ -1,0 +1,128 @@
+"""Top-k of indexer scores for decode: the positions of each row's k largest scores, and the k-th largest score.
+
+torch.topk (k = 2048 over 32K-128K scores) is a chain of ~30 small kernels that takes ~120 us on the H200 whether the
+batch has 16 or 48 rows (benchmarks/NOTES.md); the decode stack runs it once per layer (twice in dual-batch mode).
+This kernel is one launch: one program per row finds the k-th largest key by radix selection (four 8-bit passes of
+histograms over the row, each narrowing the prefix of the threshold key), then writes the selected positions.
+
+Keys: a float32 score maps to an unsigned key whose integer order is the float order (negative floats: all bits
+flipped; others: the sign bit set). The selection is every position whose key is above the threshold key, then
+positions equal to it, lowest position first, until k are taken (ties are broken by position, deterministically).
+Positions whose score is -inf (invisible: past the causal length) are never reported: where fewer than k scores are
+finite the list is padded with -1, and the k-th score is -inf, as `ess_sglang.reference.dsa.topk_positions` does.
+
+Output order: the positions above the threshold in increasing order, then the tied ones in increasing order, then -1
+padding (torch.topk orders by score instead; the sets are equal wherever no two scores tie at the threshold).
+
+`topk_reference` is the plain-torch definition with the same tie rule; `topk_triton` the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048
+
+
+def _keys(scores: torch.Tensor) -> torch.Tensor:
+    """Order-preserving int64 keys of float32 scores (torch reference)."""
+    bits = scores.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    neg = bits >= 0x80000000
+    return torch.where(neg, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+
+
+def topk_reference(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [B, Q, T] float -> (positions int32 [B, Q, k] in the kernel's order, k-th score float32 [B, Q])."""
+    B, Q, T = scores.shape
+    flat = scores.float().reshape(B * Q, T)
+    keys = _keys(flat)
+    pos = torch.full((B * Q, k), -1, dtype=torch.int32)
+    kth = torch.full((B * Q,), float("-inf"))
+    for r in range(B * Q):
+        order = sorted(range(T), key=lambda t, kr=keys[r]: (-int(kr[t]), t))[:k]  # noqa: B023
+        if len(order) == k:
+            kth[r] = flat[r, order[-1]]
+        thr = keys[r, order[-1]] if order else None
+        above = [t for t in range(T) if thr is not None and keys[r, t] > thr]
+        tied = sorted(t for t in order if keys[r, t] == thr)
+        chosen = [t for t in above + tied if torch.isfinite(flat[r, t])]
+        pos[r, :len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+    return pos.view(B, Q, k), kth.view(B, Q)
+
+
+@triton.jit
+def _key(x):
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, ~bits, bits | (-2147483648)).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _topk_kernel(scores_ptr, row_stride, T, K, out_pos_ptr, out_kth_ptr, BLOCK: tl.constexpr):
+    # requires T >= K (the wrapper pads otherwise)
+    r = tl.program_id(0).to(tl.int64)
+    base = scores_ptr + r * row_stride
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros((), tl.uint32)
+    need = K  # keys equal to the threshold still to take, once the keys above it are accounted for
+    for p in tl.static_range(4):  # the threshold key's bits 31..24, 23..16, 15..8, 7..0
+        hist = tl.zeros((256,), tl.int32)
+        for t0 in range(0, T, BLOCK):
+            t = t0 + tl.arange(0, BLOCK)
+            m = t < T
+            key = _key(tl.load(base + t, mask=m, other=float("-inf")))
+            if p > 0:
+                m = m & ((key >> (32 - 8 * p)) == prefix)
+            hist += tl.histogram(((key >> (24 - 8 * p)) & 255).to(tl.int32), 256, mask=m)
+        at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
+        j = tl.max(tl.where(at_or_above >= need, bins, 0))  # the highest digit that still holds the need-th key
+        need = need - tl.sum(tl.where(bins > j, hist, 0))
+        prefix = (prefix << 8) | j.to(tl.uint32)
+    thr = prefix  # the k-th largest key: K - need keys lie above it, `need` equal ones are taken, lowest first
+    n_above = K - need
+    out = out_pos_ptr + r * K
+    above_at = tl.zeros((), tl.int32)
+    tied_at = tl.zeros((), tl.int32)
+    for t0 in range(0, T, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        m = t < T
+        x = tl.load(base + t, mask=m, other=float("-inf"))
+        key = _key(x)
+        finite = m & (x > float("-inf"))
+        above = finite & (key > thr)
+        tied = finite & (key == thr)
+        a_rank = above_at + tl.cumsum(above.to(tl.int32), 0) - 1
+        t_rank = tied_at + tl.cumsum(tied.to(tl.int32), 0) - 1
+        tl.store(out + a_rank, t.to(tl.int32), mask=above)
+        tl.store(out + n_above + t_rank, t.to(tl.int32), mask=tied & (t_rank < need))
+        above_at += tl.sum(above.to(tl.int32))
+        tied_at += tl.sum(tied.to(tl.int32))
+    taken = above_at + tl.minimum(tied_at, need)  # fewer than K when fewer than K scores are finite
+    for k0 in range(0, K, BLOCK):
+        i = k0 + tl.arange(0, BLOCK)
+        tl.store(out + i, tl.full((BLOCK,), -1, tl.int32), mask=(i < K) & (i >= taken))
+    thr_i = thr.to(tl.int32, bitcast=True)  # sign bit set: a float >= +0 (its bits are the rest); else all flipped
+    bits = tl.where(thr_i < 0, thr_i & 2147483647, ~thr_i)
+    tl.store(out_kth_ptr + r, tl.where(taken == K, bits.to(tl.float32, bitcast=True), float("-inf")))
+
+
+def topk_triton(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [B, Q, T] float32 (last dim contiguous) -> (positions int32 [B, Q, k], k-th score [B, Q]).
+
+    One program per row; no host synchronisation (CUDA-graph safe). Where T < k the missing entries are -1.
+    """
+    if scores.dim() != 3 or scores.dtype != torch.float32 or scores.stride(-1) != 1:
+        raise ValueError(f"topk_triton wants float32 scores [B, Q, T] with a contiguous last dim, got "
+                         f"{scores.dtype} {tuple(scores.shape)}")
+    B, Q, T = scores.shape
+    flat = scores.reshape(B * Q, T)
+    kk = min(k, T)
+    pos = torch.empty((B * Q, kk), dtype=torch.int32, device=scores.device)
+    kth = torch.empty((B * Q,), dtype=torch.float32, device=scores.device)
+    if B * Q and kk:
+        _topk_kernel[(B * Q,)](flat, flat.stride(0), T, kk, pos, kth, BLOCK=BLOCK, num_warps=8)
+    if kk < k:  # fewer scores than k: pad, and there is no k-th score
+        pos = torch.cat([pos, pos.new_full((B * Q, k - kk), -1)], dim=1)
+        kth.fill_(float("-inf"))
+    return pos.view(B, Q, k), kth.view(B, Q)
