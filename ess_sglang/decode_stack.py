@@ -84,7 +84,7 @@ class StackOptions:
     top_k: int = 2048
     prefetch: bool = False
     da_width: int = 256  # Attn1's table width (a multiple of 64 for FlashMLA)
-    dba_split: float | Sequence[float] = 0.5  # fraction of the batch in chunk A, or every chunk's fraction (>= 2)
+    dba_split: float | Sequence[float] = 0.75  # chunk A's fraction of the batch (measured best), or every chunk's
     dba_attention: str = "whole"  # "whole": one attention over the batch (exact); "split": per half (hides more)
     overlap_programs: int = 32  # persistent programs of a copy that overlaps compute (the rest of the SMs compute)
     sync_copy: str = "counted"  # sync mode: "counted" (deferred list, whole-GPU copy) or "inline" (in the resolve)

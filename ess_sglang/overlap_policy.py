@@ -6,8 +6,11 @@ misses over PCIe before attention reads them. Three modes, chosen per layer:
     sync  resolve + fetch, then attention: nothing overlaps.
     da    dual attention: attention over the hits runs while the misses are in flight on a copy stream, then a
           small attention over the misses; the two are merged by log-sum-exp.
-    dba   dual-batch: the batch is split in two halves; half A's resolve + fetch runs on a side stream while half
-          B's indexer + top-k run, and half B's fetch while half A's attention runs.
+    dba   dual-batch: the batch is split in two halves (a fraction f = dba_split of it in half A); half A's resolve +
+          fetch run on a side stream while half B's indexer + top-k run; then half B's resolve + fetch, exposed;
+          then ONE attention over the whole batch once both halves are resident (`dba_attention="whole"` in
+          ess_sglang/decode_stack.py, the runtime's default, exact). The optional "split" attention variant (half A
+          attends while half B's fetch runs) is not modelled.
 
 `ess profile` (ess_sglang/profile_cmd.py) replays top-k traces through the cache manager to count every layer's
 misses per step, applies the cost model below and writes an overlap profile (YAML, `OverlapProfile`); the runtime
@@ -22,22 +25,50 @@ Cost model (one layer, one decode step; all times in microseconds, constants in 
              segment's slope continues; below the first point, the first segment's)
     I(b, C)  = indexer_topk_us x (b x C) / (indexer_ref_batch x indexer_ref_context)    indexer + top-k
     R        = resolve_us                                 resolve bookkeeping (lookup, dedup, eviction)
+    h_da     = da_hidden_fraction     share of the overlapped copy that DA hides beside attention
+    h_dba    = dba_hidden_fraction    share of the overlapped work that DBA hides beside the indexer + top-k
+             (measured: a copy on a side stream competes with the kernel beside it for SMs and HBM bandwidth)
+    f        = dba_split              fraction of the batch in DBA's half A
 
     exposed time (what ESS adds to the layer's critical path, against the same layer with every latent in HBM):
     sync  = R + T
-    da    = R + max(0, T - A(B)) + da_overhead_us
-    dba   = R + max(0, T - H) + dba_overhead_us + S,   H = I(B/2, C) + A(B/2),   S = max(0, 2 A(B/2) - A(B))
-            (H: what the two halves' overlap can hide; S: two half-batch attention kernels cost more than one;
-            B/2 is not rounded; dba is unavailable, None, when B < 2)
+    da    = R + T - h_da x min(T, A(B)) + da_overhead_us
+    dba   = R + T - h_dba x min(f (T + R), I((1 - f) B, C)) + dba_overhead_us
+            (half A's share of the resolve + fetch, f (T + R), overlaps half B's indexer + top-k; half B's share
+            is exposed; f B is not rounded; dba is unavailable, None, when B < 2)
 
     mode = the one with the smallest exposed time (ties go to the earlier of MODES); M == 0 always gives "sync".
 
-Resolve is counted on the critical path in every mode (in dba each half's resolve runs on the side stream, but it is
-SM work competing with the kernels it would overlap, so the model does not count it as hidden); it therefore never
-moves the choice, and the exposed times read as ESS's whole per-layer cost.
+Resolve is on the critical path in sync and da (DA's copy needs the resolve's miss list). In dba half A's resolve
+runs on the side stream before its copy, so it joins the overlapped work and is hidden at the same fraction h_dba
+(the overlap was measured for the copy alone); half B's resolve is exposed. The exposed times read as ESS's whole
+per-layer cost.
 
-With the H200 defaults at B = 64, C = 32K (A = 95, I(32) = 150, A(32) = 59.7, S = 24.3 us): sync is best below
-610 misses per step (T < 10 us), da up to about 7,600 (T < 124 us), dba above.
+With the H200 defaults at B = 64, C = 32K (T = 0.0156 us per miss, A(64) = 95, f = 0.75 so half B holds 16
+requests, I(16, 32K) = 75 us): sync at every miss count. DA hides at most 0.44 x 95 = 41.8 us, far less than its
+184 us overhead, so it stays at least 142.2 us behind sync. DBA hides at most 0.8 x 75 = 60 us (half B's window is
+full from 0.75 (T + 40) = 75, T = 60 us, 3,842 misses), less than its 130 us overhead (mostly the split's second
+torch.topk), so it stays at least 70 us behind sync (exactly 70 from 3,842 misses). The measured decode stack ranks
+them the same way (benchmarks/results/decode_layers.json, 2026-11-29, hit 0.95, per layer: all-HBM 569.8 us, sync
+766.6, dba 785.8, da 965.2; the model predicts dba +70 and da +145 over sync, measured +19 and +199).
+
+DBA beats sync only where 0.8 x I((1 - f) B, C) exceeds 130 us (half B's window above 162.5 us, B x C above
+4,543,829 tokens: batch 64 from 70,998 tokens of context, batch 128 from 35,499, 32K context from batch 139), and then
+only above T = 176.7 us (11,311 misses, where 0.8 x 0.75 (T + R) passes 130 us). DA beats sync only where
+0.44 x A(B) exceeds 184 us (A(B) above 418.2 us: batch 305 and up, beyond the attention table's last point), and then
+only above T = 418.2 us (26,774 misses). At 32K context the model therefore picks sync below batch 139, dba above
+11,311 misses from batch 139, and never da: wherever DA could beat sync (batch >= 305), DBA's saving (0.6 (T + R) - 130
+until half B's window fills, 0.8 I - 130 after) exceeds DA's (0.44 min(T, A(B)) - 184). DA wins only at short contexts
+and large batches (2K or 8K context from batch 305, above 26,774 misses).
+
+Checked against the measured decode stack (benchmarks/results/decode_layers.json: 4 layers, 32K and 128K context,
+batch 16 / 64 / 128, hit 0.90 / 0.95 / 0.99, dba at split 0.75): with each layer's mode chosen from the sync row's
+misses per layer, the model picks the fastest measured of sync / da / dba at 15 of the 18 configurations. The three
+misses are sync where dba was faster, at 32K: batch 128 hit 0.90 (+8.6%) and 0.95 (+7.8%), batch 64 hit 0.90
+(+1.7%); the measured DBA hides more than the linear window I((1 - f) B, C) allows (half B's torch.topk is
+latency-bound, ~120 us at any row count; dba - sync measured -132 us at 32K, batch 128, hit 0.90, predicted +10).
+With the previous constants (da_overhead_us 45, dba_split 0.5) the same check gave 12 of 18 and a worst loss of 26.4%
+(da at 32K, batch 128, hit 0.95).
 
 File layout (`save_profile` writes it, `load_profile` validates it)::
 
@@ -91,12 +122,30 @@ NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 PosInt = Annotated[StrictInt, Field(gt=0)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+OpenFraction = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)]
 
 H200_NOTE = ("NVIDIA H200 (PCIe Gen5 x16), docs DESIGN.md section 2, measured 2026-11-29: UVA gather of 656-B "
-             "entries 39-45 GB/s (40 used); FlashMLA sparse decode (V32 fp8, top-k 2048, 128 heads) per layer 22 us "
-             "at batch 1, 42 at 16, 95 at 64, 181 at 128; indexer + top-k ~300 us per layer at batch 64 and 32K "
-             "context, linear in batch x context (estimate); resolve ~40 us per layer (estimate, fused Triton "
-             "resolve not yet at target); DA and DBA fixed overheads 10 and 15 us (estimates: extra launches)")
+             "entries 39-45 GB/s; persistent FlashTrans copy of 3,700 / 7,400 scattered 656-B entries 41-44 GB/s "
+             "(scratch measurement; 42 used; bulk memcpy 49-51 GB/s); FlashMLA sparse decode (V32 fp8, "
+             "top-k 2048, 128 heads) per layer 22 us at batch 1, 42 at 16, 95 at 64, 181 at 128; the copy on a side "
+             "stream beside FlashMLA at batch 64 ~44% hidden (FlashMLA alone 111.9 us, copy alone 59.3, together "
+             "144.9, 32 copy programs; scratch; 0.44 used); beside the Triton indexer at batch 32 and 32K "
+             "context 76-84% hidden (indexer 177 us, copy 58-64, together 188-191, 16-32 copy programs; "
+             "scratch; 0.8 used); indexer + top-k ~300 us per layer at batch 64 and 32K context, linear in batch x "
+             "context (estimate); resolve ~40 us per layer (estimate, fused Triton resolve not yet at target); DA "
+             "fixed extra 184 us per layer (second narrow FlashMLA call with its own schedule, table split, LSE "
+             "merge): the median over the decode-stack benchmark's 18 configurations with batch >= 16 of (da - sync) "
+             "+ 0.44 x min(T, A(B)), T = the sync row's H2D MB/step / 4 layers / 42 GB/s (da - sync alone: median "
+             "164, range 13-332 us; measured 2026-11-29); DBA fixed overhead 130 us: the second top-k of the split "
+             "~120 us (torch.topk, k 2048 over 32K, is ~30 small latency-bound kernels: 121 us for 48 rows, 126 us "
+             "for 16) plus extra launches (measured 2026-11-29); decode-stack timeline at batch 64 and 32K context "
+             "(benchmarks/decode_layers.py, 4 layers, CUDA-graph replay, 2026-11-29) per layer: all latents in HBM "
+             "574 us, sync 776, dba 800 (whole-batch attention, split 0.75, 16 copy programs) and 828 (split 0.5), "
+             "da 975-987; full decode-stack benchmark (benchmarks/results/decode_layers.json, 4 layers, dba split "
+             "0.75, 16 copy programs, torch top-k, 2026-11-29) at hit 0.95, x all-HBM, sync / dba / da: 32K batch 64 "
+             "1.345 / 1.379 / 1.694, batch 128 1.411 / 1.309 / 1.654; 128K batch 64 1.199 / 1.208 / 1.301, batch 128 "
+             "1.201 / 1.180 / 1.263")
 
 
 class DeviceTimings(BaseModel):
@@ -109,7 +158,7 @@ class DeviceTimings(BaseModel):
     """Where the numbers come from."""
     entry_bytes: PosInt = 656
     """Bytes one miss moves (V32 latent entry)."""
-    h2d_gbps: PosFloat = 40.0
+    h2d_gbps: PosFloat = 42.0
     """Achieved H2D gather bandwidth for scattered entries, GB/s (1e9 B/s)."""
     attention_us: dict[int, PosFloat] = Field(default_factory=lambda: {1: 22.0, 16: 42.0, 64: 95.0, 128: 181.0})
     """Sparse attention time of one layer by batch size (interpolated linearly); at least two points."""
@@ -119,10 +168,23 @@ class DeviceTimings(BaseModel):
     indexer_ref_context: PosInt = 32768
     resolve_us: NonNegFloat = 40.0
     """Resolve bookkeeping per layer (lookup, dedup, eviction, slot table)."""
-    da_overhead_us: NonNegFloat = 10.0
-    """Fixed cost of DA: the second small attention, the table split and the log-sum-exp merge."""
-    dba_overhead_us: NonNegFloat = 15.0
-    """Fixed cost of DBA: about two extra kernel launches per op."""
+    da_overhead_us: NonNegFloat = 184.0
+    """Fixed cost of DA: the second narrow attention (its own schedule), the table split and the log-sum-exp merge;
+    the median over the decode-stack benchmark's configurations with batch >= 16 of (da - sync) + h_da x min(T, A(B))
+    (183.6 us; measured 2026-11-29, benchmarks/results/decode_layers.json)."""
+    dba_overhead_us: NonNegFloat = 130.0
+    """Fixed cost of DBA: the second top-k of the split ~120 us (torch.topk is latency-bound: the same time for 16
+    and 48 rows) plus the split halves' extra launches and the side-stream synchronisation; measured 2026-11-29."""
+    da_hidden_fraction: Fraction = 0.44
+    """h_da: share of the copy overlapping attention that DA actually hides."""
+    dba_hidden_fraction: Fraction = 0.8
+    """h_dba: share of half A's resolve + copy overlapping half B's indexer + top-k that DBA actually hides."""
+    dba_split: OpenFraction = 0.75
+    """f: fraction of the batch in DBA's half A; must equal the runtime's `dba_split` (StackOptions.dba_split, whose
+    default is 0.5: run DBA with 0.75, or set this key to the value that runs). 0.75 is what the decode-stack benchmark
+    runs because it measured faster than 0.5 (batch 64, 32K context: dba 800 against 828 us per layer): a larger half A
+    puts more of the fetch on the side stream, and half B's window shrinks less than linearly (its torch.topk is
+    latency-bound). The model's linear window I((1 - f) B, C) does not see that, so it under-predicts DBA at 0.75."""
 
     @field_validator("attention_us")
     @classmethod
@@ -259,16 +321,13 @@ def exposed_times(misses: float, batch: int, context: float, device: DeviceTimin
         raise OverlapProfileError(f"misses: must be a finite number >= 0, got {misses}")
     if batch < 1 or context <= 0:
         raise OverlapProfileError(f"batch and context must be positive, got batch={batch}, context={context}")
-    T, R = d.fetch_us(misses), d.resolve_us
-    A = d.attention_time_us(batch)
+    T, R, f = d.fetch_us(misses), d.resolve_us, d.dba_split
     sync = R + T
-    da = R + max(0.0, T - A) + d.da_overhead_us
+    da = R + T - d.da_hidden_fraction * min(T, d.attention_time_us(batch)) + d.da_overhead_us
     dba = None
     if batch >= 2:
-        half_a = d.attention_time_us(batch / 2)
-        hide = d.indexer_time_us(batch / 2, context) + half_a
-        split = max(0.0, 2 * half_a - A)
-        dba = R + max(0.0, T - hide) + d.dba_overhead_us + split
+        window = d.indexer_time_us((1 - f) * batch, context)  # half B's indexer + top-k
+        dba = R + T - d.dba_hidden_fraction * min(f * (T + R), window) + d.dba_overhead_us
     return ModeTimes(sync=sync, da=da, dba=dba)
 
 

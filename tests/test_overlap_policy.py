@@ -37,35 +37,161 @@ B64, C32K = 64, 32768
 
 # ------------------------------------------------------------------------------------------------ cost model
 
+def test_h200_defaults():
+    d = DeviceTimings()
+    assert (d.da_overhead_us, d.dba_overhead_us, d.dba_split) == (184.0, 130.0, 0.75)
+    assert (d.da_hidden_fraction, d.dba_hidden_fraction, d.h2d_gbps, d.resolve_us) == (0.44, 0.8, 42.0, 40.0)
+
+
 def test_modes_at_batch_64_and_32k_context():
-    # 0 misses, a few (1% of 64 x 2048 lookups), many (15%)
-    assert choose_modes([0, 1311, 19661], B64, C32K) == ["sync", "da", "dba"]
-    # the thresholds the module docstring states: sync below ~610 misses, da up to ~7,600, dba above
-    assert choose_modes([600, 620, 7500, 7700], B64, C32K) == ["sync", "da", "da", "dba"]
+    # 0 misses, a few (1% of 64 x 2048 lookups), many (15%), huge: sync everywhere at batch 64 and 32K context
+    assert choose_modes([0, 1311, 19661, 200000], B64, C32K) == ["sync"] * 4
+    d = DeviceTimings()
+    assert d.indexer_time_us((1 - d.dba_split) * B64, C32K) == pytest.approx(75.0)  # half B: 16 requests
+    misses = list(range(0, 100001, 250)) + [3841, 3842, 11311, 26774]
+    assert set(choose_modes(misses, B64, C32K)) == {"sync"}
+    for m in misses:
+        t = exposed_times(m, B64, C32K, d)
+        # DA hides at most 0.44 x 95 = 41.8 us, far less than its 184 us overhead
+        assert t.da - t.sync >= 184 - 0.44 * 95 - 1e-9
+        # DBA hides at most 0.8 x I(16, 32K) = 60 us, less than its 130 us overhead
+        assert t.dba - t.sync >= 130 - 0.8 * 75 - 1e-9
+    # from T = 60 us (3,842 misses) half B's indexer window is full: dba stays exactly 70 us behind sync
+    for m in (3842, 20000, 50000):
+        t = exposed_times(m, B64, C32K, d)
+        assert t.dba - t.sync == pytest.approx(70.0)
+    t = exposed_times(3841, B64, C32K, d)
+    assert t.dba - t.sync > 70
+    # the old 25 us overhead would have picked dba here: the 130 us (second top-k) is what keeps it sync
+    assert choose_modes([10000], B64, C32K, DeviceTimings(dba_overhead_us=25.0)) == ["dba"]
+    # the old 45 us DA overhead picked da at 128K, batch 128, hit 0.95 (measured: 5% slower than sync, 7% than dba)
+    old = DeviceTimings(da_overhead_us=45.0)
+    assert choose_modes([11700], 128, 131072, old) == ["da"]
+    assert choose_modes([11700], 128, 131072, d) == ["dba"]
+
+    # DBA wins only where half B's window exceeds 130 / 0.8 = 162.5 us (B x C > 4,543,829), and then only above
+    # T = 176.7 us (11,311 misses)
+    assert choose_modes([11310, 11311, 100000], B64, 70997) == ["sync"] * 3
+    assert choose_modes([11310, 11311, 100000], B64, 70998) == ["sync", "dba", "dba"]
+    assert choose_modes([11310, 11311], 128, 35498) == ["sync"] * 2
+    assert choose_modes([11310, 11311], 128, 35499) == ["sync", "dba"]
+    assert choose_modes([100000], 138, C32K) == ["sync"]
+    assert choose_modes([11310, 11311], 139, C32K) == ["sync", "dba"]
+    # DA beats sync only from batch 305 (0.44 x A(B) > 184 us), above 26,774 misses; at 32K DBA always saves more
+    assert choose_modes([26773, 26774, 200000], 305, 2048) == ["sync", "da", "da"]
+    assert choose_modes([200000], 304, 2048) == ["sync"]
+    assert choose_modes([200000], 305, 8192) == ["da"]
+    for b in (305, 400, 1000, 3000):
+        assert set(choose_modes([11311, 26774, 50000, 400000], b, C32K)) == {"dba"}
+
+
+# Measured decode stack (benchmarks/results/decode_layers.json, H200, 2026-11-29; 4 layers, dba split 0.75, 16 copy
+# programs, torch top-k): context, batch, target hit, per-layer us of sync / da / dba, sync's H2D MB per step (4
+# layers), and sync's distinct misses per layer and step.
+MEASURED = [
+    (32768, 16, 0.9, 322.0, 466.2, 384.9, 7.91, (2945.1, 2981.1, 3097.6, 3040.9)),
+    (32768, 16, 0.95, 300.4, 453.1, 377.7, 3.74, (1394.9, 1405.5, 1460.8, 1445.4)),
+    (32768, 16, 0.99, 286.9, 451.6, 368.6, 0.72, (273.8, 266.8, 282.9, 281.6)),
+    (32768, 64, 0.9, 876.8, 998.7, 861.9, 31.53, (11925.4, 11967.8, 12020.0, 12150.1)),
+    (32768, 64, 0.95, 766.6, 965.2, 785.8, 14.95, (5631.1, 5628.9, 5688.8, 5840.9)),
+    (32768, 64, 0.99, 668.5, 887.6, 755.4, 3.00, (1122.4, 1122.0, 1156.0, 1180.0)),
+    (32768, 128, 0.9, 1672.3, 1793.2, 1539.9, 62.63, (23852.9, 24027.4, 23846.2, 23744.8)),
+    (32768, 128, 0.95, 1441.2, 1689.7, 1337.2, 31.25, (11852.6, 11967.5, 11943.6, 11875.8)),
+    (32768, 128, 0.99, 1206.7, 1532.0, 1272.6, 6.02, (2276.8, 2302.1, 2305.4, 2294.0)),
+    (131072, 16, 0.9, 646.1, 766.6, 701.5, 8.07, (3163.0, 3008.6, 3075.8, 3051.1)),
+    (131072, 16, 0.95, 609.3, 748.2, 693.0, 3.79, (1480.5, 1407.1, 1442.9, 1440.8)),
+    (131072, 16, 0.99, 578.7, 742.5, 685.5, 0.73, (285.4, 276.2, 278.1, 275.4)),
+    (131072, 64, 0.9, 2113.4, 2187.2, 1990.2, 30.83, (11785.5, 11762.0, 11711.6, 11732.0)),
+    (131072, 64, 0.95, 1944.8, 2109.6, 1959.4, 15.26, (5828.6, 5857.0, 5809.5, 5766.0)),
+    (131072, 64, 0.99, 1810.6, 2032.8, 1928.0, 2.92, (1120.0, 1125.9, 1107.0, 1095.2)),
+    (131072, 128, 0.9, 4128.1, 4140.8, 3768.1, 62.00, (23816.2, 23580.5, 23670.9, 23448.5)),
+    (131072, 128, 0.95, 3769.1, 3964.2, 3704.6, 30.74, (11842.5, 11645.0, 11725.9, 11643.2)),
+    (131072, 128, 0.99, 3480.6, 3812.4, 3647.5, 5.90, (2248.6, 2224.8, 2257.9, 2260.4)),
+]
+
+
+def test_da_overhead_is_the_measured_median():
+    d = DeviceTimings()
+    est, diff = [], []
+    for _, batch, _, sync, da, _, mb, misses in MEASURED:
+        fetch = mb * 1e3 / 4 / d.h2d_gbps  # T from the measured H2D bytes
+        assert fetch == pytest.approx(d.fetch_us(sum(misses) / 4), rel=0.01)  # = distinct misses x 656 B
+        est.append(da - sync + d.da_hidden_fraction * min(fetch, d.attention_time_us(batch)))
+        diff.append(da - sync)
+    assert float(np.median(est)) == pytest.approx(183.6, abs=0.1)
+    assert d.da_overhead_us == round(float(np.median(est)))
+    assert float(np.median(diff)) == pytest.approx(164.2, abs=0.1) and min(diff) > 0  # DA never beat sync
+
+
+def test_choices_against_the_measured_decode_stack():
+    picked_best, losses = 0, {}
+    for context, batch, hit, sync, da, dba, _, misses in MEASURED:
+        measured = {"sync": sync, "da": da, "dba": dba}
+        modes = choose_modes(misses, batch, context)
+        assert "da" not in modes
+        t = sum(measured[m] for m in modes) / len(modes)
+        loss = t / min(measured.values()) - 1
+        picked_best += loss == 0
+        losses[(context, batch, hit)] = loss
+    assert picked_best == 15
+    worst = max(losses, key=losses.get)
+    assert worst == (32768, 128, 0.9) and losses[worst] == pytest.approx(1672.3 / 1539.9 - 1)  # 8.6%
+    assert choose_modes(MEASURED[-2][-1], 128, 131072) == ["dba"] * 4  # the run's layerwise chose da here
+    # the previous constants (DA 45 us, split 0.5) picked the best at 12 of 18, da at 32K / 128 / 0.95 (+26%)
+    old = DeviceTimings(da_overhead_us=45.0, dba_split=0.5)
+    assert choose_modes(MEASURED[7][-1], 128, C32K, old) == ["da"] * 4
 
 
 def test_exposed_times_follow_the_documented_formulas():
     d = DeviceTimings()
-    t = exposed_times(20000, B64, C32K, d)
-    T = 20000 * 656 / 40e3  # 328 us
-    A, A_half, I_half = 95.0, 42 + 53 * 16 / 48, 150.0
+    A_half = 42 + 53 * 16 / 48
     assert d.attention_time_us(32) == pytest.approx(A_half)
-    assert d.indexer_time_us(32, C32K) == pytest.approx(I_half)
-    assert t.sync == pytest.approx(40 + T)
-    assert t.da == pytest.approx(40 + (T - A) + 10)
-    assert t.dba == pytest.approx(40 + (T - I_half - A_half) + 15 + (2 * A_half - A))
+    assert d.indexer_time_us(32, C32K) == pytest.approx(150.0)
+    assert d.indexer_time_us(16, C32K) == pytest.approx(75.0)
     # extrapolation beyond the table continues the last segment
     assert d.attention_time_us(256) == pytest.approx(181 + 86 * 2)
-    # batch 1 cannot be split: dba is unavailable and never chosen
+
+    # H200 defaults: T below A(64) = 95 us with half B's window (I(16, 32K) = 75 us) not full, then above both
+    T = 2000 * 656 / 42e3  # 31.2 us: f (T + R) = 53.4 < 75
+    t = exposed_times(2000, B64, C32K, d)
+    assert t.sync == pytest.approx(40 + T)
+    assert t.da == pytest.approx(40 + T - 0.44 * T + 184)
+    assert t.dba == pytest.approx(40 + T - 0.8 * 0.75 * (T + 40) + 130)
+    T = 20000 * 656 / 42e3  # 312.4 us
+    t = exposed_times(20000, B64, C32K, d)
+    assert t.sync == pytest.approx(40 + T)
+    assert t.da == pytest.approx(40 + T - 0.44 * 95 + 184)
+    assert t.dba == pytest.approx(40 + T - 0.8 * 75 + 130)
+
+    # other constants, an uneven split: half A (f = 0.25) hides, half B's indexer (0.75 B, not rounded) is the window
+    o = DeviceTimings(resolve_us=10.0, da_hidden_fraction=1.0, dba_hidden_fraction=0.5, dba_split=0.25,
+                      da_overhead_us=5.0, dba_overhead_us=3.0)
+    T = 10000 * 656 / 42e3  # 156.2 us
+    t = exposed_times(10000, B64, C32K / 2, o)
+    assert o.indexer_time_us(48, C32K / 2) == pytest.approx(112.5)
+    assert t.da == pytest.approx(10 + T - 95 + 5)
+    assert t.dba == pytest.approx(10 + T - 0.5 * 0.25 * (T + 10) + 3)  # f (T + R) = 41.5 < 112.5
+    t = exposed_times(10000, 10, C32K / 2, o)
+    window = 300 * 7.5 * (C32K / 2) / (64 * C32K)  # I(7.5, 16K) = 17.6 us
+    assert t.dba == pytest.approx(10 + T - 0.5 * window + 3)
+    assert t.da == pytest.approx(10 + T - o.attention_time_us(10) + 5)
+
+    # batch 1 cannot be split: dba is unavailable and never chosen; DA cannot pay its 184 us (0.44 x 22 = 9.7 hidden)
     one = exposed_times(50000, 1, C32K, d)
-    assert one.dba is None and choose_modes([50000], 1, C32K, d) == ["da"]
+    assert one.dba is None and choose_modes([50000], 1, C32K, d) == ["sync"]
+    assert choose_modes([50000], 1, C32K, DeviceTimings(da_overhead_us=5.0)) == ["da"]
 
 
 def test_zero_misses_is_sync_even_on_a_tie():
     d = DeviceTimings(da_overhead_us=0.0)
     t = exposed_times(0, B64, C32K, d)
-    assert t.sync == t.da
+    assert t.sync == t.da == 40.0
     assert choose_modes([0], B64, C32K, d) == ["sync"]
+    # dba hides part of half A's resolve, so with no overhead it predicts less than sync: still sync with no misses
+    d = DeviceTimings(dba_overhead_us=0.0)
+    t = exposed_times(0, B64, C32K, d)
+    assert t.dba == pytest.approx(40 - 0.8 * 0.75 * 40) and t.dba < t.sync
+    assert choose_modes([0, 1], B64, C32K, d) == ["sync", "dba"]
 
 
 def test_restrict_modes_by_overlap_level():
@@ -96,7 +222,11 @@ def test_build_save_load_round_trip(tmp_path):
     assert [lp.misses_mean for lp in p.layers] == [0.0, 10.0, 120.0, 6.0]
     assert p.layers[2].misses_p95 == pytest.approx(float(np.percentile([100, 140, 120], 95)))
     assert [lp.model_misses for lp in p.layers] == [0.0, 1280.0, 15360.0, 768.0]
-    assert p.modes() == ["sync", "da", "dba", "da"]
+    assert p.modes() == ["sync"] * 4  # batch 64, 32K: sync at every miss count (15,360 misses here)
+    assert build_profile(np.array([[0, 150]]), np.full((1, 2), 1024), _header(context=65536)).modes() == [
+        "sync", "sync"]  # 19,200 misses at 64K context: half B's window I(16, 64K) = 150 us hides 120 < 130 us
+    assert build_profile(np.array([[0, 150]]), np.full((1, 2), 1024), _header(context=131072)).modes() == [
+        "sync", "dba"]  # at 128K context half B's window (300 us) pays DBA's 130 us
     assert p.layers[1].hit_rate == pytest.approx(1 - 30 / 3072, abs=1e-6)
     path = save_profile(p, tmp_path / "sub" / "p.yaml")
     q = load_profile(path, num_layers=4)
@@ -125,6 +255,8 @@ def _write(tmp_path, mutate) -> Path:
     (lambda d: d["header"].update(source="magic"), ["header.source"]),
     (lambda d: d["device"].update(attention_us={64: 95.0}), ["device.attention_us", "two batch sizes"]),
     (lambda d: d["device"].update(h2d_gbps=0), ["device.h2d_gbps", "greater than 0"]),
+    (lambda d: d["device"].update(dba_split=1.0), ["device.dba_split", "less than 1"]),
+    (lambda d: d["device"].update(da_hidden_fraction=1.5), ["device.da_hidden_fraction", "less than or equal to 1"]),
     (lambda d: d.update(layers=[]), ["layers: the profile lists no layers"]),
     (lambda d: d.update(format_version=2), ["format_version: 2 is not supported"]),
     (lambda d: "header: [unclosed\n", ["malformed YAML at line", "column"]),
@@ -158,6 +290,10 @@ def test_device_timings_overrides_keep_the_other_defaults():
     d = device_timings_from_mapping({"h2d_gbps": 20, "attention_us": {1: 10, 8: 30}})
     assert d.h2d_gbps == 20.0 and d.attention_us == {1: 10.0, 8: 30.0} and d.resolve_us == 40.0
     assert device_timings_from_mapping({"device": {"resolve_us": 5}}).resolve_us == 5.0
+    e = device_timings_from_mapping({"dba_split": 0.25})
+    assert (e.dba_split, e.dba_hidden_fraction, e.da_hidden_fraction) == (0.25, 0.8, 0.44)
+    assert (e.h2d_gbps, e.da_overhead_us, e.dba_overhead_us) == (42.0, 184.0, 130.0)
+    assert device_timings_from_mapping({"h2d_gbps": 20}).dba_split == 0.75
     with pytest.raises(OverlapProfileError, match=r"my\.yaml: device\.resolv_us: unknown key"):
         device_timings_from_mapping({"device": {"resolv_us": 5}}, "my.yaml")
 
@@ -244,9 +380,18 @@ def test_ess_profile_bad_device_timings_file(tmp_path, capsys):
 
 def test_committed_example_is_valid_and_reproducible():
     modes = modes_for_layers(EXAMPLE, 30)
-    assert len(modes) == 30 and set(modes) <= set(MODES) and {"da", "dba"} <= set(modes)
+    assert len(modes) == 30 and set(modes) <= set(MODES)
     prof = load_profile(EXAMPLE)
     h = prof.header
+    assert prof.device == DeviceTimings()  # written with the current H200 constants
+    # batch 64, 32K context: neither DA nor DBA wins at any miss count, so every layer is sync
+    assert (h.batch, h.context) == (B64, C32K)
+    assert modes == ["sync"] * 30
+    assert max(lp.model_misses for lp in prof.layers) > 3842  # some layers fill DBA's window and still stay sync
+    for lp in prof.layers:
+        t = lp.exposed_us
+        assert t.sync < t.da and t.sync < t.dba
+        assert t.dba - t.sync >= 70 - 1e-3 and t.da - t.sync >= 184 - 0.44 * 95 - 1e-3
     assert prof.modes() == modes
     assert modes == choose_modes([lp.model_misses for lp in prof.layers], h.batch, h.context, prof.device)
     with pytest.raises(OverlapProfileError, match="the model has 61"):
