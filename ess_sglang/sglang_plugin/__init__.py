@@ -14,6 +14,8 @@ Modules, one job each:
 * ``coordinator`` the ESS replacement of HiSparse's coordinator: the decode seam ``swap_in_selected_pages``;
 * ``admission``  admission control (plain Python) and where it hooks into SGLang's scheduler;
 * ``warmup``     capture of the prefill's query-window top-k sets, and warm-up of new requests;
+* ``pd_windows`` PD disaggregation: those sets sent from the prefill instance to the decode instance in SGLang's
+                 transfer metadata;
 * ``metrics``    glue to ``ess_sglang.metrics`` (Prometheus series on SGLang's /metrics).
 """
 

@@ -10,7 +10,9 @@ Hooks (see ``hooks.py``):
   HiSparse's logical allocator, pinned host pool and direct-to-host PD transfer), ``--disable-radix-cache`` and,
   when the KV dtype was left at ``auto``, ``--kv-cache-dtype fp8_e4m3`` (the 656-byte FlashMLA V32 entry). The
   settings go on the record as bookkeeping attributes (``settings.py``), which survive pickling to the scheduler
-  processes.
+  processes. On a PD prefill instance (``--disaggregation-mode prefill``) ESS itself stays off: the instance only
+  captures and sends the query windows' top-k sets (``pd_windows.py``); it implies ``--kv-cache-dtype fp8_e4m3``
+  (the decode instance's KV format) and nothing else.
 * ``hisparse_hook.validate_hisparse`` (around): during resolution, before HiSparse's own checks, validates what
   depends on the model and on resolved values (DSA model, KV dtype, DSA decode backend, page size, top-k), so that
   the user reads ESS's message rather than one about flags they did not pass.
@@ -42,7 +44,8 @@ REFUSED_DECODE_BACKENDS = {
 HELP_ENABLE = ("Enable ESS (ess-sglang): keep the DSA latent KV cache in pinned host memory and only the indexer "
                "cache plus a per-layer hot pool on the GPU. Implies --enable-hisparse, --disable-radix-cache and "
                "--kv-cache-dtype fp8_e4m3. For DeepSeek Sparse Attention models (DeepSeek-V3.2, GLM-5) on PD decode "
-               "instances or colocated serving.")
+               "instances or colocated serving. On a PD prefill instance it only sends each prompt's last query "
+               "windows' top-k sets to the decode instance (for its warm-up) and implies --kv-cache-dtype fp8_e4m3.")
 HELP_CONFIG = ("ESS configuration YAML (the mapping under `ess_config:`; every key is in configs/ess.yaml of "
                "ess-sglang). Without it, the defaults apply: hot pool = 0.2 x the host pool.")
 
@@ -83,6 +86,8 @@ def enable_on_record(server_args: Any, config_path: str | None) -> settings.EssS
         logger.warning("ESS: %s sets ess_config.enabled: false; serving without ESS", config_path)
         settings.store(server_args, settings.EssSettings(False, config, config_path))
         return settings.read(server_args)
+    if getattr(server_args, "disaggregation_mode", "null") == "prefill":
+        return _enable_prefill_sender(server_args, config, config_path)
     problems = check_raw_flags(server_args)
     if problems:
         raise EssLaunchError(_format(problems))
@@ -100,6 +105,45 @@ def enable_on_record(server_args: Any, config_path: str | None) -> settings.EssS
     hooks.install_runtime_hooks()  # this process loaded the plugin before the flags were known
     compat.verify_applied(hooks.all_hooks())
     return s
+
+
+def _enable_prefill_sender(server_args: Any, config: EssConfig, config_path: str | None) -> settings.EssSettings:
+    """--enable-ess on a PD prefill instance: ESS keeps nothing there; the instance captures the prompt's last query
+    windows' top-k sets and sends them to the decode instance beside the KV (``pd_windows``)."""
+    problems = check_raw_prefill_flags(server_args)
+    if problems:
+        raise EssLaunchError(_format(problems))
+    if server_args.kv_cache_dtype == "auto":  # the decode instance's ESS stores fp8_e4m3; the KV layouts must match
+        server_args.kv_cache_dtype = "fp8_e4m3"
+    s = settings.EssSettings(False, config, config_path, send_windows=True)
+    settings.store(server_args, s)
+    settings.current(server_args)
+    os.environ[ENV_ENABLED] = "1"
+    from ess_sglang.sglang_plugin import hooks
+
+    hooks.install_runtime_hooks()
+    compat.verify_applied(hooks.all_hooks())
+    if config.warmup_windows <= 0:
+        logger.warning("ESS (PD prefill): ess_config.warmup_windows is 0: no window sets are sent; the decode "
+                       "instance warms requests up from their most recent tokens")
+    else:
+        logger.info("ESS (PD prefill): the last %d query windows' top-k sets of each prompt are sent to the decode "
+                    "instance with the KV", config.warmup_windows)
+    return s
+
+
+def check_raw_prefill_flags(a: Any) -> list[str]:
+    """Problems of a PD prefill instance started with --enable-ess; each line says what to change."""
+    p = []
+    if getattr(a, "kv_cache_dtype", "auto") not in ("auto",) + SUPPORTED_KV_DTYPES:
+        p.append(f"--kv-cache-dtype {a.kv_cache_dtype}: the ESS decode instance stores fp8_e4m3 (FlashMLA V32) KV "
+                 f"and receives this instance's KV as it is: use --kv-cache-dtype fp8_e4m3 (or leave it unset)")
+    if getattr(a, "pp_size", 1) and int(getattr(a, "pp_size", 1)) > 1:
+        p.append(f"--pp-size {a.pp_size}: the window sets of all layers are sent from one rank; pipeline "
+                 f"parallelism is not supported on a prefill instance with ESS: use --pp-size 1 or drop --enable-ess")
+    if getattr(a, "enable_pd_role_switch", False):
+        p.append("--enable-pd-role-switch is not supported with ESS: drop it")
+    return p
 
 
 def _format(problems: list[str]) -> str:
@@ -121,9 +165,6 @@ def check_raw_flags(a: Any) -> list[str]:
     if algo and str(algo).upper() != "NONE":
         p.append(f"--speculative-algorithm {algo} is not supported with ESS yet (MTP verify steps would need "
                  f"multi-token write-back): drop --speculative-algorithm")
-    if getattr(a, "disaggregation_mode", "null") == "prefill":
-        p.append("--disaggregation-mode prefill: ESS runs on decode instances (--disaggregation-mode decode) or "
-                 "colocated serving; a prefill instance keeps no decode KV, so drop --enable-ess there")
     if getattr(a, "max_total_tokens", None) is not None:
         p.append("--max-total-tokens is set; ESS sizes the GPU pools from the ESS config (host pool, hot pool, "
                  "indexer cache): drop --max-total-tokens and use ess_config.memory_pool_size_gb / "
@@ -192,6 +233,15 @@ def check_resolved(view: Any, config: EssConfig, hf_config: Any) -> list[str]:
 def validate_hisparse_hook(original, view, *args, **kwargs):
     """AROUND hisparse_hook.validate_hisparse(view): ESS's checks first, then HiSparse's own."""
     s = settings.read(view)
+    if s.send_windows:
+        from sglang.srt.arg_groups.overrides import model_config_of
+        from sglang.srt.configs.model_config import is_deepseek_dsa
+
+        hf_config = model_config_of(view).hf_config
+        if not is_deepseek_dsa(hf_config):
+            arch = (list(getattr(hf_config, "architectures", None) or ["unknown"]))[0]
+            raise EssLaunchError(f"--enable-ess: the model ({arch}) does not use DeepSeek Sparse Attention; ESS works "
+                                 f"only for DSA models (DeepSeek-V3.2, GLM-5): drop --enable-ess for this model")
     if s.enabled:
         from sglang.srt.arg_groups.overrides import model_config_of
 

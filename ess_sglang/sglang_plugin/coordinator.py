@@ -229,7 +229,9 @@ class EssCoordinator:
         self.ack_staging_queue: list = []  # staging completes synchronously: nothing is ever pending
         self._ready: list = []
         self._rids: dict[int, str] = {}
-        self.capture = WindowCapture(L, config.warmup_windows) if config.warmup_windows > 0 else None
+        # A prompt that fits its warm-up budget is loaded whole: its windows are not needed.
+        self.capture = WindowCapture(L, config.warmup_windows, min_seq_len=self.warmup_budget(1 << 62)) \
+            if config.warmup_windows > 0 else None
         self._capture_note: str | None = None
         self.metrics = None
         self.queued = 0
@@ -381,16 +383,21 @@ class EssCoordinator:
             copy_rows(self.device_kv[layer], self.host.layer(layer), physical, host.long(), self.manager.copy_impl)
         self.token_to_kv_pool_allocator.free_hisparse(logical)
         self._staging.pop(req.rid, None)
-        self._warm_up(row, n, self.capture.take(row) if self.capture is not None else None)
+        self._warm_up(row, n, self.capture.take(row, seq_len=n) if self.capture is not None else None)
         self._rids[row] = req.rid
         self._ready.append(req)
 
     def admit_request_direct(self, req: Any) -> None:
-        """PD decode: the KV arrived from the prefill instance straight into the host pool; warm up."""
+        """PD decode: the KV arrived from the prefill instance straight into the host pool; warm up from the window
+        sets the prefill sent (``req.ess_warmup_ranked``, see pd_windows), else the most recent tokens."""
         row = int(req.kv.req_pool_idx)
         n = int(req.kv.kv_allocated_len)
+        ranked = getattr(req, "ess_warmup_ranked", None)
         windows = getattr(req, "ess_window_topk", None)
-        self._warm_up(row, n, list(windows) if windows is not None else None)
+        self._warm_up(row, n, list(windows) if windows is not None and ranked is None else None, ranked=ranked)
+        for attr in ("ess_warmup_ranked", "ess_window_topk"):  # 1 MB per request: not kept while it decodes
+            if getattr(req, attr, None) is not None:
+                setattr(req, attr, None)
         self._rids[row] = req.rid
         req.hisparse_staging = False
 
@@ -403,18 +410,28 @@ class EssCoordinator:
     def has_ongoing_staging(self) -> bool:
         return bool(self._ready)
 
-    def _warm_up(self, row: int, seq_len: int, windows: list | None) -> None:
+    def warmup_budget(self, seq_len: int) -> int:
+        """Hot slots per layer a new request warms up (its share of the hot pool), at most its length."""
+        return min(int(seq_len), self.hot_slots_per_layer // max(1, self.max_running_requests))
+
+    def _warm_up(self, row: int, seq_len: int, windows: list | None, ranked: torch.Tensor | None = None) -> None:
+        """Load a new request's warm-up positions per layer: from the query windows' top-k sets (`windows`, per
+        layer [windows, k]; or `ranked`, per layer the union in priority order, as the PD prefill sends it), else
+        the most recent tokens."""
+        from ess_sglang.sglang_plugin.warmup import ranked_warmup_positions
         from ess_sglang.warmup import warmup_positions
 
         if self.config.warmup_windows <= 0 or seq_len <= 0:
             return
         self._after_inflight_decode()
-        budget = min(seq_len, self.hot_slots_per_layer // max(1, self.max_running_requests))
+        budget = self.warmup_budget(seq_len)
         recent = None
         table = self.req_to_host_pool[row]
         for layer in range(self.num_layers):
             win = windows[layer] if windows is not None and layer < len(windows) else None
-            if win is None:
+            if ranked is not None and layer < ranked.shape[0]:
+                pos = ranked_warmup_positions(seq_len, budget, ranked[layer]).to(self.device)
+            elif win is None:
                 if recent is None:
                     recent = warmup_positions(seq_len, budget, None).to(self.device)
                 pos = recent

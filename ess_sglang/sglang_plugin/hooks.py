@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 
-from ess_sglang.sglang_plugin import admission, cli_args, coordinator, sizing, warmup
+from ess_sglang.sglang_plugin import admission, cli_args, coordinator, pd_windows, sizing, warmup
 from ess_sglang.sglang_plugin.compat import HookSpec
 
 logger = logging.getLogger("ess_sglang.sglang_plugin")
 
 SA = "sglang.srt.server_args.ServerArgs"
+MB = "sglang.srt.disaggregation.utils.MetadataBuffers"
 
 CLI_HOOKS: tuple[HookSpec, ...] = (
     HookSpec(f"{SA}.add_cli_args", "after", cli_args.add_cli_args_hook,
@@ -52,7 +53,23 @@ RUNTIME_HOOKS: tuple[HookSpec, ...] = (
              "PD decode admission: reserves for a request once SGLang allocated its KV destination"),
     HookSpec("sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend", "before",
              warmup.forward_extend_hook, "captures the prefill's last query windows' top-k sets for warm-up"),
+    HookSpec(f"{MB}.__init__", "after", pd_windows.metadata_buffers_init_hook,
+             "PD: adds the window-set buffer (one slot per metadata slot) on prefill and decode instances with ESS"),
+    HookSpec(f"{MB}.get_buf_infos", "after", pd_windows.get_buf_infos_hook,
+             "PD: registers the window-set buffer with the transfer engine, after SGLang's metadata buffers"),
+    HookSpec(f"{MB}.set_buf", "after", pd_windows.set_buf_hook,
+             "PD prefill: writes the request's ranked window sets into its metadata slot"),
+    HookSpec(f"{MB}.clear_slot", "after", pd_windows.clear_slot_hook,
+             "PD decode: invalidates a freed slot's window sets"),
+    HookSpec("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req", "after",
+             pd_windows.commit_transfer_hook, "PD decode: hands the received window sets to warm-up"),
 )
+
+
+PD_HOOKS: tuple[HookSpec, ...] = tuple(h for h in RUNTIME_HOOKS if h.hook in (
+    warmup.forward_extend_hook, pd_windows.metadata_buffers_init_hook, pd_windows.get_buf_infos_hook,
+    pd_windows.set_buf_hook, pd_windows.clear_slot_hook, pd_windows.commit_transfer_hook))
+"""What the PD window-set transfer needs (checked when the window-set buffer is created)."""
 
 
 def all_hooks() -> tuple[HookSpec, ...]:

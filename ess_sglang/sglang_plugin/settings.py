@@ -8,6 +8,8 @@ processes by pickling it). ESS keeps its settings there:
     server_args._ess_enabled      bool
     server_args._ess_config_path  str | None   (the --ess-config path, as given)
     server_args._ess_config       dict         (the validated EssConfig, as a plain mapping)
+    server_args._ess_send_windows bool         (a PD prefill instance with --enable-ess: it only sends the query
+                                                windows' top-k sets to the decode instance; ESS itself is off there)
 
 A process reads them from the record it was handed (``ModelRunner.server_args``, ``Scheduler.server_args``) or
 from the runtime context's published record; ``current()`` caches the answer for the process.
@@ -23,13 +25,17 @@ from ess_sglang.config import EssConfig
 ENABLED_ATTR = "_ess_enabled"
 PATH_ATTR = "_ess_config_path"
 CONFIG_ATTR = "_ess_config"
+SEND_WINDOWS_ATTR = "_ess_send_windows"
 
 
 @dataclass(frozen=True)
 class EssSettings:
     enabled: bool
+    """ESS serves this instance (PD decode or colocated): pools, coordinator, admission."""
     config: EssConfig
     config_path: str | None = None
+    send_windows: bool = False
+    """PD prefill instance with --enable-ess: capture the query windows' top-k sets and send them with the KV."""
 
     @classmethod
     def disabled(cls) -> EssSettings:
@@ -41,14 +47,19 @@ def store(server_args: Any, settings: EssSettings) -> None:
     setattr(server_args, ENABLED_ATTR, bool(settings.enabled))
     setattr(server_args, PATH_ATTR, settings.config_path)
     setattr(server_args, CONFIG_ATTR, settings.config.model_dump(mode="json"))
+    setattr(server_args, SEND_WINDOWS_ATTR, bool(settings.send_windows))
 
 
 def read(server_args: Any) -> EssSettings:
     """The settings stored on a record (or on a view of one); disabled when none are stored."""
-    if server_args is None or not getattr(server_args, ENABLED_ATTR, False):
+    if server_args is None:
+        return EssSettings.disabled()
+    enabled = bool(getattr(server_args, ENABLED_ATTR, False))
+    send = bool(getattr(server_args, SEND_WINDOWS_ATTR, False))
+    if not enabled and not send:
         return EssSettings.disabled()
     data = getattr(server_args, CONFIG_ATTR, None) or {}
-    return EssSettings(True, EssConfig.from_mapping(data), getattr(server_args, PATH_ATTR, None))
+    return EssSettings(enabled, EssConfig.from_mapping(data), getattr(server_args, PATH_ATTR, None), send)
 
 
 _CURRENT: EssSettings | None = None

@@ -101,6 +101,7 @@ def _run(mode: str, steps: int):
 
     from ess_sglang.sglang_plugin import warmup
     from ess_sglang.sglang_plugin.coordinator import EssCoordinator, active_coordinator, set_active
+    from ess_sglang.sglang_plugin.warmup import rank_window_sets
 
     lens = [9000, 1500, 12000, 5000]  # one request shorter than top-k: -1 padding
     B = len(lens)
@@ -165,8 +166,13 @@ def _run(mode: str, steps: int):
             assert coord.collect_ready_reqs() == [req]
             assert allocator.hisparse_attn_allocator.available_size() == free_before + -(-n // PAGE) * PAGE  # freed
         else:
-            req.ess_window_topk = windows if i % 2 == 0 else None  # with and without the transfer extension
+            # what the PD transfer hands over (pd_windows): the ranked union for request 0, nothing for 1 and 3 (a
+            # prefill without ESS), per-window sets for request 2
+            if i == 0:
+                req.ess_warmup_ranked = rank_window_sets(windows, n, 2 * TOPK)[0]
+            req.ess_window_topk = windows if i == 2 else None
             coord.admit_request_direct(req)
+            assert getattr(req, "ess_warmup_ranked", None) is None  # dropped once warmed up
         reqs.append(req)
     warm = coord.manager.counters[:, 7].clone()  # Counter.WARMUP_ENTRIES
     assert bool((warm > 0).all())
@@ -256,7 +262,7 @@ class _Coord:
         self.notes.append(why)
 
 
-def test_capture_keeps_last_windows_and_skips_fused_topk():
+def test_capture_keeps_last_windows_and_skips_compressed_indexer_pool():
     from ess_sglang.sglang_plugin import warmup
     from ess_sglang.sglang_plugin.coordinator import set_active
 
@@ -269,6 +275,8 @@ def test_capture_keeps_last_windows_and_skips_fused_topk():
                                topk_indices=topk)
     got3, got5 = coord.capture.take(3), coord.capture.take(5)
     assert got3[0] is None and torch.equal(got3[1], topk[2:6]) and torch.equal(got5[1], topk[6:10])
-    warmup.forward_extend_hook(types.SimpleNamespace(use_fused_topk=True), None, None, None, _layer(0), fb,
-                               topk_indices=topk)
-    assert coord.capture.take(3) is None and "SGLANG_DSA_FUSE_TOPK=0" in coord.notes[0]
+    # SGLang's compressed indexer pool appends tail tokens to the top-k rows: nothing captured, noted
+    warmup.forward_extend_hook(types.SimpleNamespace(use_fused_topk=False, dsa_index_kpool=4), None, None, None,
+                               _layer(0), fb, topk_indices=topk)
+    assert coord.capture.take(3) is None and "index_kpool" in coord.notes[0]
+    # (fused top-k, RAGGED and PAGED, is turned back into positions: tests/sglang/test_sglang_pd_windows.py)

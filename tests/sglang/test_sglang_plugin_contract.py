@@ -196,7 +196,7 @@ def test_bad_ess_config_names_the_field(loaded_plugins, tmp_path, ess_env):
 @pytest.mark.parametrize("extra,expected", [
     (["--kv-cache-dtype", "bfloat16"], "use --kv-cache-dtype fp8_e4m3"),
     (["--speculative-algorithm", "EAGLE"], "drop --speculative-algorithm"),
-    (["--disaggregation-mode", "prefill"], "ESS runs on decode instances"),
+    (["--enable-pd-role-switch"], "--enable-pd-role-switch is not supported with ESS"),
     (["--max-total-tokens", "100000"], "drop --max-total-tokens"),
     (["--enable-two-batch-overlap"], "--enable-two-batch-overlap is not supported with ESS"),
     (["--hisparse-config", '{"top_k": 2048}'], "drop --hisparse-config"),
