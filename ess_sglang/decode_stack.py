@@ -53,6 +53,7 @@ from ess_sglang.cache_manager import HotPoolCacheManager, positions_to_locations
 from ess_sglang.formats import KV_LORA_RANK, LATENT_ENTRY_BYTES, QK_HEAD_DIM
 from ess_sglang.prefetch import EchoPrefetcher
 from ess_sglang.reference.dsa import sparse_mla_flashmla, sparse_mla_reference
+from ess_sglang.reference.dsa import topk_with_scores as reference_topk
 
 MODES = ("sync", "da", "dba")
 
@@ -160,14 +161,7 @@ def topk_with_scores(scores: torch.Tensor, k: int, impl: str = "torch") -> tuple
     if impl == "triton":
         from ess_sglang.kernels.topk import topk_triton
         return topk_triton(scores.float().contiguous(), k)
-    T = scores.shape[-1]
-    kk = min(k, T)
-    values, pos = torch.topk(scores, kk, dim=-1)
-    pos = torch.where(torch.isfinite(values), pos, -1).to(torch.int32)
-    if kk < k:
-        pos = torch.cat([pos, pos.new_full((*pos.shape[:-1], k - kk), -1)], dim=-1)
-        return pos, torch.full(values.shape[:-1], float("-inf"), device=scores.device)
-    return pos, values[..., -1]
+    return reference_topk(scores, k)
 
 
 class _Streams:

@@ -136,67 +136,24 @@ def replay_misses(trace, slots_per_layer: int, warmup: str = "auto") -> tuple[np
     """
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small ops: torch's CPU thread pool costs more than it gains here (see replay_ess)
-    try:
-        return _replay_misses(trace, slots_per_layer, warmup)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _replay_misses(trace, slots_per_layer: int, warmup: str) -> tuple[np.ndarray, np.ndarray]:
-    import torch
-
-    from ess_sglang.cache_manager import Counter, HotPoolCacheManager
-    from ess_sglang.host_pool import HostTotalPool
-    from ess_sglang.request_table import RequestTable
-    from ess_sglang.warmup import warmup_positions
+    from ess_sglang.cache_manager import Counter
+    from ess_sglang.traces import replay_ess
 
     trace.validate()
-    if warmup == "auto":
-        warmup = "windows" if trace.warmup_topk is not None else "recent"
     if warmup == "windows" and trace.warmup_topk is None:
         raise _FlagError("--warmup windows: the trace has no warm-up windows (warmup_topk); use recent or none")
-    dev = torch.device("cpu")
-    S, L, B, K = trace.topk.shape
-    prompts = [int(p) for p in trace.prompt_lens]
-    host = HostTotalPool(L, sum(prompts) + S * B, entry_bytes=1, device=dev, pin=False)
-    m = HotPoolCacheManager(host, slots_per_layer, device=dev, max_selected=B * K, copy_impl="none",
-                            resolve_impl="torch")
-    table = RequestTable(B, max(prompts) + S + 1, device=dev)
-    rows = []
-    for p in prompts:
-        row = table.alloc_row()
-        table.set(row, 0, host.alloc(p))
-        rows.append(row)
-    if warmup != "none":
-        budget = slots_per_layer // B
-        for layer in range(L):
-            for b, p in enumerate(prompts):
-                win = torch.from_numpy(trace.warmup_topk[layer, b]) if warmup == "windows" else None
-                m.warm_up(layer, table.req_to_token[rows[b], warmup_positions(p, budget, win)])
-    rpi = torch.tensor(rows)
-    topk = torch.from_numpy(trace.topk)
-    seq_all = torch.from_numpy(trace.seq_lens.astype(np.int64))
-    new_entries = torch.zeros((B, 1), dtype=torch.uint8)
     cols = [int(Counter.LOOKUPS), int(Counter.MISSES)]
-    after = torch.zeros((S + 1, L, 2), dtype=torch.int64)  # counters after each step; row 0: after warm-up
-    after[0] = m.counters[:, cols]
-    for s in range(S):
-        seq = seq_all[s]
-        new_locs = host.alloc(B)
-        table.req_to_token[rpi, seq - 1] = new_locs.to(torch.int32)
-        m.begin_step()
-        for layer in range(L):
-            m.write_new_tokens(layer, new_locs, new_entries)
-            m.resolve(layer, topk[s, layer].unsqueeze(1), table.req_to_token, rpi, seq)
-        after[s + 1] = m.counters[:, cols]
-    c = m.counters.numpy()
-    if c[:, Counter.OVERFLOW].any() or c[:, Counter.BAD_INDICES].any():
-        raise _FlagError(f"the hot pool ({slots_per_layer} slots per layer) is too small for one step: "
-                         f"{int(c[:, Counter.OVERFLOW].sum())} overflowing entries, "
-                         f"{int(c[:, Counter.BAD_INDICES].sum())} bad indices; raise --ratio or --slots-per-layer")
-    per_step = torch.diff(after, dim=0).numpy()
+    after = [torch.zeros((trace.topk.shape[1], 2), dtype=torch.int64)]  # warm-up counts neither
+
+    def snapshot(step, manager) -> None:
+        after.append(manager.counters[:, cols].clone())
+
+    try:
+        replay_ess(trace, slots_per_layer, warmup=warmup, on_step=snapshot)
+    except RuntimeError as exc:  # the pool cannot hold one step's selections
+        raise _FlagError(f"the hot pool ({slots_per_layer} slots per layer) is too small for one step: {exc}; "
+                         f"raise --ratio or --slots-per-layer") from None
+    per_step = torch.diff(torch.stack(after), dim=0).numpy()
     return per_step[:, :, 1].astype(np.int64), per_step[:, :, 0].astype(np.int64)
 
 

@@ -524,7 +524,7 @@ class ReplayStats:
 
 
 def replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str = "auto", resolve_impl: str = "torch",
-               device: str = "cpu", warmup_budget: int | None = None) -> ReplayStats:
+               device: str = "cpu", warmup_budget: int | None = None, on_step=None) -> ReplayStats:
     """Replay `trace` through ESS's shared per-layer LRU hot pool (`HotPoolCacheManager`) and count its work.
 
     The pool has `slots_per_layer` slots per layer shared by all requests. Per step, as in decode: `begin_step`, then
@@ -535,6 +535,7 @@ def replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str = "auto", res
     warmup: "windows" (ESS's LRU warm-up: the union of the prefill's last query windows' top-k, `warmup_positions`,
     budget slots_per_layer // batch per request), "recent" (the most recent prompt tokens), "none", or "auto"
     (windows when the trace has them, else recent). `warmup_budget` overrides the per-request budget.
+    `on_step(step, manager)`, when given, is called after every step (e.g. to read per-step counters).
     """
     import torch
 
@@ -542,13 +543,13 @@ def replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str = "auto", res
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small ops: torch's CPU thread pool costs more than it gains (x[idx]: 8 ms vs 75 us)
     try:
-        return _replay_ess(trace, slots_per_layer, warmup, resolve_impl, device, warmup_budget)
+        return _replay_ess(trace, slots_per_layer, warmup, resolve_impl, device, warmup_budget, on_step)
     finally:
         torch.set_num_threads(threads)
 
 
 def _replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str, resolve_impl: str, device: str,
-                warmup_budget: int | None) -> ReplayStats:
+                warmup_budget: int | None, on_step=None) -> ReplayStats:
     import torch
 
     from ess_sglang.cache_manager import Counter, HotPoolCacheManager
@@ -597,6 +598,8 @@ def _replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str, resolve_imp
             m.resolve(layer, topk[s, layer].unsqueeze(1), table.req_to_token, rpi, seq)
         if s == 0:
             first_step = int(m.counters[:, Counter.MISSES].sum())
+        if on_step is not None:
+            on_step(s, m)
     c = m.counters.cpu().numpy()
     if c[:, Counter.OVERFLOW].any() or c[:, Counter.BAD_INDICES].any():
         raise RuntimeError(f"replay_ess: {int(c[:, Counter.OVERFLOW].sum())} overflowing entries, "

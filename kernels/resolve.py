@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 from ess_sglang.kernels.flashtrans import NUM_WARPS, ROWS_PER_PROGRAM, _copy_masked
+from ess_sglang.kernels.translate import position_to_location
 
 BLOCK = 1024
 ROWS = ROWS_PER_PROGRAM  # misses assigned (and copied) per program of the assign kernel
@@ -44,13 +45,8 @@ def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, width, n, per
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     if MODE == 0:  # positions within each request, translated through its own row of the request table
-        pos = tl.load(src_ptr + i, mask=m, other=-1).to(tl.int64)
-        b = i // per_batch
-        seq = tl.load(seq_ptr + b, mask=m, other=0).to(tl.int64)
-        valid = m & (pos >= 0) & (pos < seq) & (pos < width)
-        row = tl.load(rpi_ptr + b, mask=m, other=0).to(tl.int64)
-        loc = tl.load(r2t_ptr + row * r2t_stride + pos, mask=valid, other=-1).to(tl.int64)
-        ok = valid & (loc >= 0) & (loc < num_locations)
+        pos, loc, valid, ok = position_to_location(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, width, per_batch,
+                                                   num_locations, i, m)
         bad = m & (((pos != -1) & ~valid) | (valid & ~ok))
     else:  # KV locations given directly (new tokens, warm-up)
         loc = tl.load(src_ptr + i, mask=m, other=-1).to(tl.int64)

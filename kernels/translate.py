@@ -17,18 +17,28 @@ BLOCK = 1024
 
 
 @triton.jit
-def _translate_kernel(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, width, n, per_batch, num_locations, out_ptr,
-                      l2s_ptr, num_slots, cnt_ptr, THROUGH_SLOTS: tl.constexpr, C_LOOKUPS: tl.constexpr,
-                      C_HITS: tl.constexpr, C_NOT_RESIDENT: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
+def position_to_location(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, width, per_batch, num_locations, i, m):
+    """Entries i (mask m) of a flat [B, Q, K] selection: (position, location, position visible, location valid).
+
+    A position is read from its own request's row only when 0 <= pos < seq_len and pos < the table width; a table
+    entry outside [0, num_locations) is not valid (shared by this module and the fused resolve)."""
     pos = tl.load(pos_ptr + i, mask=m, other=-1).to(tl.int64)
     b = i // per_batch
     seq = tl.load(seq_ptr + b, mask=m, other=0).to(tl.int64)
     valid = m & (pos >= 0) & (pos < seq) & (pos < width)
     row = tl.load(rpi_ptr + b, mask=m, other=0).to(tl.int64)
     loc = tl.load(r2t_ptr + row * r2t_stride + pos, mask=valid, other=-1).to(tl.int64)
-    ok = valid & (loc >= 0) & (loc < num_locations)
+    return pos, loc, valid, valid & (loc >= 0) & (loc < num_locations)
+
+
+@triton.jit
+def _translate_kernel(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, width, n, per_batch, num_locations, out_ptr,
+                      l2s_ptr, num_slots, cnt_ptr, THROUGH_SLOTS: tl.constexpr, C_LOOKUPS: tl.constexpr,
+                      C_HITS: tl.constexpr, C_NOT_RESIDENT: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    _, loc, _, ok = position_to_location(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, width, per_batch,
+                                         num_locations, i, m)
     if THROUGH_SLOTS:  # an ESS layer whose every live entry is resident: location -> hot slot, counted
         slot = tl.load(l2s_ptr + loc, mask=ok, other=-1)
         found = ok & (slot >= 0) & (slot < num_slots)

@@ -40,15 +40,22 @@ def indexer_logits(q_index: torch.Tensor, weights: torch.Tensor, index_cache: to
     return logits.masked_fill(pos.view(1, 1, -1) >= visible.unsqueeze(-1), float("-inf"))
 
 
-def topk_positions(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k positions of each row of logits [B, Q, T] as int32 [B, Q, k]; -1 where fewer than k are visible."""
+def topk_with_scores(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k positions of each row of logits [B, Q, T] as int32 [B, Q, k] (-1 where fewer than k are visible), and
+    the k-th best score [B, Q] (-inf where fewer than k are visible)."""
     T = logits.shape[-1]
     kk = min(k, T)
     values, pos = torch.topk(logits, kk, dim=-1)
     pos = torch.where(torch.isfinite(values), pos, -1).to(torch.int32)
     if kk < k:
         pos = torch.cat([pos, pos.new_full((*pos.shape[:-1], k - kk), -1)], dim=-1)
-    return pos
+        return pos, torch.full(values.shape[:-1], float("-inf"), device=logits.device)
+    return pos, values[..., -1]
+
+
+def topk_positions(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k positions of each row of logits [B, Q, T] as int32 [B, Q, k]; -1 where fewer than k are visible."""
+    return topk_with_scores(logits, k)[0]
 
 
 def sparse_mla_reference(q: torch.Tensor, kv_entries: torch.Tensor, indices: torch.Tensor,
