@@ -1,7 +1,9 @@
 """FlashTrans bandwidth on the GPU: scattered 656-B entries between a pinned host pool (>= 1 GiB) and device memory.
 
 For each entry count (64 ... 262,144) and source pattern (random, clustered runs of 32), in one run:
-  - our Triton kernel, in each variant (chunked rows / first masked version; rows per program; warps);
+  - our Triton kernel, in each variant (chunked rows / first masked version; rows per program; warps), and the
+    persistent counted kernel the decode stack uses (`copy_rows_counted`: a fixed number of programs walking the
+    first count rows, count read on the device);
   - one cudaMemcpyAsync per entry (captured in a CUDA graph so Python is not timed; up to 4,096 entries);
   - torch.index_select on the UVA view (gather only: into a contiguous buffer);
   - a bulk pinned copy of the same byte count: the ceiling every ratio is taken against;
@@ -19,7 +21,7 @@ import sys
 import time
 
 import torch
-from ess_sglang.kernels.flashtrans import copy_rows_reference, copy_rows_triton
+from ess_sglang.kernels.flashtrans import copy_rows_counted, copy_rows_reference, copy_rows_triton
 from timing import median_us  # benchmarks/timing.py (run these files as scripts)
 
 from ess_sglang.host_pool import HostTotalPool
@@ -29,6 +31,7 @@ SIZES = [64, 256, 1024, 2048, 4096, 16384, 65536, 262144]
 VARIANTS = [("chunks", 4, 4), ("chunks", 8, 4), ("chunks", 16, 4), ("chunks", 16, 8), ("chunks", 32, 8),
             ("masked", 8, 4), ("chunks", 2, 1), ("masked", 4, 2), ("flat", 4, 4), ("flat", 8, 4), ("flat", 16, 8),
             ("flat", 32, 8)]
+COUNTED = [(32, 8, 4), (132, 8, 4), (528, 4, 2)]  # programs, rows per step, warps
 ROTATE = 6
 _KEEP_ALIVE = []
 
@@ -88,6 +91,12 @@ def main(argv=None):
         copy_rows_triton(host_uva, got, src, dst, rows_per_program=rpp, num_warps=warps, variant=variant)
         torch.cuda.synchronize()
         assert torch.equal(got, want), f"gather {variant}/{rpp}/{warps} wrong"
+    for programs, rpp, warps in COUNTED:
+        got = hot.clone()
+        count = torch.tensor([src.shape[0]], device="cuda")
+        copy_rows_counted(host_uva, got, src, dst, count, programs, rows_per_program=rpp, num_warps=warps)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), f"gather counted/{programs}/{rpp}/{warps} wrong"
     print("correctness: every variant equals the torch reference (gather, 262,144 entries, 1/13 padding)")
 
     def record(direction, pattern, n, method, us, bulk_us):
@@ -110,6 +119,15 @@ def main(argv=None):
                 record("h2d", pattern, n, name, us, bulk_h2d)
                 us = median_us(lambda s, d, v=variant, r=rpp, w=warps: copy_rows_triton(
                     hot, host_uva, d, s, rows_per_program=r, num_warps=w, variant=v), sets)
+                record("d2h", pattern, n, name, us, bulk_d2h)
+            count = torch.tensor([n], device="cuda")
+            for programs, rpp, warps in COUNTED:
+                name = f"triton-counted-p{programs}-r{rpp}-w{warps}"
+                us = median_us(lambda s, d, p=programs, r=rpp, w=warps, c=count: copy_rows_counted(
+                    host_uva, hot, s, d, c, p, rows_per_program=r, num_warps=w), sets)
+                record("h2d", pattern, n, name, us, bulk_h2d)
+                us = median_us(lambda s, d, p=programs, r=rpp, w=warps, c=count: copy_rows_counted(
+                    hot, host_uva, d, s, c, p, rows_per_program=r, num_warps=w), sets)
                 record("d2h", pattern, n, name, us, bulk_d2h)
             us = median_us(lambda s, d: torch.index_select(host_uva, 0, s), sets)
             record("h2d", pattern, n, "torch-index_select-uva", us, bulk_h2d)
