@@ -77,15 +77,16 @@ def positions_to_locations(topk_pos: torch.Tensor, req_to_token: torch.Tensor, r
                            seq_lens: torch.Tensor, num_locations: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions [B, Q, K] -> KV locations (int64, -1 where padding or bad) and the mask of bad positions.
 
-    A position is read from the request table only when 0 <= pos < seq_len of its own request, so a selection can
-    name nothing outside its own request; a table entry outside [0, num_locations) is treated as bad too.
+    A position is read from the request table only when 0 <= pos < seq_len of its own request (and the request's
+    row is one of the table's), so a selection can name nothing outside its own request; a table entry outside
+    [0, num_locations) is treated as bad too.
     """
     B = topk_pos.shape[0]
     pos = topk_pos.long()
-    width = req_to_token.shape[1]
-    valid = (pos >= 0) & (pos < seq_lens.long().view(B, 1, 1)) & (pos < width)
+    R, width = req_to_token.shape
     rows = req_pool_indices.long().view(B, 1, 1).expand_as(pos)
-    loc = req_to_token[rows, torch.where(valid, pos, 0)].long()
+    valid = (pos >= 0) & (pos < seq_lens.long().view(B, 1, 1)) & (pos < width) & (rows >= 0) & (rows < R)
+    loc = req_to_token[torch.where(valid, rows, 0), torch.where(valid, pos, 0)].long()
     loc_ok = valid & (loc >= 0) & (loc < num_locations)
     bad = ((pos != -1) & ~valid) | (valid & ~loc_ok)
     return torch.where(loc_ok, loc, -1), bad
@@ -245,6 +246,15 @@ class HotPoolCacheManager:
         cnt[Counter.NOT_RESIDENT] += (ok & (slot < 0)).sum()
         return slot.to(torch.int32)
 
+    def reserve_scratch(self, n: int) -> None:
+        """Size every scratch buffer for calls of up to `n` entries now (never during graph capture: a buffer that grew
+        lazily inside a capture, or under another stream, would be freed while still in use)."""
+        if n > self._entry_ids.numel():
+            self._entry_ids = torch.arange(n, dtype=torch.int64, device=self.device)
+        if self._fused is not None:
+            self._fused._grow(n)
+        self._prefetch_scratch(n)
+
     def new_fetch_list(self, capacity: int | None = None) -> FetchList:
         """A fetch list for deferred resolves of up to `capacity` entries (default: `max_selected`)."""
         n = capacity if capacity is not None else self._entry_ids.numel()
@@ -263,10 +273,10 @@ class HotPoolCacheManager:
         src, dst = self.host.layer(layer), self.hot_entries[layer]
 
         def run() -> None:
-            if fetch_list.src.is_cuda or self.copy_impl == "triton":
+            if self.copy_impl == "triton" or (self.copy_impl == "auto" and fetch_list.src.is_cuda):
                 copy_rows_counted(src, dst, fetch_list.src, fetch_list.dst, fetch_list.count,
                                   programs or self.copy_programs)
-            else:  # CPU torch path: -1 marks every pair past the count as well
+            else:  # the torch definition: -1 marks every pair past the count as well
                 copy_rows_reference(src, dst, fetch_list.src, fetch_list.dst)
 
         if self.on_transfer is not None:
@@ -287,6 +297,9 @@ class HotPoolCacheManager:
         """
         flat = locs.reshape(-1).long()
         flat = torch.where((flat >= 0) & (flat < self.num_locations), flat, -1)
+        if fetch_list is not None and fetch_list.src.numel() < flat.numel():
+            raise ValueError(f"prefetch: the fetch list holds {fetch_list.src.numel()} entries, the candidates "
+                             f"{flat.numel()}")
         record = fetch_list if fetch_list is not None else self._prefetch_scratch(flat.numel())
         if self._fused is not None:
             slots = self._fused_run(layer, flat, MODE_LOCATIONS, count=False,
@@ -351,6 +364,7 @@ class HotPoolCacheManager:
         self._copy(entries, self.host.layer(layer), torch.where(flat >= 0, rows, -1), flat, direction="d2h")
         if reserved:
             slot = self._lookup(layer, flat)
+            self._protect(layer, slot)  # a later resolve sees them as just used, like any new token
             self.counters[layer, Counter.NOT_RESIDENT] += ((flat >= 0) & (slot < 0)).sum()
         elif self._fused is not None:
             slot = self._fused_run(layer, flat, MODE_LOCATIONS, count=False, fetch=(Counter.NEW_TOKENS, -1),

@@ -322,6 +322,9 @@ class EssDecodeStack(_StackBase):
         self.fetch_early = manager.new_fetch_list(q_rows * options.top_k)
         if self.prefetcher is not None:
             self.prefetch_list = manager.new_fetch_list(max_batch * self.prefetcher.width)
+        manager.reserve_scratch(max(q_rows * options.top_k, max_batch * self.prefetcher.width if self.prefetcher
+                                    else 0))
+        self._side_inputs: list[torch.Tensor] = []  # tensors the side stream reads: alive until the layer joins it
 
     def step(self, batch: DecodeBatch, inputs: Sequence[LayerInputs], all_resident: bool = False) -> list[torch.Tensor]:
         """One decode step of every layer. `all_resident`: the caller knows every live token of the batch is in
@@ -353,6 +356,7 @@ class EssDecodeStack(_StackBase):
             else:
                 out = self._dual_attention(layer, batch, x, pos)
         st.wait()  # 6.
+        self._side_inputs.clear()  # the side stream is done with them: the allocator may reuse their memory now
         for kth, rows in self._pending_thresholds:  # ECHO: fold this step's k-th best scores into the thresholds
             self.prefetcher.update(layer, kth, rows)
         self._pending_thresholds.clear()
@@ -377,6 +381,7 @@ class EssDecodeStack(_StackBase):
         if pf is None:
             return self._select(layer, x, batch)[1]
         logits = self._scores(layer, x, batch)
+        self._side_inputs.append(logits)
         with self.streams.on_side():
             cand = pf.candidates(layer, logits, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                                  self.m.loc_to_slot[layer], self.m.num_locations)
@@ -432,6 +437,7 @@ class EssDecodeStack(_StackBase):
         marks, slot_tables = [], []
         for b, xi in halves:
             pos = self._select_and_prefetch(layer, xi, b)  # main stream (chunk i+1's overlaps chunk i's fetch)
+            self._side_inputs.append(pos)
             with st.on_side():  # every chunk's resolve + copy run here, in order, sharing one fetch list
                 slot_tables.append(self._resolve_and_fetch(layer, b, pos, self.options.overlap_programs))
             marks.append(st.mark())

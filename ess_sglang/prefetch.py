@@ -28,7 +28,8 @@ import torch
 
 class EchoPrefetcher:
     def __init__(self, num_layers: int, num_rows: int, max_context: int, alpha: float = 0.5,
-                 cap_fraction: float = 0.05, cap_min_tokens: int = 64, device: torch.device | str = "cpu"):
+                 cap_fraction: float = 0.05, cap_min_tokens: int = 64, device: torch.device | str = "cpu",
+                 impl: str = "auto"):
         if not 0 < alpha <= 1:
             raise ValueError(f"prefetch alpha must be in (0, 1], got {alpha}")
         if not 0 <= cap_fraction <= 1 or cap_min_tokens < 0 or max_context <= 0:
@@ -39,6 +40,7 @@ class EchoPrefetcher:
         self.cap_min_tokens = int(cap_min_tokens)
         self.width = max(1, min(max_context, max(cap_min_tokens, math.ceil(cap_fraction * max_context))))
         self.device = torch.device(device)
+        self.impl = impl  # candidate selection: "triton", "torch" or "auto" (triton on CUDA)
         self.threshold = torch.full((num_layers, num_rows), math.inf, dtype=torch.float32, device=self.device)
 
     def reset_rows(self, rows: torch.Tensor) -> None:
@@ -52,13 +54,14 @@ class EchoPrefetcher:
 
     def candidates(self, layer: int, logits: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                    seq_lens: torch.Tensor, loc_to_slot: torch.Tensor, num_locations: int,
-                   impl: str = "auto") -> torch.Tensor:
+                   impl: str | None = None) -> torch.Tensor:
         """KV locations to prefetch for one layer: int64 [B * width], -1 padded.
 
         logits [B, Q, T] (T <= the table width); loc_to_slot: the layer's token -> slot map (with its sink element).
         impl: "triton" (two launches, `ess_sglang.kernels.prefetch`), "torch" (the definition below), "auto"
-        (triton on CUDA).
+        (triton on CUDA); None: the prefetcher's own `impl`.
         """
+        impl = self.impl if impl is None else impl
         if impl == "triton" or (impl == "auto" and logits.is_cuda):
             from ess_sglang.kernels.prefetch import prefetch_candidates_triton
             return prefetch_candidates_triton(logits.contiguous(), self.threshold[layer], req_to_token,

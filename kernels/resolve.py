@@ -38,15 +38,15 @@ MODE_POSITIONS, MODE_LOCATIONS = 0, 1
 
 
 @triton.jit
-def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, width, n, per_batch,
+def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, width, n, per_batch,
                    l2s_ptr, stamp_ptr, clock_ptr, out_ptr, loc_ptr, cnt_ptr, num_locations, num_slots,
                    MODE: tl.constexpr, COUNT: tl.constexpr, PROTECT: tl.constexpr, C_LOOKUPS: tl.constexpr,
                    C_HITS: tl.constexpr, C_BAD: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     if MODE == 0:  # positions within each request, translated through its own row of the request table
-        pos, loc, valid, ok = position_to_location(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, width, per_batch,
-                                                   num_locations, i, m)
+        pos, loc, valid, ok = position_to_location(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, width,
+                                                   per_batch, num_locations, i, m)
         bad = m & (((pos != -1) & ~valid) | (valid & ~ok))
     else:  # KV locations given directly (new tokens, warm-up)
         loc = tl.load(src_ptr + i, mask=m, other=-1).to(tl.int64)
@@ -220,12 +220,13 @@ class FusedResolver:
             return out
         if mode == MODE_POSITIONS:
             r2t, r2t_stride, width = req_to_token, req_to_token.stride(0), req_to_token.shape[1]
+            r2t_rows = req_to_token.shape[0]
             seq, rpi = seq_lens, req_pool_indices
         else:
-            r2t, r2t_stride, width, seq, rpi = src, 0, 0, src, src
+            r2t, r2t_stride, r2t_rows, width, seq, rpi = src, 0, 0, 0, src, src
         entry_blocks = triton.cdiv(n, BLOCK)
         _lookup_kernel[(entry_blocks,)](
-            src, seq, rpi, r2t, r2t_stride, width, n, per_batch, l2s, stamp, clock, out, self.locs, counters,
+            src, seq, rpi, r2t, r2t_stride, r2t_rows, width, n, per_batch, l2s, stamp, clock, out, self.locs, counters,
             l2s.shape[0] - 1, S, MODE=mode, COUNT=count, PROTECT=protect, C_LOOKUPS=counter_ids["LOOKUPS"],
             C_HITS=counter_ids["HITS"], C_BAD=counter_ids["BAD_INDICES"], BLOCK=BLOCK)
         _misses_and_ages_kernel[(entry_blocks + triton.cdiv(S, BLOCK),)](

@@ -8,8 +8,8 @@ histograms over the row, each narrowing the prefix of the threshold key), then w
 Keys: a float32 score maps to an unsigned key whose integer order is the float order (negative floats: all bits
 flipped; others: the sign bit set). The selection is every position whose key is above the threshold key, then
 positions equal to it, lowest position first, until k are taken (ties are broken by position, deterministically).
-Positions whose score is -inf (invisible: past the causal length) are never reported: where fewer than k scores are
-finite the list is padded with -1, and the k-th score is -inf, as `ess_sglang.reference.dsa.topk_positions` does.
+Positions whose score is -inf (invisible: past the causal length) or NaN are never reported: where fewer than k
+scores are finite the list is padded with -1, and the k-th score is -inf, as `reference.dsa.topk_positions` does.
 
 Output order: the positions above the threshold in increasing order, then the tied ones in increasing order, then -1
 padding (torch.topk orders by score instead; the sets are equal wherever no two scores tie at the threshold).
@@ -28,7 +28,8 @@ BLOCK = 2048
 
 def _keys(scores: torch.Tensor) -> torch.Tensor:
     """Order-preserving int64 keys of float32 scores (torch reference)."""
-    bits = scores.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    scores = scores.float().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    bits = scores.contiguous().view(torch.int32).long() & 0xFFFFFFFF
     neg = bits >= 0x80000000
     return torch.where(neg, bits ^ 0xFFFFFFFF, bits | 0x80000000)
 
@@ -42,18 +43,19 @@ def topk_reference(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     kth = torch.full((B * Q,), float("-inf"))
     for r in range(B * Q):
         order = sorted(range(T), key=lambda t, kr=keys[r]: (-int(kr[t]), t))[:k]  # noqa: B023
-        if len(order) == k:
-            kth[r] = flat[r, order[-1]]
         thr = keys[r, order[-1]] if order else None
         above = [t for t in range(T) if thr is not None and keys[r, t] > thr]
         tied = sorted(t for t in order if keys[r, t] == thr)
         chosen = [t for t in above + tied if torch.isfinite(flat[r, t])]
         pos[r, :len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+        if len(chosen) == k:
+            kth[r] = flat[r, order[-1]]
     return pos.view(B, Q, k), kth.view(B, Q)
 
 
 @triton.jit
 def _key(x):
+    x = tl.where(x != x, float("-inf"), x)  # NaN scores are treated as invisible (-inf)
     bits = x.to(tl.int32, bitcast=True)
     return tl.where(bits < 0, ~bits, bits | (-2147483648)).to(tl.uint32, bitcast=True)
 
@@ -89,7 +91,7 @@ def _topk_kernel(scores_ptr, row_stride, T, K, out_pos_ptr, out_kth_ptr, BLOCK: 
         m = t < T
         x = tl.load(base + t, mask=m, other=float("-inf"))
         key = _key(x)
-        finite = m & (x > float("-inf"))
+        finite = m & (x > float("-inf"))  # NaN compares false: never reported
         above = finite & (key > thr)
         tied = finite & (key == thr)
         a_rank = above_at + tl.cumsum(above.to(tl.int32), 0) - 1

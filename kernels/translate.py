@@ -17,28 +17,30 @@ BLOCK = 1024
 
 
 @triton.jit
-def position_to_location(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, width, per_batch, num_locations, i, m):
+def position_to_location(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, num_rows, width, per_batch, num_locations,
+                         i, m):
     """Entries i (mask m) of a flat [B, Q, K] selection: (position, location, position visible, location valid).
 
-    A position is read from its own request's row only when 0 <= pos < seq_len and pos < the table width; a table
-    entry outside [0, num_locations) is not valid (shared by this module and the fused resolve)."""
+    A position is read from its own request's row only when 0 <= pos < seq_len, pos < the table width and the row
+    is one of the table's; a table entry outside [0, num_locations) is not valid (shared with the fused resolve)."""
     pos = tl.load(pos_ptr + i, mask=m, other=-1).to(tl.int64)
     b = i // per_batch
     seq = tl.load(seq_ptr + b, mask=m, other=0).to(tl.int64)
-    valid = m & (pos >= 0) & (pos < seq) & (pos < width)
-    row = tl.load(rpi_ptr + b, mask=m, other=0).to(tl.int64)
+    row = tl.load(rpi_ptr + b, mask=m, other=-1).to(tl.int64)
+    valid = m & (pos >= 0) & (pos < seq) & (pos < width) & (row >= 0) & (row < num_rows)
     loc = tl.load(r2t_ptr + row * r2t_stride + pos, mask=valid, other=-1).to(tl.int64)
     return pos, loc, valid, valid & (loc >= 0) & (loc < num_locations)
 
 
 @triton.jit
-def _translate_kernel(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, width, n, per_batch, num_locations, out_ptr,
+def _translate_kernel(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, num_rows, width, n, per_batch, num_locations,
+                      out_ptr,
                       l2s_ptr, num_slots, cnt_ptr, THROUGH_SLOTS: tl.constexpr, C_LOOKUPS: tl.constexpr,
                       C_HITS: tl.constexpr, C_NOT_RESIDENT: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
-    _, loc, _, ok = position_to_location(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, width, per_batch,
-                                         num_locations, i, m)
+    _, loc, _, ok = position_to_location(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, num_rows, width,
+                                         per_batch, num_locations, i, m)
     if THROUGH_SLOTS:  # an ESS layer whose every live entry is resident: location -> hot slot, counted
         slot = tl.load(l2s_ptr + loc, mask=ok, other=-1)
         found = ok & (slot >= 0) & (slot < num_slots)
@@ -66,7 +68,8 @@ def translate_positions_triton(topk_pos: torch.Tensor, req_to_token: torch.Tenso
     n = pos.numel()
     if n:
         _translate_kernel[(triton.cdiv(n, BLOCK),)](
-            pos, seq_lens, req_pool_indices, req_to_token, req_to_token.stride(0), req_to_token.shape[1], n,
+            pos, seq_lens, req_pool_indices, req_to_token, req_to_token.stride(0), req_to_token.shape[0],
+            req_to_token.shape[1], n,
             pos.shape[1] * pos.shape[2], num_locations, out,
             loc_to_slot if loc_to_slot is not None else out, num_slots, counters if counters is not None else out,
             THROUGH_SLOTS=loc_to_slot is not None, C_LOOKUPS=counter_ids[0], C_HITS=counter_ids[1],

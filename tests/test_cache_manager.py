@@ -367,3 +367,21 @@ def test_reserved_slots_take_new_tokens_without_eviction(impl):
     assert torch.equal(host.entries[0][other], entries[3:]) and m.counters[0, Counter.NOT_RESIDENT] == 1
     assert m.counters[0, Counter.EVICTIONS] == 0
     m.check_invariants()
+
+
+def test_a_request_row_outside_the_table_is_never_read(impl):
+    m, host, table, rpi, sl = make(impl=impl)
+    pos = torch.arange(32).view(1, 1, 32).expand(2, 1, 32).int().contiguous()
+    bad_rows = torch.tensor([rpi[0].item(), table.req_to_token.shape[0] + 3])  # the second row does not exist
+    m.begin_step()
+    slots = m.resolve(0, pos, table.req_to_token, bad_rows, sl)
+    assert bool((slots[0] >= 0).all()) and bool((slots[1] == -1).all())
+    assert m.counters[0, Counter.BAD_INDICES] == 32 and m.counters[0, Counter.MISSES] == 32
+    m.check_invariants()
+
+
+def test_prefetch_refuses_a_fetch_list_too_short(impl):
+    m, host, table, rpi, sl = make(impl=impl)
+    with pytest.raises(ValueError, match="fetch list holds 4 entries, the candidates 40"):
+        m.prefetch(0, torch.arange(40), m.new_fetch_list(4))
+    assert not bool((m.slot_to_loc >= 0).any()), "nothing may be assigned before the check"

@@ -45,14 +45,16 @@ def build(modes, slots=512, prefetch=False, da_width=64, split_attention=False, 
         host.entries[layer] = ent
         latents[layer, :T] = ent
         index_cache[layer] = pack_indexer_key(torch.randn(T, 128, generator=g))
-    m = HotPoolCacheManager(host, slots, device="cpu", max_selected=len(LENGTHS) * TOPK, resolve_impl=resolve_impl)
+    m = HotPoolCacheManager(host, slots, device="cpu", max_selected=len(LENGTHS) * TOPK, resolve_impl=resolve_impl,
+                            copy_impl="triton" if resolve_impl == "triton" else "auto")
     opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, da_width=da_width, indexer="torch",
                         dba_attention=dba_attention, dba_split=dba_split)
     pf = EchoPrefetcher(LAYERS, table.req_to_token.shape[0], max(LENGTHS) + 64, cap_fraction=cap_fraction,
                         cap_min_tokens=8) if prefetch else None
     width = table.req_to_token.shape[1]
     ess = EssDecodeStack(m, index_cache.clone(), width, opts, max_batch=len(LENGTHS), prefetcher=pf)
-    hbm = HbmDecodeStack(latents, index_cache.clone(), width, StackOptions(modes=modes, top_k=TOPK, indexer="torch"),
+    hbm = HbmDecodeStack(latents, index_cache.clone(), width,
+                         StackOptions(modes=modes, top_k=TOPK, indexer="torch", dba_split=dba_split),
                          split_attention=split_attention)
     return ess, hbm, table, rows_t, locs
 
@@ -79,13 +81,18 @@ def steps(n, table, rows, locs, seed=1):
 
 @pytest.mark.parametrize("modes,prefetch,dba_attention", [
     (("sync", "sync"), False, "split"), (("sync", "sync"), True, "split"), (("dba", "dba"), False, "split"),
-    (("dba", "sync"), True, "split"), (("dba", "dba"), True, "whole"), (("dba", "dba"), False, "three chunks")])
+    (("dba", "sync"), True, "split"), (("dba", "dba"), True, "whole"), (("dba", "dba"), False, "three chunks"),
+    (("dba", "sync"), True, "fused kernels")])
 def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attention):
+    # "fused kernels": the Triton resolve, prefetch candidates and counted copy (interpreted), as on the GPU
     split = (0.4, 0.3, 0.3) if dba_attention == "three chunks" else 0.5
-    dba_attention = "whole" if dba_attention == "three chunks" else dba_attention
+    impl = "triton" if dba_attention == "fused kernels" else "torch"
+    dba_attention = "whole" if dba_attention in ("three chunks", "fused kernels") else dba_attention
     ess, hbm, table, rows, locs = build(modes, prefetch=prefetch, split_attention=dba_attention == "split",
-                                        dba_attention=dba_attention, dba_split=split)
-    for s, (batch, inputs) in enumerate(steps(12, table, rows, locs)):
+                                        dba_attention=dba_attention, dba_split=split, resolve_impl=impl)
+    if impl == "triton":
+        ess.prefetcher.impl = "triton"  # the kernels the GPU runs
+    for s, (batch, inputs) in enumerate(steps(12 if impl == "torch" else 5, table, rows, locs)):
         got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
         for layer in range(LAYERS):
             assert torch.equal(got[layer], want[layer]), f"step {s} layer {layer}"
@@ -184,8 +191,9 @@ def test_translate_kernel_equals_the_torch_definition():
     g = torch.Generator().manual_seed(5)
     req_to_token = torch.randint(-2, 3000, (6, 400), generator=g).int()  # some entries out of range on purpose
     pos = torch.randint(-1, 450, (4, 2, 96), generator=g).int()
-    rpi, seq = torch.tensor([5, 0, 3, 2]), torch.tensor([400, 10, 300, 1])
+    rpi, seq = torch.tensor([5, 0, 7, 2]), torch.tensor([400, 10, 300, 1])  # row 7 does not exist: all -1
     want, _ = positions_to_locations(pos, req_to_token, rpi, seq, 2500)
+    assert bool((want[2] == -1).all())
     got = translate_positions_triton(pos, req_to_token, rpi, seq, 2500)
     assert torch.equal(got, want.int())
 
