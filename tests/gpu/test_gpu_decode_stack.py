@@ -169,3 +169,22 @@ def test_whole_step_in_one_cuda_graph(world, modes):
                 assert torch.equal(outs[layer], want[layer]), f"step {s} layer {layer}"
     assert int(graphed.m.counters[:, Counter.PREFETCHED].sum()) > 0
     graphed.m.check_invariants()
+
+
+def test_all_resident_batch_is_bit_identical_and_moves_nothing(world, reference):
+    """Every token loaded and every future token's slot reserved: one lookup per layer, no H2D traffic."""
+    slots = math.ceil(B * world["width"] / 64) * 64
+    m = HotPoolCacheManager(world["host"], slots, max_selected=B * TOPK)
+    for layer in range(LAYERS):
+        m.warm_up(layer, world["req_to_token"][:, :CTX].reshape(-1))
+        m.reserve(layer, world["req_to_token"][:, CTX:].reshape(-1))
+    m.counters.zero_()
+    ess = EssDecodeStack(m, world["index_cache"], world["width"], StackOptions(modes=["sync"] * LAYERS, top_k=TOPK),
+                         max_batch=B)
+    for s in range(STEPS):
+        got = ess.step(_batch(world, s), _inputs(world, s), all_resident=True)
+        for layer in range(LAYERS):
+            assert torch.equal(got[layer], reference[0][s][layer]), f"step {s} layer {layer}"
+    c = m.counters.sum(0).cpu()
+    assert int(c[Counter.NOT_RESIDENT]) == 0 and int(c[Counter.H2D_ENTRIES]) == 0 and int(c[Counter.EVICTIONS]) == 0
+    assert int(c[Counter.HITS]) == int(c[Counter.LOOKUPS]) > 0
