@@ -98,6 +98,8 @@ COUNTER_SERIES: tuple[CounterSeries, ...] = (
                   "Bytes prefetched before the exact top-k was known that the top-k then selected.", bytes=True),
     CounterSeries(PREFIX + "prefetch_wasted_bytes_total", "PREFETCH_WASTED",
                   "Bytes prefetched that the exact top-k did not select.", bytes=True),
+    CounterSeries(PREFIX + "not_resident_entries_total", "NOT_RESIDENT",
+                  "Entries an all-resident lookup did not find (attention skipped them): must stay 0."),
 )
 STEPS_TOTAL = PREFIX + "decode_steps_total"
 READOUTS_DEFERRED_TOTAL = PREFIX + "readouts_deferred_total"

@@ -197,6 +197,9 @@ def test_alerts_fire_when_they_should(tmp_path):
                 {"series": f'sglang:ess_transfer_bytes_total{{{b},direction="h2d"}}', "values": "0+600000000000x30"},
                 {"series": f"sglang:ess_link_gb_per_second{{{b}}}", "values": "55.3x30"},
                 {"series": f"sglang:ess_overflow_entries_total{{{b}}}", "values": "0x19 3x10"},
+                # instance a: an all-resident lookup misses 2 entries at minute 10
+                {"series": f"sglang:ess_not_resident_entries_total{{{a}}}", "values": "0x9 2x20"},
+                {"series": f"sglang:ess_not_resident_entries_total{{{b}}}", "values": "0x30"},
             ],
             "alert_rule_test": [
                 {"eval_time": "4m", "alertname": "EssHitRateLow", "exp_alerts": []},  # pending (for: 5m)
@@ -209,6 +212,10 @@ def test_alerts_fire_when_they_should(tmp_path):
                     "exp_annotations": _annotations("EssPcieSaturated",
                                                     {**labels, "instance": "a:1", "direction": "h2d"}, 50.0)}]},
                 {"eval_time": "15m", "alertname": "EssHotPoolOverflow", "exp_alerts": []},
+                {"eval_time": "8m", "alertname": "EssNotResident", "exp_alerts": []},
+                {"eval_time": "12m", "alertname": "EssNotResident", "exp_alerts": [{
+                    "exp_labels": {**labels, "instance": "a:1", "severity": "critical"},
+                    "exp_annotations": _annotations("EssNotResident", {**labels, "instance": "a:1"}, 2)}]},
                 {"eval_time": "22m", "alertname": "EssHotPoolOverflow", "exp_alerts": [{
                     "exp_labels": {**labels, "instance": "b:1", "severity": "critical"},
                     "exp_annotations": _annotations("EssHotPoolOverflow", {**labels, "instance": "b:1"}, 3)}]},
