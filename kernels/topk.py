@@ -2,8 +2,10 @@
 
 torch.topk (k = 2048 over 32K-128K scores) is a chain of ~30 small kernels that takes ~120 us on the H200 whether the
 batch has 16 or 48 rows (benchmarks/NOTES.md); the decode stack runs it once per layer (twice in dual-batch mode).
-This kernel is one launch: one program per row finds the k-th largest key by radix selection (four 8-bit passes of
-histograms over the row, each narrowing the prefix of the threshold key), then writes the selected positions.
+Two variants of one radix selection (four 8-bit passes of histograms, each narrowing the prefix of the k-th largest
+key, then the selected positions are written): "row", one program per row in one launch (slower than torch.topk on
+the H200: one SM reads the row five times), and "tiles", many programs per row with per-row histograms in global
+memory (~16 small launches; not yet timed on a GPU).
 
 Keys: a float32 score maps to an unsigned key whose integer order is the float order (negative floats: all bits
 flipped; others: the sign bit set). The selection is every position whose key is above the threshold key, then
@@ -61,6 +63,15 @@ def _key(x):
 
 
 @triton.jit
+def _select_digit(hist, need, bins):
+    """From a 256-bin histogram of the keys still in play: the highest digit that holds the need-th largest key,
+    and how many keys equal to the threshold remain to take once the higher digits' keys are counted."""
+    at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
+    j = tl.max(tl.where(at_or_above >= need, bins, 0))
+    return j, need - tl.sum(tl.where(bins > j, hist, 0))
+
+
+@triton.jit
 def _topk_kernel(scores_ptr, row_stride, T, K, out_pos_ptr, out_kth_ptr, BLOCK: tl.constexpr):
     # requires T >= K (the wrapper pads otherwise)
     r = tl.program_id(0).to(tl.int64)
@@ -77,9 +88,7 @@ def _topk_kernel(scores_ptr, row_stride, T, K, out_pos_ptr, out_kth_ptr, BLOCK: 
             if p > 0:
                 m = m & ((key >> (32 - 8 * p)) == prefix)
             hist += tl.histogram(((key >> (24 - 8 * p)) & 255).to(tl.int32), 256, mask=m)
-        at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
-        j = tl.max(tl.where(at_or_above >= need, bins, 0))  # the highest digit that still holds the need-th key
-        need = need - tl.sum(tl.where(bins > j, hist, 0))
+        j, need = _select_digit(hist, need, bins)
         prefix = (prefix << 8) | j.to(tl.uint32)
     thr = prefix  # the k-th largest key: K - need keys lie above it, `need` equal ones are taken, lowest first
     n_above = K - need
@@ -109,10 +118,97 @@ def _topk_kernel(scores_ptr, row_stride, T, K, out_pos_ptr, out_kth_ptr, BLOCK: 
     tl.store(out_kth_ptr + r, tl.where(taken == K, bits.to(tl.float32, bitcast=True), float("-inf")))
 
 
-def topk_triton(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+# ---------------------------------------------------------------------------------------------- tiled variant
+# The same selection with many programs per row: each pass histograms tiles of the row into a per-row global
+# histogram (atomics), a one-program-per-row kernel picks the digit; then the tiles count and write their selections
+# at offsets from an exclusive prefix sum over tiles. Same output, in the same order, as the one-program kernel.
+
+@triton.jit
+def _tile_hist_kernel(scores_ptr, row_stride, T, prefix_ptr, hist_ptr, tiles, P: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = t < T
+    key = _key(tl.load(scores_ptr + r * row_stride + t, mask=m, other=float("-inf")))
+    if P > 0:
+        m = m & ((key >> (32 - 8 * P)) == tl.load(prefix_ptr + r).to(tl.uint32))
+    h = tl.histogram(((key >> (24 - 8 * P)) & 255).to(tl.int32), 256, mask=m)
+    tl.atomic_add(hist_ptr + r * 256 + tl.arange(0, 256), h, sem="relaxed")
+
+
+@triton.jit
+def _tile_select_kernel(hist_ptr, prefix_ptr, need_ptr):
+    r = tl.program_id(0).to(tl.int64)
+    bins = tl.arange(0, 256)
+    hist = tl.load(hist_ptr + r * 256 + bins)
+    j, need = _select_digit(hist, tl.load(need_ptr + r), bins)
+    tl.store(need_ptr + r, need)
+    tl.store(prefix_ptr + r, (tl.load(prefix_ptr + r) << 8) | j.to(tl.int64))
+    tl.store(hist_ptr + r * 256 + bins, tl.zeros((256,), tl.int32))  # ready for the next pass
+
+
+@triton.jit
+def _tile_pick(scores_ptr, row_stride, T, prefix_ptr, r, t):
+    m = t < T
+    x = tl.load(scores_ptr + r * row_stride + t, mask=m, other=float("-inf"))
+    key = _key(x)
+    thr = tl.load(prefix_ptr + r).to(tl.uint32)
+    finite = m & (x > float("-inf"))
+    return finite & (key > thr), finite & (key == thr)
+
+
+@triton.jit
+def _tile_count_kernel(scores_ptr, row_stride, T, prefix_ptr, counts_ptr, tiles, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    above, tied = _tile_pick(scores_ptr, row_stride, T, prefix_ptr, r, tile * BLOCK + tl.arange(0, BLOCK))
+    tl.store(counts_ptr + (r * 2) * tiles + tile, tl.sum(above.to(tl.int32)))
+    tl.store(counts_ptr + (r * 2 + 1) * tiles + tile, tl.sum(tied.to(tl.int32)))
+
+
+@triton.jit
+def _tile_write_kernel(scores_ptr, row_stride, T, K, prefix_ptr, need_ptr, offsets_ptr, tiles, out_pos_ptr,
+                       BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    t = tile * BLOCK + tl.arange(0, BLOCK)
+    above, tied = _tile_pick(scores_ptr, row_stride, T, prefix_ptr, r, t)
+    need = tl.load(need_ptr + r)
+    a_rank = tl.load(offsets_ptr + (r * 2) * tiles + tile) + tl.cumsum(above.to(tl.int32), 0) - 1
+    t_rank = tl.load(offsets_ptr + (r * 2 + 1) * tiles + tile) + tl.cumsum(tied.to(tl.int32), 0) - 1
+    out = out_pos_ptr + r * K
+    tl.store(out + a_rank, t.to(tl.int32), mask=above)
+    tl.store(out + (K - need) + t_rank, t.to(tl.int32), mask=tied & (t_rank < need))
+
+
+def _topk_tiled(flat: torch.Tensor, k: int, pos: torch.Tensor, kth: torch.Tensor) -> None:
+    R, T = flat.shape
+    dev = flat.device
+    tiles = triton.cdiv(T, BLOCK)
+    hist = torch.zeros((R, 256), dtype=torch.int32, device=dev)
+    prefix = torch.zeros(R, dtype=torch.int64, device=dev)
+    need = torch.full((R,), k, dtype=torch.int32, device=dev)
+    for p in range(4):
+        _tile_hist_kernel[(R, tiles)](flat, flat.stride(0), T, prefix, hist, tiles, P=p, BLOCK=BLOCK, num_warps=8)
+        _tile_select_kernel[(R,)](hist, prefix, need)
+    counts = torch.empty((R, 2, tiles), dtype=torch.int32, device=dev)
+    _tile_count_kernel[(R, tiles)](flat, flat.stride(0), T, prefix, counts, tiles, BLOCK=BLOCK, num_warps=8)
+    offsets = counts.cumsum(-1, dtype=torch.int32) - counts
+    pos.fill_(-1)
+    _tile_write_kernel[(R, tiles)](flat, flat.stride(0), T, k, prefix, need, offsets, tiles, pos, BLOCK=BLOCK,
+                                   num_warps=8)
+    taken = counts[:, 0].sum(-1) + torch.minimum(counts[:, 1].sum(-1), need)
+    thr = prefix  # the threshold key back to its float: sign bit set -> the float's bits; else all bits flipped
+    bits = torch.where(thr >= 1 << 31, thr & 0x7FFFFFFF, (~thr) & 0xFFFFFFFF)
+    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+    kth.copy_(torch.where(taken == k, bits.view(torch.float32), float("-inf")))
+
+
+def topk_triton(scores: torch.Tensor, k: int, variant: str = "tiles") -> tuple[torch.Tensor, torch.Tensor]:
     """scores [B, Q, T] float32 (last dim contiguous) -> (positions int32 [B, Q, k], k-th score [B, Q]).
 
-    One program per row; no host synchronisation (CUDA-graph safe). Where T < k the missing entries are -1.
+    variant "row": one program per row (one launch; measured slower than torch.topk on the H200); "tiles": many
+    programs per row (~16 launches, not yet timed on a GPU). Both give the same output. No host synchronisation
+    (CUDA-graph safe). Where T < k the missing entries are -1.
     """
     if scores.dim() != 3 or scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError(f"topk_triton wants float32 scores [B, Q, T] with a contiguous last dim, got "
@@ -122,8 +218,13 @@ def topk_triton(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     kk = min(k, T)
     pos = torch.empty((B * Q, kk), dtype=torch.int32, device=scores.device)
     kth = torch.empty((B * Q,), dtype=torch.float32, device=scores.device)
+    if variant not in ("row", "tiles"):
+        raise ValueError(f"topk_triton: variant must be 'row' or 'tiles', got {variant!r}")
     if B * Q and kk:
-        _topk_kernel[(B * Q,)](flat, flat.stride(0), T, kk, pos, kth, BLOCK=BLOCK, num_warps=8)
+        if variant == "row":
+            _topk_kernel[(B * Q,)](flat, flat.stride(0), T, kk, pos, kth, BLOCK=BLOCK, num_warps=8)
+        else:
+            _topk_tiled(flat, kk, pos, kth)
     if kk < k:  # fewer scores than k: pad, and there is no k-th score
         pos = torch.cat([pos, pos.new_full((B * Q, k - kk), -1)], dim=1)
         kth.fill_(float("-inf"))

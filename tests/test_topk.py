@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from ess_sglang.reference.dsa import topk_positions
 
 
-@pytest.mark.parametrize("B,Q,T,k", [(2, 1, 300, 64), (1, 2, 257, 100), (3, 1, 50, 64), (1, 1, 4100, 2048)])
-def test_kernel_matches_reference_with_ties_and_invisible_positions(B, Q, T, k):
+@pytest.mark.parametrize("variant", ["row", "tiles"])
+@pytest.mark.parametrize("B,Q,T,k", [(2, 1, 300, 64), (1, 2, 2570, 100), (3, 1, 50, 64), (1, 1, 4100, 2048)])
+def test_kernel_matches_reference_with_ties_and_invisible_positions(B, Q, T, k, variant):
     g = torch.Generator().manual_seed(T)
     x = torch.randn(B, Q, T, generator=g)
     x[0, 0, 10:20] = 1.5  # ties at (or near) the threshold
@@ -19,17 +20,18 @@ def test_kernel_matches_reference_with_ties_and_invisible_positions(B, Q, T, k):
         x[2] = float("-inf")  # a row with fewer finite scores than k
         x[2, 0, :5] = torch.randn(5, generator=g)
     want_pos, want_kth = topk_reference(x, k)
-    pos, kth = topk_triton(x, k)
+    pos, kth = topk_triton(x, k, variant)
     assert torch.equal(pos, want_pos) and torch.equal(kth, want_kth)
 
 
 @settings(max_examples=10, deadline=None)
-@given(T=st.integers(1, 700), k=st.integers(1, 300), seed=st.integers(0, 10_000), neg=st.booleans())
-def test_same_set_and_kth_as_torch_topk(T, k, seed, neg):
+@given(T=st.integers(1, 2500), k=st.integers(1, 300), seed=st.integers(0, 10_000), neg=st.booleans(),
+       variant=st.sampled_from(["row", "tiles"]))
+def test_same_set_and_kth_as_torch_topk(T, k, seed, neg, variant):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 1, T, generator=g) * 5 - (10 if neg else 0)  # distinct values: no ties
     x[1, 0, T // 2:] = float("-inf")
-    pos, kth = topk_triton(x, k)
+    pos, kth = topk_triton(x, k, variant)
     ref = topk_positions(x, k)
     for r in range(2):
         assert sorted(pos[r, 0].tolist()) == sorted(ref[r, 0].tolist())
@@ -45,10 +47,11 @@ def test_gpu_full_size_same_set_as_torch_topk(B, T):  # and prints both timings
     g = torch.Generator(device="cuda").manual_seed(B)
     x = torch.randn(B, 1, T, device="cuda", generator=g)
     x[:, :, T - 100:] = float("-inf")
-    pos, kth = topk_triton(x, 2048)
     vals, ref = torch.topk(x, 2048, dim=-1)
-    assert torch.equal(pos.sort(-1).values, ref.int().sort(-1).values)
-    assert torch.equal(kth, vals[..., -1])
+    for variant in ("row", "tiles"):
+        pos, kth = topk_triton(x, 2048, variant)
+        assert torch.equal(pos.sort(-1).values, ref.int().sort(-1).values), variant
+        assert torch.equal(kth, vals[..., -1]), variant
 
     def timed(fn):
         fn()
@@ -64,20 +67,22 @@ def test_gpu_full_size_same_set_as_torch_topk(B, T):  # and prints both timings
         b.synchronize()
         return a.elapsed_time(b) * 1e3 / 20
 
-    t_ours, t_torch = timed(lambda: topk_triton(x, 2048)), timed(lambda: torch.topk(x, 2048, dim=-1))
-    print(f"\ntop-2048 of {B} x {T}: triton {t_ours:.1f} us, torch.topk {t_torch:.1f} us")
+    t_row, t_tiles = timed(lambda: topk_triton(x, 2048, "row")), timed(lambda: topk_triton(x, 2048, "tiles"))
+    t_torch = timed(lambda: torch.topk(x, 2048, dim=-1))
+    print(f"\ntop-2048 of {B} x {T}: triton row {t_row:.1f} us, tiles {t_tiles:.1f} us, torch.topk {t_torch:.1f} us")
 
 
-def test_nan_scores_are_never_reported():
+@pytest.mark.parametrize("variant", ["row", "tiles"])
+def test_nan_scores_are_never_reported(variant):
     g = torch.Generator().manual_seed(9)
     x = torch.randn(2, 1, 300, generator=g)
     x[0, 0, [3, 50, 200]] = float("nan")
     x[1, 0, 20:] = float("nan")  # fewer than k usable scores
-    pos, kth = topk_triton(x, 16)
+    pos, kth = topk_triton(x, 16, variant)
     want_pos, want_kth = topk_reference(x, 16)
     assert torch.equal(pos, want_pos) and torch.equal(kth, want_kth)
     assert not set(pos[0, 0].tolist()) & {3, 50, 200} and bool((pos >= -1).all()) and bool((pos < 300).all())
     assert (pos[1, 0] >= 0).sum() == 16 and kth[1, 0] > float("-inf")
     x[1, 0, 10:] = float("nan")
-    pos, kth = topk_triton(x, 16)
+    pos, kth = topk_triton(x, 16, variant)
     assert (pos[1, 0] >= 0).sum() == 10 and kth[1, 0] == float("-inf")
