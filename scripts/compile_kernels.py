@@ -1,0 +1,94 @@
+"""Compile (not run) the project's Triton kernels for sm_90 (H100 / H200), on any machine: Triton's own ptxas needs no
+GPU. The CPU tests run the kernels in Triton's interpreter, which accepts some programs the compiler rejects (types,
+shapes); this catches those. Exit status 1 if any kernel fails to compile.
+
+    TRITON_INTERPRET=0 python scripts/compile_kernels.py        (tests/test_kernels_compile.py runs it)
+"""
+import sys
+
+import triton
+from ess_sglang.kernels import flashtrans as kf
+from ess_sglang.kernels import indexer as ki
+from ess_sglang.kernels import prefetch as kp
+from ess_sglang.kernels import resolve as kr
+from ess_sglang.kernels import topk as kt
+from ess_sglang.kernels import translate as ktr
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+target = GPUTarget("cuda", 90, 32)
+
+
+FAILED = []
+
+
+def check(fn, sig, consts):
+    names = fn.arg_names
+    signature = {n: sig.get(n, "constexpr" if n in consts else None) for n in names}
+    missing = [n for n, t in signature.items() if t is None]
+    assert not missing, (fn.__name__, missing)
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()})
+    try:
+        triton.compile(src, target=target)
+        print("ok  ", fn.__name__, consts)
+    except Exception as e:  # noqa: BLE001
+        print("FAIL", fn.__name__, consts, type(e).__name__, str(e)[:600])
+        FAILED.append(fn.__name__)
+
+
+I64, I32, P64, P32, PF, PU8 = "i64", "i32", "*i64", "*i32", "*fp32", "*u8"
+check(ktr._translate_kernel, dict(pos_ptr=P32, seq_ptr=P64, rpi_ptr=P64, r2t_ptr=P32, r2t_stride=I64, num_rows=I64,
+                                  width=I64, n=I64, per_batch=I64, num_locations=I64, out_ptr=P32, l2s_ptr=P32,
+                                  num_slots=I64, cnt_ptr=P64),
+      dict(THROUGH_SLOTS=True, C_LOOKUPS=0, C_HITS=1, C_NOT_RESIDENT=13, BLOCK=1024))
+check(ktr._translate_kernel, dict(pos_ptr=P32, seq_ptr=P64, rpi_ptr=P64, r2t_ptr=P32, r2t_stride=I64, num_rows=I64,
+                                  width=I64, n=I64, per_batch=I64, num_locations=I64, out_ptr=P32, l2s_ptr=P32,
+                                  num_slots=I64, cnt_ptr=P32),
+      dict(THROUGH_SLOTS=False, C_LOOKUPS=0, C_HITS=1, C_NOT_RESIDENT=13, BLOCK=1024))
+for mode in (0, 1):
+    for protect in (True, False):
+        check(kr._lookup_kernel, dict(src_ptr=P32 if mode == 0 else P64, seq_ptr=P64, rpi_ptr=P64, r2t_ptr=P32,
+                                      r2t_stride=I64, r2t_rows=I64, width=I64, n=I64, per_batch=I64, l2s_ptr=P32,
+                                      stamp_ptr=P64, clock_ptr=P64, out_ptr=P32, loc_ptr=P64, cnt_ptr=P64,
+                                      num_locations=I64, num_slots=I64),
+              dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, C_LOOKUPS=0, C_HITS=1, C_BAD=5, BLOCK=1024))
+for copy, pend in ((True, False), (False, True), (True, True)):
+    check(kr._assign_kernel, dict(scr_ptr=P32, victims_ptr=P32, miss_loc_ptr=P64, miss_idx_ptr=P32, l2s_ptr=P32,
+                                  s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64, out_ptr=P32, cnt_ptr=P64, src_ptr=P32,
+                                  dst_ptr=P32, pend_src_ptr=P64, pend_dst_ptr=P64, pend_count_ptr=P64, n=I64),
+          dict(COPY=copy, PEND=pend, WORDS=164, BLOCK_WORDS=256, C_FETCH_A=2, C_FETCH_B=3, C_EVICT=8, C_OVERFLOW=6,
+               STAMP_BACK=0 if copy else 1, ROWS=4))
+check(kf._copy_rows_counted_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64,
+                                         count_ptr=P64, n_rows=I64),
+      dict(WORDS=164, SRC_STRIDE=164, DST_STRIDE=164, BLOCK_WORDS=256, ROWS=8, PROGRAMS=32))
+check(kt._topk_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, K=I32, out_pos_ptr=P32, out_kth_ptr=PF),
+      dict(BLOCK=2048))
+for p in range(4):
+    check(kt._tile_hist_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, prefix_ptr=P64, hist_ptr=P32, tiles=I32),
+          dict(P=p, BLOCK=2048))
+check(kt._tile_select_kernel, dict(hist_ptr=P32, prefix_ptr=P64, need_ptr=P32), {})
+check(kt._tile_count_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, prefix_ptr=P64, counts_ptr=P32, tiles=I32),
+      dict(BLOCK=2048))
+check(kt._tile_write_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, K=I32, prefix_ptr=P64, need_ptr=P32,
+                                  offsets_ptr=P32, tiles=I32, out_pos_ptr=P32), dict(BLOCK=2048))
+common = dict(logits_ptr=PF, l_stride_b=I64, l_stride_q=I64, Q=I32, T=I64, thr_ptr=PF, rpi_ptr=P64, seq_ptr=P64,
+              r2t_ptr=P32, r2t_stride=I64, l2s_ptr=P32, num_locations=I64, tiles=I32)
+check(kp._count_kernel, dict(common, counts_ptr=P64), dict(BLOCK=1024))
+check(kp._write_kernel, dict(common, offsets_ptr=P64, caps_ptr=P64, out_ptr=P64, width=I64), dict(BLOCK=1024))
+check(kr._misses_and_ages_kernel, dict(loc_ptr=P64, out_ptr=P32, l2s_ptr=P32, stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32,
+                                      miss_loc_ptr=P64, miss_idx_ptr=P32, n=I64, num_slots=I64, entry_blocks=I32),
+      dict(A=256, BLOCK=1024))
+check(kr._victims_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, victims_ptr=P32, num_slots=I64),
+      dict(A=256, BLOCK=1024))
+check(kr._finish_kernel, dict(loc_ptr=P64, out_ptr=P32, l2s_ptr=P32, scr_ptr=P32, n=I64, num_slots=I64),
+      dict(SCR=512, BLOCK=1024))
+check(kf._copy_rows_masked_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64, n_rows=I64),
+      dict(WORDS=164, SRC_STRIDE=164, DST_STRIDE=164, BLOCK_WORDS=256, ROWS=4))
+for dot, q_type, q_fp8 in ((ki.DOT_BF16, "*u8", True), (ki.DOT_BF16, "*bf16", False)):
+    check(ki._indexer_logits_kernel, dict(q_ptr=q_type, w_ptr=PF, cache_ptr=P32, r2t_ptr=P32, rpi_ptr=P64,
+                                          seq_ptr=P64, out_ptr=PF, q_sb=I64, q_sq=I64, q_sh=I64, w_sb=I64, w_sq=I64,
+                                          w_sh=I64, r2t_stride=I64, out_sb=I64, out_sq=I64, num_locations=I64,
+                                          table_width=I64, max_len=I64, H=I32, Q=I32),
+          dict(HP=64, BLOCK_T=ki.BLOCK_T, DOT=dot, Q_FP8=q_fp8))
+
+sys.exit(1 if FAILED else 0)
