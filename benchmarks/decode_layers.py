@@ -40,6 +40,7 @@ import sys
 import time
 
 import torch
+from timing import replay_us  # benchmarks/timing.py (run these files as scripts)
 
 from ess_sglang.cache_manager import Counter, HotPoolCacheManager
 from ess_sglang.decode_stack import (
@@ -83,7 +84,6 @@ class Pools:
                 self.host.entries[layer, lo:hi].copy_(ent, non_blocking=True)
                 self.index_cache[layer, lo:hi] = pack_indexer_key(torch.randn(n, 128, device=dev, generator=g))
         torch.cuda.synchronize()
-        self.host_ref = self.host.entries  # kept equal to `latents` for positions below the contexts
         print(f"pools: {layers} layers x {tokens:,} tokens: host {self.host.entries.numel() / 2**30:.1f} GiB pinned, "
               f"{time.time() - t0:.1f} s", flush=True)
 
@@ -184,12 +184,7 @@ def run_variant(stack, cfg: Config, queries, warm: int, is_ess: bool, all_reside
     times = []
     for s in range(warm, cfg.steps):
         cfg.load_step(s, queries)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
+        times.append(replay_us(graph))
     out = {"step_us": statistics.median(times), "layer_us": statistics.median(times) / cfg.layers}
     if is_ess:
         c = stack.m.counters.cpu()

@@ -72,6 +72,16 @@ class FetchList:
     dst: torch.Tensor
     count: torch.Tensor
 
+    def check_holds(self, n: int, caller: str, what: str) -> None:
+        if self.src.numel() < n:
+            raise ValueError(f"{caller}: the fetch list holds {self.src.numel()} entries, the {what} {n}")
+
+    def clear_from(self, n: int) -> None:
+        """Mark the pairs from n on as empty (a call over n entries writes only the first n)."""
+        if self.src.numel() > n:
+            self.src[n:].fill_(-1)
+            self.dst[n:].fill_(-1)
+
 
 def positions_to_locations(topk_pos: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                            seq_lens: torch.Tensor, num_locations: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,18 +207,14 @@ class HotPoolCacheManager:
         if req_pool_indices.shape != (B,) or seq_lens.shape != (B,):
             raise ValueError(f"resolve: req_pool_indices and seq_lens must be [{B}], got "
                              f"{tuple(req_pool_indices.shape)} and {tuple(seq_lens.shape)}")
-        if fetch_list is not None and fetch_list.src.numel() < topk_pos.numel():
-            raise ValueError(f"resolve: the fetch list holds {fetch_list.src.numel()} entries, the selection "
-                             f"{topk_pos.numel()}")
+        if fetch_list is not None:
+            fetch_list.check_holds(topk_pos.numel(), "resolve", "selection")
         if self._fused is not None:
             pos = topk_pos.reshape(-1)
             slots = self._fused_run(layer, pos, MODE_POSITIONS, count=True, fetch=(Counter.MISSES, Counter.H2D_ENTRIES),
                                     copy_from=None if fetch_list is not None else self.host.layer(layer),
                                     seq_lens=seq_lens, req_pool_indices=req_pool_indices, req_to_token=req_to_token,
                                     per_batch=topk_pos.shape[1] * topk_pos.shape[2], fetch_list=fetch_list)
-            if fetch_list is not None and fetch_list.src.numel() > pos.numel():  # the kernel writes the first n only
-                fetch_list.src[pos.numel():].fill_(-1)
-                fetch_list.dst[pos.numel():].fill_(-1)
         else:
             locs, bad = self.translate(topk_pos, req_to_token, req_pool_indices, seq_lens)
             flat = locs.reshape(-1)
@@ -297,17 +303,13 @@ class HotPoolCacheManager:
         """
         flat = locs.reshape(-1).long()
         flat = torch.where((flat >= 0) & (flat < self.num_locations), flat, -1)
-        if fetch_list is not None and fetch_list.src.numel() < flat.numel():
-            raise ValueError(f"prefetch: the fetch list holds {fetch_list.src.numel()} entries, the candidates "
-                             f"{flat.numel()}")
+        if fetch_list is not None:
+            fetch_list.check_holds(flat.numel(), "prefetch", "candidates")
         record = fetch_list if fetch_list is not None else self._prefetch_scratch(flat.numel())
         if self._fused is not None:
             slots = self._fused_run(layer, flat, MODE_LOCATIONS, count=False,
                                     fetch=(Counter.PREFETCHED, Counter.H2D_ENTRIES),
                                     copy_from=None, fetch_list=record, protect=False).long()
-            if record.src.numel() > flat.numel():
-                record.src[flat.numel():].fill_(-1)
-                record.dst[flat.numel():].fill_(-1)
         else:
             slots, _, fetched = self._make_resident(layer, flat, copy=False, record=record, protect=False)
             self.counters[layer, Counter.PREFETCHED] += fetched
@@ -416,13 +418,16 @@ class HotPoolCacheManager:
     def _fused_run(self, layer: int, src: torch.Tensor, mode: int, count: bool, fetch: tuple[int, int],
                    copy_from: torch.Tensor | None, fetch_list: FetchList | None = None, protect: bool = True,
                    **tables) -> torch.Tensor:
-        return self._fused.run(
+        slots = self._fused.run(
             src=src.contiguous(), mode=mode, l2s=self.loc_to_slot[layer], s2l=self.slot_to_loc[layer],
             stamp=self.slot_stamp[layer], clock=self.clock, counters=self.counters[layer], count=count,
             fetch_counters=(int(fetch[0]), int(fetch[1])), counter_ids=_COUNTER_IDS,
             copy_from=copy_from if self.copy_impl != "none" else None, hot=self.hot_entries[layer],
             fetch_list=(fetch_list.src, fetch_list.dst, fetch_list.count) if fetch_list is not None else None,
             protect=protect, **tables)
+        if fetch_list is not None:  # the assign kernel writes the first n pairs only
+            fetch_list.clear_from(src.numel())
+        return slots
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,
               direction: str | None = None) -> None:
@@ -480,8 +485,7 @@ class HotPoolCacheManager:
         if record is not None:
             record.src[:n].copy_(fetch_src)
             record.dst[:n].copy_(new_slot)
-            record.src[n:].fill_(-1)
-            record.dst[n:].fill_(-1)
+            record.clear_from(n)
             record.count.fill_(n)
         if copy:
             self._copy(self.host.layer(layer), self.hot_entries[layer], fetch_src, new_slot, direction="h2d")

@@ -50,9 +50,9 @@ from dataclasses import dataclass
 import torch
 
 from ess_sglang.cache_manager import HotPoolCacheManager, positions_to_locations
-from ess_sglang.formats import KV_LORA_RANK, LATENT_ENTRY_BYTES, QK_HEAD_DIM
+from ess_sglang.formats import QK_HEAD_DIM
 from ess_sglang.prefetch import EchoPrefetcher
-from ess_sglang.reference.dsa import sparse_mla_flashmla, sparse_mla_reference
+from ess_sglang.reference.dsa import latent_store_rows, sparse_mla_flashmla, sparse_mla_reference
 from ess_sglang.reference.dsa import topk_with_scores as reference_topk
 
 MODES = ("sync", "da", "dba")
@@ -243,11 +243,9 @@ class _StackBase:
         logits = self.run_indexer(x.q_index, x.w_index, self.index_cache[layer], batch, self.max_len)
         return self.score_hook(layer, logits, batch) if self.score_hook is not None else logits
 
-    def _select(self, layer: int, x: LayerInputs, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor,
-                                                                               torch.Tensor]:
-        """Scores, top-k positions and the k-th best score."""
-        logits = self._scores(layer, x, batch)
-        return (logits, *topk_with_scores(logits, self.options.top_k, self.topk_impl))
+    def _select(self, layer: int, x: LayerInputs, batch: DecodeBatch) -> torch.Tensor:
+        """The top-k positions of the layer's scores."""
+        return topk_with_scores(self._scores(layer, x, batch), self.options.top_k, self.topk_impl)[0]
 
 
 class HbmDecodeStack(_StackBase):
@@ -275,7 +273,7 @@ class HbmDecodeStack(_StackBase):
         at = batch.new_locs.long()
         self.index_cache[layer, at] = x.new_index_key
         self.latents[layer, at] = x.new_latent
-        _, pos, _ = self._select(layer, x, batch)
+        pos = self._select(layer, x, batch)
         table = self._translate(pos, batch)
         if self.split_attention and self.options.modes[layer] == "dba":
             outs = [self._attend(x.q[lo:hi], self.latents[layer], table[lo:hi].contiguous())[0]
@@ -340,7 +338,7 @@ class EssDecodeStack(_StackBase):
         with st.on_side():
             m.write_new_tokens(layer, batch.new_locs, x.new_latent, reserved=all_resident)
         if all_resident:  # small batches whose every token fits: a lookup instead of a resolve, no traffic but D2H
-            pos = self._select(layer, x, batch)[1]
+            pos = self._select(layer, x, batch)
             st.wait()
             slots = m.lookup_resident(layer, pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens)
             out = self._attend(x.q, m.layer_entries(layer), slots)[0]
@@ -379,7 +377,7 @@ class EssDecodeStack(_StackBase):
         """Steps 2-4: indexer logits; prefetch above the threshold on the side stream; top-k on the main stream."""
         pf = self.prefetcher
         if pf is None:
-            return self._select(layer, x, batch)[1]
+            return self._select(layer, x, batch)
         logits = self._scores(layer, x, batch)
         self._side_inputs.append(logits)
         with self.streams.on_side():
@@ -451,10 +449,5 @@ class EssDecodeStack(_StackBase):
         return torch.cat(outs)
 
 
-def latent_store_rows(num_locations: int) -> int:
-    """Rows of an all-in-HBM latent store: whole FlashMLA pages of 64 entries."""
-    return (num_locations + 63) // 64 * 64
-
-
 __all__ = ["MODES", "DecodeBatch", "LayerInputs", "StackOptions", "HbmDecodeStack", "EssDecodeStack",
-           "attend", "merge_attention", "topk_with_scores", "latent_store_rows", "KV_LORA_RANK", "LATENT_ENTRY_BYTES"]
+           "attend", "merge_attention", "topk_with_scores", "latent_store_rows"]

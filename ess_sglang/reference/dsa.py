@@ -76,6 +76,11 @@ def sparse_mla_reference(q: torch.Tensor, kv_entries: torch.Tensor, indices: tor
     return out, lse
 
 
+def latent_store_rows(num_locations: int) -> int:
+    """Rows of a latent store FlashMLA can read: whole pages of 64 entries."""
+    return (num_locations + 63) // 64 * 64
+
+
 def sparse_mla_flashmla(q: torch.Tensor, kv_entries: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
                         metadata=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same attention through FlashMLA's V32 sparse decode kernel (GPU; sgl-flash-mla, legacy SM90 path).

@@ -33,7 +33,13 @@ from ess_sglang.formats import (
     pack_indexer_key,
     pack_latent,
 )
-from ess_sglang.reference.dsa import indexer_logits, sparse_mla_flashmla, sparse_mla_reference, topk_positions
+from ess_sglang.reference.dsa import (
+    indexer_logits,
+    latent_store_rows,
+    sparse_mla_flashmla,
+    sparse_mla_reference,
+    topk_positions,
+)
 
 
 @dataclass(frozen=True)
@@ -100,8 +106,8 @@ class DeviceCacheBackend:
     name = "all-in-device"
 
     def __init__(self, num_layers: int, num_locations: int, device):
-        rows = (num_locations + 63) // 64 * 64  # FlashMLA reads pages of 64 entries
-        self.latents = torch.zeros((num_layers, rows, LATENT_ENTRY_BYTES), dtype=torch.uint8, device=device)
+        self.latents = torch.zeros((num_layers, latent_store_rows(num_locations), LATENT_ENTRY_BYTES),
+                                   dtype=torch.uint8, device=device)
         self.num_locations = num_locations
 
     def load_context(self, layer: int, locs: torch.Tensor, entries: torch.Tensor) -> None:
