@@ -34,6 +34,7 @@ import torch
 
 from ess_sglang.host_pool import HostTotalPool
 from ess_sglang.kernels.flashtrans import copy_rows, copy_rows_counted, copy_rows_reference
+from ess_sglang.kernels.new_tokens import store_reserved_triton
 from ess_sglang.kernels.resolve import MODE_LOCATIONS, MODE_POSITIONS, FusedResolver
 
 FREE_STAMP = -(1 << 40)
@@ -358,6 +359,12 @@ class HotPoolCacheManager:
         if locs.dim() != 1 or entries.shape != (locs.shape[0], self.entry_bytes):
             raise ValueError(f"write_new_tokens wants locs [n] and entries [n, {self.entry_bytes}], got "
                              f"{tuple(locs.shape)} and {tuple(entries.shape)}")
+        if reserved and self._fused is not None and self.on_transfer is None and self.copy_impl != "none":
+            # one launch for what the torch path below does in ~15 (kernels/new_tokens.py)
+            return store_reserved_triton(entries, self.host.layer(layer), self.hot_entries[layer], locs,
+                                         self.loc_to_slot[layer], self.slot_stamp[layer], self.clock,
+                                         self.counters[layer], (int(Counter.D2H_ENTRIES), int(Counter.NOT_RESIDENT)),
+                                         self.num_locations)
         flat = locs.long()
         flat = torch.where((flat >= 0) & (flat < self.num_locations), flat, -1)
         n = flat.shape[0]

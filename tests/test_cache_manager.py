@@ -369,6 +369,30 @@ def test_reserved_slots_take_new_tokens_without_eviction(impl):
     m.check_invariants()
 
 
+def test_reserved_store_kernel_equals_the_torch_path():
+    # kernels/new_tokens.py does in one launch what the torch path does in ~15: same slots, stamps, counters, bytes;
+    # locations outside [0, num_locations) are skipped (never read or written), -1 is padding
+    runs = []
+    for impl in ("torch", "triton"):
+        m, host, table, rpi, sl = make(impl=impl)
+        future = host.alloc(6).long()
+        m.begin_step()
+        m.reserve(0, future[:4])
+        m.begin_step()
+        locs = torch.cat([future, torch.tensor([-1, -7, m.num_locations, m.num_locations + 40])])
+        entries = torch.randint(0, 256, (locs.shape[0], 656), dtype=torch.uint8,
+                                generator=torch.Generator().manual_seed(3))
+        got = m.write_new_tokens(0, locs, entries, reserved=True)
+        stamps = m.slot_stamp[:, :-1].clone()  # the last entry is a sink the torch path scatters into
+        runs.append((got, m.hot_entries.clone(), host.entries.clone(), stamps, m.counters.clone()))
+        m.check_invariants()
+    for a, b in zip(runs[0], runs[1], strict=True):
+        assert torch.equal(a, b)
+    got, counters = runs[1][0], runs[1][4]
+    assert bool((got[:4] >= 0).all()) and bool((got[4:] == -1).all())
+    assert counters[0, Counter.D2H_ENTRIES] == 6 and counters[0, Counter.NOT_RESIDENT] == 2
+
+
 def test_a_request_row_outside_the_table_is_never_read(impl):
     m, host, table, rpi, sl = make(impl=impl)
     pos = torch.arange(32).view(1, 1, 32).expand(2, 1, 32).int().contiguous()
