@@ -22,9 +22,17 @@ def median_us(fn, inputs, reps=20, warmup=3):
     return statistics.median(times)
 
 
+SLEEP_CYCLES = 200_000  # ~100 us of GPU busy-wait: longer than the host takes to launch a graph
+
+
 def replay_us(graph) -> float:
-    """Microseconds of one replay of a captured CUDA graph, between CUDA events (waits for it to finish)."""
+    """Microseconds of one replay of a captured CUDA graph, between CUDA events (waits for it to finish).
+
+    A GPU busy-wait runs first, so that the host has queued the event, the replay and the second event before the
+    GPU gets there: the time is the graph's own, without the host's launch latency (which a decode step's graph
+    pays once, not per layer). The HiSparse harness (hisparse_kernel.GraphRunner) times the same way."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SLEEP_CYCLES)
     a.record()
     graph.replay()
     b.record()
