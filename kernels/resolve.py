@@ -1,7 +1,7 @@
 """Fused Triton kernels for one layer's resolve: lookup, protect, dedup, evict LRU, assign, fetch, slot table.
 
 The plain-torch definition is `HotPoolCacheManager` with `resolve_impl="torch"` (ess_sglang/cache_manager.py): these
-kernels compute the same maps, counters and slot table. Five launches and one memset, each over the selection
+kernels compute the same maps, counters and slot table. Five launches, each over the selection
 (n entries) or the layer's slots (S), with every count kept on the device:
 
     K1 lookup     entry -> KV location (bounds-checked through the request's own row), slot = loc_to_slot[loc];
@@ -12,7 +12,8 @@ kernels compute the same maps, counters and slot table. Five launches and one me
     K3 victims    from the histogram: the age threshold T below which nothing is taken; every slot older than T,
                   then slots of age exactly T, are written to the victim list (age 0 = protected, never taken)
     K4 assign     victim j gets miss j: evict its old token, map both ways, stamp, write the slot table entry,
-                  and copy the entry host -> hot slot (the FlashTrans gather, fused)
+                  and copy the entry host -> hot slot (the FlashTrans gather, fused); a fixed grid of persistent
+                  programs walks the misses only (their count is on the device)
     K5 finish     entries that named a location another entry won read the winner's slot
 
 Under TRITON_INTERPRET programs run in order, so the miss and victim lists come out in the same order as the torch
@@ -27,9 +28,8 @@ import torch
 import triton
 import triton.language as tl
 from ess_sglang.kernels.flashtrans import NUM_WARPS, ROWS_PER_PROGRAM, _copy_masked
-from ess_sglang.kernels.translate import position_to_location
+from ess_sglang.kernels.translate import block_for, position_to_location
 
-BLOCK = 1024
 ROWS = ROWS_PER_PROGRAM  # misses assigned (and copied) per program of the assign kernel
 AGE_BUCKETS = 256
 SCR_MISS, SCR_ABOVE, SCR_AT, SCR_HIST = 0, 1, 2, 8
@@ -125,19 +125,29 @@ def _assign_kernel(scr_ptr, victims_ptr, miss_loc_ptr, miss_idx_ptr, l2s_ptr, s2
                    out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr, pend_count_ptr, n,
                    COPY: tl.constexpr, PEND: tl.constexpr, WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr,
                    C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr, C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr,
-                   STAMP_BACK: tl.constexpr, ROWS: tl.constexpr):
-    j = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+                   STAMP_BACK: tl.constexpr, ROWS: tl.constexpr, CLEAR: tl.constexpr):
+    # Persistent: a fixed grid walks the n_miss misses ROWS at a time (the grid no longer grows with the selection,
+    # of which the misses are a few percent)
+    pid, programs = tl.program_id(0), tl.num_programs(0)
     n_miss = tl.load(scr_ptr + 0)
     # victims written by K3: every slot older than T (scr[1] of them), then up to n_miss - scr[1] of age T (scr[2])
     n_victims = tl.minimum(n_miss, tl.load(scr_ptr + 1) + tl.load(scr_ptr + 2))
-    mj = (j < n_miss) & (j < n)
+    n_assign = tl.minimum(n_miss, n)
     if PEND:  # the fetch list of a deferred copy: (host location, slot) of each miss that got a slot, -1 elsewhere
-        if tl.program_id(0) == 0:
-            tl.store(pend_count_ptr, tl.minimum(n_miss, n).to(tl.int64))
-        rest = (j < n) & ~mj
-        tl.store(pend_src_ptr + j, tl.full(j.shape, -1, tl.int64), mask=rest)
-        tl.store(pend_dst_ptr + j, tl.full(j.shape, -1, tl.int64), mask=rest)
-    if tl.sum(mj.to(tl.int32)) > 0:
+        if pid == 0:
+            tl.store(pend_count_ptr, n_assign.to(tl.int64))
+        for c0 in range(pid * CLEAR, n, programs * CLEAR):
+            c = c0 + tl.arange(0, CLEAR)
+            rest = (c >= n_assign) & (c < n)
+            tl.store(pend_src_ptr + c, tl.full(c.shape, -1, tl.int64), mask=rest)
+            tl.store(pend_dst_ptr + c, tl.full(c.shape, -1, tl.int64), mask=rest)
+    clock = tl.load(clock_ptr) - STAMP_BACK  # 1 for a prefetch: the newest, yet evictable in this step
+    n_got = tl.zeros((), tl.int64)
+    n_evict = tl.zeros((), tl.int64)
+    n_over = tl.zeros((), tl.int64)
+    for j0 in range(pid * ROWS, n_assign, programs * ROWS):
+        j = j0 + tl.arange(0, ROWS)
+        mj = j < n_assign
         v = tl.where(j < n_victims, tl.load(victims_ptr + j, mask=mj, other=0) - 1, -1).to(tl.int64)
         loc = tl.load(miss_loc_ptr + j, mask=mj, other=-1)
         i = tl.load(miss_idx_ptr + j, mask=mj, other=0)
@@ -147,21 +157,23 @@ def _assign_kernel(scr_ptr, victims_ptr, miss_loc_ptr, miss_idx_ptr, l2s_ptr, s2
         tl.store(l2s_ptr + old, tl.full(old.shape, -1, tl.int32), mask=evict)
         tl.store(s2l_ptr + v, loc.to(tl.int32), mask=got)
         tl.store(l2s_ptr + loc, tl.where(got, v, -1).to(tl.int32), mask=mj)  # overflow: the claim goes back to absent
-        clock = tl.load(clock_ptr) - STAMP_BACK  # 1 for a prefetch: the newest, yet evictable in this step
         tl.store(stamp_ptr + v, tl.zeros_like(v) + clock, mask=got)
         tl.store(out_ptr + i, tl.where(got, v, -1).to(tl.int32), mask=mj)
         if PEND:
             tl.store(pend_src_ptr + j, tl.where(got, loc, -1), mask=mj)
             tl.store(pend_dst_ptr + j, tl.where(got, v, -1), mask=mj)
-        n_got = tl.sum(got.to(tl.int64))
+        n_got += tl.sum(got.to(tl.int64))
+        n_evict += tl.sum(evict.to(tl.int64))
+        n_over += tl.sum((mj & ~got).to(tl.int64))
+        if COPY:  # the FlashTrans gather, fused: host entry of `loc` -> hot slot `v`
+            _copy_masked(src_ptr, dst_ptr, loc, v, got, WORDS, WORDS, WORDS, BLOCK_WORDS)
+    if n_got + n_over > 0:  # programs with no misses add nothing (and do not queue on the counters' atomics)
         if C_FETCH_A >= 0:
             tl.atomic_add(cnt_ptr + C_FETCH_A, n_got, sem="relaxed")
         if C_FETCH_B >= 0:
             tl.atomic_add(cnt_ptr + C_FETCH_B, n_got, sem="relaxed")
-        tl.atomic_add(cnt_ptr + C_EVICT, tl.sum(evict.to(tl.int64)), sem="relaxed")
-        tl.atomic_add(cnt_ptr + C_OVERFLOW, tl.sum((mj & ~got).to(tl.int64)), sem="relaxed")
-        if COPY:  # the FlashTrans gather, fused: host entry of `loc` -> hot slot `v`
-            _copy_masked(src_ptr, dst_ptr, loc, v, got, WORDS, WORDS, WORDS, BLOCK_WORDS)
+        tl.atomic_add(cnt_ptr + C_EVICT, n_evict, sem="relaxed")
+        tl.atomic_add(cnt_ptr + C_OVERFLOW, n_over, sem="relaxed")
 
 
 @triton.jit
@@ -180,8 +192,12 @@ def _finish_kernel(loc_ptr, out_ptr, l2s_ptr, scr_ptr, n, num_slots, SCR: tl.con
 class FusedResolver:
     """Scratch buffers and launches of the fused path for selections of up to `max_entries` entries."""
 
-    def __init__(self, num_slots: int, max_entries: int, device: torch.device):
+    def __init__(self, num_slots: int, max_entries: int, device: torch.device,
+                 assign_programs: tuple[int, int] | None = None):
         self.num_slots = num_slots
+        # persistent programs of the assign kernel (without, with the inline copy): 4 and 1 per SM, the best measured
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+        self.assign_programs = assign_programs or (4 * sms, sms)
         self.max_entries = 0
         self.device = device
         self._grow(max(max_entries, 1))
@@ -224,28 +240,33 @@ class FusedResolver:
             seq, rpi = seq_lens, req_pool_indices
         else:
             r2t, r2t_stride, r2t_rows, width, seq, rpi = src, 0, 0, 0, src, src
-        entry_blocks = triton.cdiv(n, BLOCK)
+        # entries (and slots) per program: 256 at batch 1-16, up to 1024 at batch 64-128 (the best measured)
+        block = block_for(n, 256, 1024, 128)
+        entry_blocks = triton.cdiv(n, block)
         _lookup_kernel[(entry_blocks,)](
             src, seq, rpi, r2t, r2t_stride, r2t_rows, width, n, per_batch, l2s, stamp, clock, out, self.locs, counters,
             l2s.shape[0] - 1, S, MODE=mode, COUNT=count, PROTECT=protect, C_LOOKUPS=counter_ids["LOOKUPS"],
-            C_HITS=counter_ids["HITS"], C_BAD=counter_ids["BAD_INDICES"], BLOCK=BLOCK)
-        _misses_and_ages_kernel[(entry_blocks + triton.cdiv(S, BLOCK),)](
+            C_HITS=counter_ids["HITS"], C_BAD=counter_ids["BAD_INDICES"], BLOCK=block)
+        _misses_and_ages_kernel[(entry_blocks + triton.cdiv(S, block),)](
             self.locs, out, l2s, stamp, clock, self.scratch, self.miss_loc, self.miss_idx, n, S, entry_blocks,
-            A=AGE_BUCKETS, BLOCK=BLOCK)
-        _victims_kernel[(triton.cdiv(S, BLOCK),)](stamp, clock, self.scratch, self.victims, S, A=AGE_BUCKETS,
-                                                  BLOCK=BLOCK)
+            A=AGE_BUCKETS, BLOCK=block)
+        _victims_kernel[(triton.cdiv(S, block),)](stamp, clock, self.scratch, self.victims, S, A=AGE_BUCKETS,
+                                                  BLOCK=block)
         copy = copy_from is not None
         words = (copy_from.shape[1] // 4) if copy else 4
         src_w = copy_from.view(torch.int32) if copy else self.scratch
         dst_w = hot.view(torch.int32) if copy else self.scratch
         pend = fetch_list is not None
         pend_src, pend_dst, pend_count = fetch_list if pend else (self.miss_loc, self.miss_loc, self.miss_loc)
-        _assign_kernel[(triton.cdiv(n, ROWS),)](
+        # the inline copy is fastest with one program per SM, the bookkeeping alone with four (benchmarks/NOTES.md)
+        programs = self.assign_programs[1 if copy else 0]
+        _assign_kernel[(min(triton.cdiv(n, ROWS), programs),)](
             self.scratch, self.victims, self.miss_loc, self.miss_idx, l2s, s2l, stamp, clock, out, counters,
             src_w, dst_w, pend_src, pend_dst, pend_count, n, COPY=copy, PEND=pend, WORDS=words,
             BLOCK_WORDS=triton.next_power_of_2(words),
             C_FETCH_A=fetch_counters[0], C_FETCH_B=fetch_counters[1], C_EVICT=counter_ids["EVICTIONS"],
-            C_OVERFLOW=counter_ids["OVERFLOW"], STAMP_BACK=0 if protect else 1, ROWS=ROWS, num_warps=NUM_WARPS)
+            C_OVERFLOW=counter_ids["OVERFLOW"], STAMP_BACK=0 if protect else 1, ROWS=ROWS, CLEAR=block,
+            num_warps=NUM_WARPS)
         _finish_kernel[(entry_blocks,)](self.locs, out, l2s, self.scratch, n, S, SCR=SCR_SIZE,
-                                        BLOCK=BLOCK)
+                                        BLOCK=block)
         return out

@@ -13,7 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024
+
+def block_for(n: int, lo: int, hi: int, programs: int) -> int:
+    """Entries per program for a launch over n entries: a power of two in [lo, hi] giving about `programs` programs,
+    so that a small selection is spread over many SMs (these kernels are latency-bound chains of dependent loads)
+    and a large one does not pay for thousands of tiny programs. Measured on the H200 (benchmarks/NOTES.md)."""
+    return max(lo, min(hi, triton.next_power_of_2(max(1, n // programs))))
 
 
 @triton.jit
@@ -67,11 +72,12 @@ def translate_positions_triton(topk_pos: torch.Tensor, req_to_token: torch.Tenso
     out = torch.empty(pos.shape, dtype=torch.int32, device=pos.device)
     n = pos.numel()
     if n:
-        _translate_kernel[(triton.cdiv(n, BLOCK),)](
+        block = block_for(n, 128, 512, 256)  # best of 128-1024 at batch 1, 2 and 64 (top-k 2048)
+        _translate_kernel[(triton.cdiv(n, block),)](
             pos, seq_lens, req_pool_indices, req_to_token, req_to_token.stride(0), req_to_token.shape[0],
             req_to_token.shape[1], n,
             pos.shape[1] * pos.shape[2], num_locations, out,
             loc_to_slot if loc_to_slot is not None else out, num_slots, counters if counters is not None else out,
             THROUGH_SLOTS=loc_to_slot is not None, C_LOOKUPS=counter_ids[0], C_HITS=counter_ids[1],
-            C_NOT_RESIDENT=counter_ids[2], BLOCK=BLOCK)
+            C_NOT_RESIDENT=counter_ids[2], BLOCK=block)
     return out
