@@ -58,7 +58,7 @@ from ess_sglang.prefetch import EchoPrefetcher
 
 HEADS, IHEADS, TOP_K = 128, 64, 2048
 MODES = ["sync", "prefetch", "da", "dba", "layerwise"]
-EXTRA_MODES = ["sync_inline",  # sync with the copy fused into the resolve's assign kernel (the previous default)
+EXTRA_MODES = ["sync_counted",  # sync with a deferred fetch list and a persistent copy (the previous default)
                "dba_split"]  # dba with per-half attention (hides half B's copy behind half A's attention; inexact)
 
 
@@ -287,7 +287,7 @@ def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
         if mode == "layerwise":  # the policy: all-resident lookups when everything fits, else the profile's modes
             resident = fits(cfg, slots)
             modes, prefetch = choose_modes(sync_misses, batch, context, timings), False
-        elif mode in ("sync_inline", "dba_split"):
+        elif mode in EXTRA_MODES:
             modes, prefetch = [mode.split("_")[0]] * layers, False
         else:
             modes, prefetch = [mode if mode != "prefetch" else "sync"] * layers, mode == "prefetch"
@@ -295,7 +295,7 @@ def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
             continue
         try:
             ess = build_ess(pools, cfg, slots, modes, prefetch,
-                            **dict(options, sync_copy="inline" if mode == "sync_inline" else "counted",
+                            **dict(options, sync_copy="counted" if mode == "sync_counted" else "inline",
                                    dba_attention="split" if mode == "dba_split" else "whole"))
             r = run_variant(ess, cfg, queries, args.warm, is_ess=True, all_resident=resident)
         except Exception as exc:  # keep the other variants' results; the row says what failed

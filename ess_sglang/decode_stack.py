@@ -10,8 +10,8 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
     4. top-k positions (torch.topk, or the Triton kernel `ess_sglang.kernels.topk`); the k-th best score updates
        the prefetch threshold at the end of the layer, once the side stream has read it;
     5. resolve + fetch, then attention over hot-pool slots, in the layer's mode:
-       sync  resolve (lookup, protect, evict, assign), copy the misses (a persistent FlashTrans copy over the
-             resolve's miss list, as many programs as fill the GPU), then attend. Exact.
+       sync  resolve (lookup, protect, evict, assign; the assign kernel copies each miss host -> hot slot as it
+             assigns it), then attend (`sync_copy="counted"`: a separate persistent copy over the miss list). Exact.
        da    dual attention: resolve without copying; the misses are copied on the side stream while attention
              runs over the hits (Attn0); then attention over the misses (Attn1, a narrow table of `da_width`
              entries per query row); the two are merged with their log-sum-exps. Rows with more misses than
@@ -88,7 +88,7 @@ class StackOptions:
     dba_split: float | Sequence[float] = 0.75  # chunk A's fraction of the batch (measured best), or every chunk's
     dba_attention: str = "whole"  # "whole": one attention over the batch (exact); "split": per half (hides more)
     overlap_programs: int = 32  # persistent programs of a copy that overlaps compute (the rest of the SMs compute)
-    sync_copy: str = "counted"  # sync mode: "counted" (deferred list, whole-GPU copy) or "inline" (in the resolve)
+    sync_copy: str = "inline"  # sync mode: "inline" (in the resolve's assign kernel: measured faster) or "counted"
     attention: str = "auto"  # "flashmla", "reference", or "auto" (FlashMLA on CUDA)
     indexer: str = "auto"  # "triton", "torch", or "auto"
     topk: str = "auto"  # "triton" (one-launch radix select), "torch" (torch.topk), or "auto" (torch: faster so far)

@@ -24,7 +24,7 @@ LENGTHS = (700, 450, 900)
 
 
 def build(modes, slots=512, prefetch=False, da_width=64, split_attention=False, cap_fraction=0.1, seed=0,
-          resolve_impl="torch", dba_attention="split", dba_split=0.5):
+          resolve_impl="torch", dba_attention="split", dba_split=0.5, **options):
     g = torch.Generator().manual_seed(seed)
     T = sum(LENGTHS) + 64 * len(LENGTHS)
     host = HostTotalPool(LAYERS, T, device="cpu")
@@ -48,7 +48,7 @@ def build(modes, slots=512, prefetch=False, da_width=64, split_attention=False, 
     m = HotPoolCacheManager(host, slots, device="cpu", max_selected=len(LENGTHS) * TOPK, resolve_impl=resolve_impl,
                             copy_impl="triton" if resolve_impl == "triton" else "auto")
     opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, da_width=da_width, indexer="torch",
-                        dba_attention=dba_attention, dba_split=dba_split)
+                        dba_attention=dba_attention, dba_split=dba_split, **options)
     pf = EchoPrefetcher(LAYERS, table.req_to_token.shape[0], max(LENGTHS) + 64, cap_fraction=cap_fraction,
                         cap_min_tokens=8) if prefetch else None
     width = table.req_to_token.shape[1]
@@ -82,15 +82,16 @@ def steps(n, table, rows, locs, seed=1):
 @pytest.mark.parametrize("modes,prefetch,dba_attention", [
     (("sync", "sync"), False, "split"), (("sync", "sync"), True, "split"), (("dba", "dba"), False, "split"),
     (("dba", "sync"), True, "split"), (("dba", "dba"), True, "whole"), (("dba", "dba"), False, "three chunks"),
-    (("dba", "sync"), True, "fused kernels")])
+    (("dba", "sync"), True, "fused kernels"), (("sync", "dba"), False, "fused kernels, counted copy")])
 def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attention):
     # "fused kernels": the Triton resolve, prefetch candidates and counted copy (interpreted), as on the GPU
     split = (0.4, 0.3, 0.3) if dba_attention == "three chunks" else 0.5
-    impl = "triton" if dba_attention == "fused kernels" else "torch"
-    dba_attention = "whole" if dba_attention in ("three chunks", "fused kernels") else dba_attention
+    impl = "triton" if dba_attention.startswith("fused kernels") else "torch"
+    options = dict(sync_copy="counted") if "counted copy" in dba_attention else {}
+    dba_attention = "whole" if dba_attention == "three chunks" or impl == "triton" else dba_attention
     ess, hbm, table, rows, locs = build(modes, prefetch=prefetch, split_attention=dba_attention == "split",
-                                        dba_attention=dba_attention, dba_split=split, resolve_impl=impl)
-    if impl == "triton":
+                                        dba_attention=dba_attention, dba_split=split, resolve_impl=impl, **options)
+    if impl == "triton" and prefetch:
         ess.prefetcher.impl = "triton"  # the kernels the GPU runs
     for s, (batch, inputs) in enumerate(steps(12 if impl == "torch" else 5, table, rows, locs)):
         got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
