@@ -8,7 +8,10 @@ For each entry count (64 ... 262,144) and source pattern (random, clustered runs
   - torch.index_select on the UVA view (gather only: into a contiguous buffer);
   - a bulk pinned copy of the same byte count: the ceiling every ratio is taken against;
   - gather and scatter at once on two streams (both directions, as decode does every step).
-Times are medians of CUDA-event timings over rotating index sets (so nothing is served from L2).
+Times are medians of CUDA-event timings over rotating index sets (so nothing is served from L2), each after a GPU
+busy-wait (the host's launch latency is not timed). Then the pool-size sweep: the default kernel over pools of
+0.5 ... 12 GiB with a fresh index set per timing (a decode step's misses are new each step), against the same set
+repeated: the gap is the cost of address translation for host reads, which grows with the pool.
 
     python benchmarks/flashtrans.py --out benchmarks/results     (prints a table; writes flashtrans.json / .png)
 """
@@ -58,6 +61,8 @@ def main(argv=None):
     p.add_argument("--padded-strides", type=lambda s: [int(x) for x in s.split(",") if x], default=[672, 768],
                    help="also gather from host pools whose rows are padded to these strides (bytes)")
     p.add_argument("--hugepage", action="store_true", help="also gather from a pool in transparent huge pages")
+    p.add_argument("--pool-sizes", default="0.5,1.5,4,12",
+                   help="GiB: gather from pools of these sizes with fresh index sets (address translation reach)")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     dev = torch.device("cuda")
@@ -165,14 +170,87 @@ def main(argv=None):
                     layout = "thp" if stride == "thp" else f"stride{stride}"
                     record("h2d", pattern, n, f"{layout}-{variant}-r{rpp}-w{warps}", us, bulk_h2d)
         torch.cuda.synchronize()
+    pool_rows_out = pool_size_sweep([float(x) for x in args.pool_sizes.split(",") if x], hot, bulk_dev, bulk_host, gen)
 
     import os
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "flashtrans.json"), "w") as f:
-        json.dump(dict(info=info, rows=rows), f, indent=1)
+        json.dump(dict(info=info, rows=rows, pool_size_rows=pool_rows_out), f, indent=1)
     plot(rows, os.path.join(args.out, "flashtrans.png"))
     summary(rows)
+    if pool_rows_out:
+        plot_pools(pool_rows_out, os.path.join(args.out, "flashtrans_pools.png"))
+
+
+POOL_SIZES_N = (4096, 16384, 65536)
+FRESH_SETS = 16
+
+
+def pool_size_sweep(pool_gibs, hot, bulk_dev, bulk_host, gen) -> list[dict]:
+    """Gather rate against the size of the pinned pool the random positions fall in, each timed index set used once
+    (as each decode step's misses are new): the GPU reads host memory through address translation whose reach is
+    a few GiB, so larger pools turn more reads into translation misses. "repeated" times one set over and over
+    (its translations stay cached) with the same kernel, to tell the translation cost from the kernel's."""
+    out = []
+    if not pool_gibs:
+        return out
+    print(f"\n{'pool GiB':>8} {'entries':>8} {'bulk GB/s':>9} {'fresh GB/s':>10} {'x bulk':>6} {'repeated':>8} "
+          f"{'x bulk':>6} {'index_sel fresh':>15}")
+    for gib in pool_gibs:
+        rows = int(gib * 2**30) // ENTRY
+        pool = HostTotalPool(1, rows, device=torch.device("cuda"))
+        src_pool = pool.layer(0)
+        for n in POOL_SIZES_N:
+            nbytes = n * ENTRY
+            bulk = median_us(lambda k=nbytes: bulk_dev[:k].copy_(bulk_host[:k], non_blocking=True), [()])
+            sets = [(torch.randint(0, rows, (n,), device="cuda", generator=gen),
+                     torch.randperm(hot.shape[0], device="cuda", generator=gen)[:n]) for _ in range(FRESH_SETS + 1)]
+
+            def kernel(s, d, src=src_pool):
+                copy_rows_triton(src, hot, s, d)
+
+            def index_select(s, d, src=src_pool):
+                torch.index_select(src, 0, s)
+
+            res = {}
+            for name, fn in (("fresh", kernel), ("index_select", index_select)):
+                fn(*sets[0])  # compile / warm the code path on a set that is not timed
+                torch.cuda.synchronize()
+                res[name] = median_us(fn, sets[1:], reps=FRESH_SETS, warmup=0)
+            res["repeated"] = median_us(kernel, sets[:1], reps=FRESH_SETS, warmup=3)
+            for name, us in res.items():
+                out.append(dict(direction="h2d", pattern="random", entries=n, method=f"pool-{name}", pool_gib=gib,
+                                us=us, gbps=nbytes / us / 1e3, ratio_to_bulk=bulk / us))
+            print(f"{gib:8.1f} {n:8d} {nbytes / bulk / 1e3:9.1f} {nbytes / res['fresh'] / 1e3:10.1f} "
+                  f"{bulk / res['fresh']:6.2f} {nbytes / res['repeated'] / 1e3:8.1f} {bulk / res['repeated']:6.2f} "
+                  f"{nbytes / res['index_select'] / 1e3:15.1f}", flush=True)
+        torch.cuda.synchronize()
+        del pool, src_pool
+    return out
+
+
+def plot_pools(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for n in POOL_SIZES_N:
+        for method, style in (("pool-fresh", "-o"), ("pool-repeated", ":s")):
+            pts = sorted((r["pool_gib"], r["ratio_to_bulk"]) for r in rows
+                         if r["entries"] == n and r["method"] == method)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, label=f"{n} entries, {method[5:]}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("pinned pool size (GiB), random positions")
+    ax.set_ylabel("gather rate / bulk copy rate")
+    ax.set_title("FlashTrans gather vs pool size (fresh index sets: translation misses)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def hugepage_pinned(nbytes):

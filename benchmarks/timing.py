@@ -4,9 +4,12 @@ import statistics
 
 import torch
 
+SLEEP_CYCLES = 200_000  # ~100 us of GPU busy-wait: longer than the host takes to launch a kernel or a graph
+
 
 def median_us(fn, inputs, reps=20, warmup=3):
-    """Median microseconds of fn(*inputs[i % len(inputs)]) over `reps` calls, after `warmup` untimed ones."""
+    """Median microseconds of fn(*inputs[i % len(inputs)]) over `reps` calls, after `warmup` untimed ones (each
+    after a GPU busy-wait, as in `replay_us`: the device time of the work, without the host's launch latency)."""
     for i in range(warmup):
         fn(*inputs[i % len(inputs)])
     torch.cuda.synchronize()
@@ -14,15 +17,13 @@ def median_us(fn, inputs, reps=20, warmup=3):
     for i in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         args = inputs[i % len(inputs)]
+        torch.cuda._sleep(SLEEP_CYCLES)  # the host launches fn while the GPU waits: its launch latency is not timed
         a.record()
         fn(*args)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
     return statistics.median(times)
-
-
-SLEEP_CYCLES = 200_000  # ~100 us of GPU busy-wait: longer than the host takes to launch a graph
 
 
 def replay_us(graph) -> float:
