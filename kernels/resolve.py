@@ -76,7 +76,8 @@ def _age(stamp_ptr, s, ms, clock, A: tl.constexpr):
 
 @triton.jit
 def _misses_and_ages_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr_ptr, miss_loc_ptr, miss_idx_ptr,
-                            n, num_slots, entry_blocks, A: tl.constexpr, BLOCK: tl.constexpr):
+                            n, num_slots, entry_blocks, A: tl.constexpr, BLOCK: tl.constexpr,
+                            SBLOCK: tl.constexpr):
     pid = tl.program_id(0)
     if pid < entry_blocks:
         i = pid * BLOCK + tl.arange(0, BLOCK)
@@ -92,7 +93,7 @@ def _misses_and_ages_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr
         tl.store(miss_loc_ptr + at, loc, mask=rep)
         tl.store(miss_idx_ptr + at, i.to(tl.int32), mask=rep)
     else:
-        s = (pid - entry_blocks) * BLOCK + tl.arange(0, BLOCK)
+        s = (pid - entry_blocks) * SBLOCK + tl.arange(0, SBLOCK)
         ms = s < num_slots
         age = _age(stamp_ptr, s, ms, tl.load(clock_ptr), A)
         tl.atomic_add(scr_ptr + 8 + tl.arange(0, A), tl.histogram(age, A, mask=ms), sem="relaxed")
@@ -108,7 +109,7 @@ def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, num_slots, A: tl
     T = tl.maximum(tl.max(tl.where(eligible, a, 0)), 1)
     n_above = tl.sum(tl.where(a == T + 1, at_or_above, 0))
     s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ms = s < num_slots
+    ms = (s < num_slots) & (n_miss > 0)  # no misses: no victims, and no stamp is read
     age = _age(stamp_ptr, s, ms, tl.load(clock_ptr), A)
     above = ms & (age > T)
     above32 = above.to(tl.int32)
@@ -240,18 +241,20 @@ class FusedResolver:
             seq, rpi = seq_lens, req_pool_indices
         else:
             r2t, r2t_stride, r2t_rows, width, seq, rpi = src, 0, 0, 0, src, src
-        # entries (and slots) per program: 256 at batch 1-16, up to 1024 at batch 64-128 (the best measured)
+        # entries per program: 256 at batch 1-16, up to 1024 at batch 64-128 (the best measured); slots per program
+        # by the pool's size: a small selection over a large pool must not histogram it in thousands of programs
         block = block_for(n, 256, 1024, 128)
+        sblock = block_for(S, 1024, 8192, 256)
         entry_blocks = triton.cdiv(n, block)
         _lookup_kernel[(entry_blocks,)](
             src, seq, rpi, r2t, r2t_stride, r2t_rows, width, n, per_batch, l2s, stamp, clock, out, self.locs, counters,
             l2s.shape[0] - 1, S, MODE=mode, COUNT=count, PROTECT=protect, C_LOOKUPS=counter_ids["LOOKUPS"],
             C_HITS=counter_ids["HITS"], C_BAD=counter_ids["BAD_INDICES"], BLOCK=block)
-        _misses_and_ages_kernel[(entry_blocks + triton.cdiv(S, block),)](
+        _misses_and_ages_kernel[(entry_blocks + triton.cdiv(S, sblock),)](
             self.locs, out, l2s, stamp, clock, self.scratch, self.miss_loc, self.miss_idx, n, S, entry_blocks,
-            A=AGE_BUCKETS, BLOCK=block)
-        _victims_kernel[(triton.cdiv(S, block),)](stamp, clock, self.scratch, self.victims, S, A=AGE_BUCKETS,
-                                                  BLOCK=block)
+            A=AGE_BUCKETS, BLOCK=block, SBLOCK=sblock)
+        _victims_kernel[(triton.cdiv(S, sblock),)](stamp, clock, self.scratch, self.victims, S, A=AGE_BUCKETS,
+                                                   BLOCK=sblock)
         copy = copy_from is not None
         words = (copy_from.shape[1] // 4) if copy else 4
         src_w = copy_from.view(torch.int32) if copy else self.scratch

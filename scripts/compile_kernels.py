@@ -78,9 +78,9 @@ check(kp._count_kernel, dict(common, counts_ptr=P64), dict(BLOCK=1024))
 check(kp._write_kernel, dict(common, offsets_ptr=P64, caps_ptr=P64, out_ptr=P64, width=I64), dict(BLOCK=1024))
 check(kr._misses_and_ages_kernel, dict(loc_ptr=P64, out_ptr=P32, l2s_ptr=P32, stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32,
                                       miss_loc_ptr=P64, miss_idx_ptr=P32, n=I64, num_slots=I64, entry_blocks=I32),
-      dict(A=256, BLOCK=1024))
+      dict(A=256, BLOCK=1024, SBLOCK=8192))
 check(kr._victims_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, victims_ptr=P32, num_slots=I64),
-      dict(A=256, BLOCK=1024))
+      dict(A=256, BLOCK=8192))
 check(kr._finish_kernel, dict(loc_ptr=P64, out_ptr=P32, l2s_ptr=P32, scr_ptr=P32, n=I64, num_slots=I64),
       dict(SCR=512, BLOCK=1024))
 check(kf._copy_rows_masked_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64, n_rows=I64),
