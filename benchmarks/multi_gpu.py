@@ -1,0 +1,364 @@
+"""Several GPUs of one host pulling from host memory at once, attention-DP style: FlashTrans and the decode stack.
+
+One worker process per GPU, each with its own pinned host pool and hot pool; a worker pins itself to the CPUs of its
+GPU's NUMA node before allocating (when sysfs says which node: first-touch then places its pool there), and the node
+is recorded. For 1, 2, 4 and 8 GPUs (as many as the machine has), every measurement starts on all of them at the same
+wall-clock instant and runs the same number of iterations, sized from the one-GPU run to last about `--seconds`:
+
+    bulk     one pinned cudaMemcpyAsync H2D of the same bytes as a gather (the link's ceiling)
+    gather   FlashTrans H2D: `--entries` random 656-B entries of the worker's pool into random hot slots
+    scatter  FlashTrans D2H: the same number of entries from the device to random host rows
+    both     gather and scatter at once on two streams (decode does both every step)
+    decode   (with --decode) one captured step of the decode-layer stack (4 DSA layers, sync mode, batch 64,
+             32K context, hit ~0.95): its time, with every GPU decoding at once against one GPU alone
+
+Reported: per-GPU GB/s, the aggregate over the GPUs, the aggregate against `count` x the one-GPU bulk rate measured in
+the same run, and each GPU's rate against the same GPU running alone.
+
+    python benchmarks/multi_gpu.py --out benchmarks/results [--decode]     (table; multi_gpu.json / .png)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+ENTRY = 656
+HERE = os.path.dirname(os.path.abspath(__file__))
+COPY_OPS = ("bulk", "gather", "scatter", "both")
+
+
+# ------------------------------------------------------------------------------------------- machine facts
+def pci_bus_ids() -> list[str]:
+    """sysfs PCI addresses of the GPUs in CUDA order ("0000:18:00.0"), from nvidia-smi; [] when unavailable."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    ids = []
+    for line in out.split():
+        dom, rest = line.strip().lower().split(":", 1)
+        ids.append(f"{int(dom, 16):04x}:{rest}")
+    return ids
+
+
+def numa_node(bus_id: str | None) -> int:
+    """The NUMA node sysfs gives for a PCI device, -1 when unknown."""
+    if not bus_id:
+        return -1
+    try:
+        with open(f"/sys/bus/pci/devices/{bus_id}/numa_node") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return -1
+
+
+def parse_cpulist(text: str) -> set[int]:
+    """"0-3,8,10-11" -> {0, 1, 2, 3, 8, 10, 11}."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def node_cpus(node: int) -> set[int]:
+    if node < 0:
+        return set()
+    try:
+        with open(f"/sys/devices/system/node/node{node}/cpulist") as f:
+            return parse_cpulist(f.read())
+    except OSError:
+        return set()
+
+
+# ------------------------------------------------------------------------------------------- one GPU's worker
+class _Ops:
+    """The worker's measurements: each returns a callable running one iteration, and its bytes moved."""
+
+    def __init__(self, args):
+        from ess_sglang.host_pool import HostTotalPool
+
+        dev = torch.device("cuda")
+        self.n = args.entries
+        rows = int(args.pool_gib * 2**30) // ENTRY
+        self.pool = HostTotalPool(1, rows, device=dev)
+        self.host = self.pool.layer(0)
+        slots = max(self.n * 2, 65536)
+        self.hot = torch.randint(0, 256, (slots, ENTRY), dtype=torch.uint8, device=dev)
+        self.bulk_host = self.pool.entries.view(-1)[: self.n * ENTRY]
+        self.bulk_dev = torch.empty(self.n * ENTRY, dtype=torch.uint8, device=dev)
+        g = torch.Generator(device=dev).manual_seed(torch.cuda.current_device())
+        # rotating index sets (pool rows, hot slots): 16 sets, each iteration takes the next
+        self.sets = [(torch.randint(0, rows, (self.n,), device=dev, generator=g),
+                      torch.randperm(slots, device=dev, generator=g)[: self.n]) for _ in range(16)]
+        self.s1, self.s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        self.it = 0
+        self.decode = _DecodeStep(args) if args.decode else None
+
+    def run(self, op: str) -> int:
+        """One iteration of `op`; returns the bytes it moved over PCIe (0 for decode)."""
+        from ess_sglang.kernels.flashtrans import copy_rows_triton
+
+        src, dst = self.sets[self.it % len(self.sets)]
+        self.it += 1
+        nbytes = self.n * ENTRY
+        if op == "bulk":
+            self.bulk_dev.copy_(self.bulk_host, non_blocking=True)
+        elif op == "gather":
+            copy_rows_triton(self.host, self.hot, src, dst)
+        elif op == "scatter":
+            copy_rows_triton(self.hot, self.host, dst, src)
+        elif op == "both":
+            main = torch.cuda.current_stream()
+            self.s1.wait_stream(main)
+            self.s2.wait_stream(main)
+            with torch.cuda.stream(self.s1):
+                copy_rows_triton(self.host, self.hot, src, dst)
+            with torch.cuda.stream(self.s2):  # other host rows than the gather reads
+                copy_rows_triton(self.hot, self.host, dst, (src + self.host.shape[0] // 2) % self.host.shape[0])
+            main.wait_stream(self.s1)
+            main.wait_stream(self.s2)
+            nbytes *= 2
+        elif op == "decode":
+            self.decode.replay()
+            nbytes = 0
+        else:
+            raise ValueError(f"unknown measurement {op!r}")
+        return nbytes
+
+
+class _DecodeStep:
+    """The decode-layer benchmark's stack (benchmarks/decode_layers.py), sync mode, one step captured in a graph;
+    each replay loads the next step's inputs first (the selection drifts, so every step has misses)."""
+
+    def __init__(self, args):
+        sys.path.insert(0, HERE)
+        import decode_layers as dl
+
+        self.dl = dl
+        layers, ctx, batch = 4, args.decode_context, args.decode_batch
+        self.steps = 4 + args.decode_steps
+        self.pools = dl.Pools(layers, batch * (ctx + self.steps))
+        self.cfg = dl.Config(self.pools, layers, ctx, batch, self.steps, seed=1)
+        slots = (int(0.2 * batch * ctx) + 63) // 64 * 64
+        self.queries = self.cfg.queries(0.99135)  # drift that gives ~0.95 hits at 32K (scratch calibration)
+        self.stack = dl.build_ess(self.pools, self.cfg, slots, ["sync"] * layers, False)
+        self.rewind()
+
+    def rewind(self) -> None:
+        dl, cfg, st = self.dl, self.cfg, self.stack
+        dl.reset_and_warm(st, cfg)
+        for s in range(3):
+            cfg.load_step(s, self.queries)
+            st.step(cfg.batch_tables, cfg.inputs)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        cfg.load_step(3, self.queries)
+        with torch.cuda.graph(self.graph):
+            st.step(cfg.batch_tables, cfg.inputs)
+        self.s = 3
+
+    def replay(self) -> None:
+        if self.s >= self.steps:
+            raise RuntimeError("decode: out of prepared steps (raise --decode-steps)")
+        self.cfg.load_step(self.s, self.queries)
+        self.graph.replay()
+        self.s += 1
+
+
+def _worker(rank: int, conn, args) -> None:
+    bus = args.bus_ids[rank] if rank < len(args.bus_ids) else None
+    node = numa_node(bus)
+    cpus = node_cpus(node)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    torch.cuda.set_device(rank)
+    try:
+        ops = _Ops(args)
+        for op in COPY_OPS + (("decode",) if args.decode else ()):  # compile and warm every path
+            for _ in range(2):
+                ops.run(op)
+        if ops.decode is not None:
+            ops.decode.rewind()
+        torch.cuda.synchronize()
+        conn.send(dict(rank=rank, ready=True, bus_id=bus, numa_node=node, cpus=len(os.sched_getaffinity(0)),
+                       device=torch.cuda.get_device_name(rank)))
+    except Exception as exc:  # noqa: BLE001 - report to the parent, which stops the run with the message
+        conn.send(dict(rank=rank, ready=False, error=f"{type(exc).__name__}: {exc}"))
+        return
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            return
+        _, op, iters, start_at = cmd
+        if op == "decode":
+            ops.decode.rewind()
+            iters = min(iters, ops.decode.steps - ops.decode.s)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        while time.time() < start_at:  # every worker starts at the same instant
+            pass
+        t0 = time.time()
+        a.record()
+        nbytes = sum(ops.run(op) for _ in range(iters))
+        b.record()
+        b.synchronize()
+        us = a.elapsed_time(b) * 1e3
+        conn.send(dict(rank=rank, op=op, iters=iters, us=us, us_per_iter=us / iters, bytes=nbytes,
+                       gbps=nbytes / us / 1e3 if nbytes else None, wall_start=t0, wall_end=time.time()))
+
+
+# ------------------------------------------------------------------------------------------- the run
+def measure(conns, op: str, count: int, iters: int, margin_s: float = 0.5) -> list[dict]:
+    start_at = time.time() + margin_s
+    for c in conns[:count]:
+        c.send(("run", op, iters, start_at))
+    return [c.recv() for c in conns[:count]]
+
+
+def summarise(rows: list[dict], counts: list[int]) -> list[dict]:
+    """One line per (op, GPU count): per-GPU rates, the aggregate, and ratios against one GPU alone."""
+    out = []
+    alone = {r["op"]: r for r in rows if r["gpus"] == 1 and r["rank"] == 0}
+    bulk1 = alone["bulk"]["gbps"] if "bulk" in alone else None
+    ops = [op for op in COPY_OPS + ("decode",) if op in alone]
+    for op in ops:
+        for c in counts:
+            rs = [r for r in rows if r["op"] == op and r["gpus"] == c]
+            if not rs:
+                continue
+            line = dict(op=op, gpus=c, numa_nodes=sorted({r["numa_node"] for r in rs}))
+            if op == "decode":
+                line.update(step_us=[r["us_per_iter"] for r in rs],
+                            slowdown=max(r["us_per_iter"] for r in rs) / alone[op]["us_per_iter"])
+            else:
+                rates = [r["gbps"] for r in rs]
+                line.update(per_gpu_gbps=rates, aggregate_gbps=sum(rates),
+                            aggregate_vs_bulk=sum(rates) / (c * bulk1) if bulk1 else None,
+                            min_vs_alone=min(rates) / alone[op]["gbps"])
+            out.append(line)
+    return out
+
+
+def print_table(summary: list[dict]) -> None:
+    print(f"\n{'op':8} {'GPUs':>4} {'per-GPU GB/s (or step us)':>34} {'aggregate':>9} {'agg / (n x bulk1)':>17} "
+          f"{'worst / alone':>13}  NUMA")
+    for s in summary:
+        if s["op"] == "decode":
+            per = ", ".join(f"{x:.0f}" for x in s["step_us"])
+            print(f"{s['op']:8} {s['gpus']:>4} {per:>34} {'':>9} {'':>17} {1 / s['slowdown']:13.2f}  "
+                  f"{s['numa_nodes']}")
+        else:
+            per = ", ".join(f"{x:.1f}" for x in s["per_gpu_gbps"])
+            print(f"{s['op']:8} {s['gpus']:>4} {per:>34} {s['aggregate_gbps']:9.1f} {s['aggregate_vs_bulk']:17.2f} "
+                  f"{s['min_vs_alone']:13.2f}  {s['numa_nodes']}")
+
+
+def plot(summary: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bulk = [s for s in summary if s["op"] == "bulk"]
+    for op, style in (("bulk", "k--o"), ("gather", "-o"), ("scatter", "-s"), ("both", "-^")):
+        pts = [(s["gpus"], s["aggregate_gbps"]) for s in summary if s["op"] == op]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), style, label=f"{op} (aggregate)")
+    if bulk:
+        one = bulk[0]["aggregate_gbps"] / bulk[0]["gpus"]
+        xs = [s["gpus"] for s in bulk]
+        ax.plot(xs, [x * one for x in xs], "k:", label="n x one GPU's bulk")
+    ax.set_xlabel("GPUs copying at once (one process each)")
+    ax.set_ylabel("GB/s, sum over GPUs")
+    ax.set_title("Host memory <-> GPUs, 656-B entries")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--gpus", default="1,2,4,8", help="GPU counts to run (those above the machine's are skipped)")
+    p.add_argument("--entries", type=int, default=16384, help="entries per gather / scatter")
+    p.add_argument("--pool-gib", type=float, default=2.0, help="pinned host pool per GPU")
+    p.add_argument("--seconds", type=float, default=1.0, help="about how long each measurement runs")
+    p.add_argument("--decode", action="store_true", help="also time the decode-layer stack on every GPU at once")
+    p.add_argument("--decode-batch", type=int, default=64)
+    p.add_argument("--decode-context", type=int, default=32768)
+    p.add_argument("--decode-steps", type=int, default=48, help="prepared steps per decode measurement")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("multi_gpu.py needs CUDA GPUs", file=sys.stderr)
+        return 2
+    have = torch.cuda.device_count()
+    counts = [c for c in (int(x) for x in args.gpus.split(",")) if 1 <= c <= have]
+    skipped = [int(x) for x in args.gpus.split(",") if int(x) > have]
+    args.bus_ids = pci_bus_ids()
+    ctx = mp.get_context("spawn")
+    conns, procs = [], []
+    for rank in range(max(counts)):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(rank, child, args), daemon=True)
+        proc.start()
+        conns.append(parent)
+        procs.append(proc)
+    t0 = time.time()
+    workers = [c.recv() for c in conns]
+    bad = [w for w in workers if not w["ready"]]
+    if bad:
+        print("worker failed:", bad, file=sys.stderr)
+        return 1
+    print(f"{len(workers)} workers ready in {time.time() - t0:.1f} s: " +
+          ", ".join(f"GPU {w['rank']} {w['bus_id']} NUMA {w['numa_node']} ({w['cpus']} CPUs)" for w in workers),
+          flush=True)
+    rows = []
+    ops = list(COPY_OPS) + (["decode"] if args.decode else [])
+    for op in ops:
+        probe = measure(conns, op, 1, 3)[0]  # size the loop from one GPU alone
+        iters = max(3, int(args.seconds * 1e6 / probe["us_per_iter"]))
+        if op == "decode":
+            iters = min(iters, args.decode_steps)
+        for c in counts:
+            for r in measure(conns, op, c, iters):
+                r.update(gpus=c, numa_node=workers[r["rank"]]["numa_node"])
+                rows.append(r)
+            overlap = min(r["wall_end"] for r in rows[-c:]) - max(r["wall_start"] for r in rows[-c:])
+            print(f"{op:8} x{c}: " + ", ".join(f"{r['gbps']:.1f} GB/s" if r["gbps"] else f"{r['us_per_iter']:.0f} us"
+                                                for r in rows[-c:]) + f"  (all running together {overlap:.2f} s)",
+                  flush=True)
+    for c in conns:
+        c.send(("stop",))
+    for proc in procs:
+        proc.join(timeout=30)
+    summary = summarise(rows, counts)
+    print_table(summary)
+    if skipped:
+        print(f"not run: {skipped} GPUs (the machine has {have})")
+    info = dict(device=torch.cuda.get_device_name(0), gpus_on_machine=have, torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command="python " + " ".join(sys.argv),
+                entries=args.entries, pool_gib_per_gpu=args.pool_gib, workers=workers, not_run=skipped)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "multi_gpu.json"), "w") as f:
+        json.dump(dict(info=info, rows=rows, summary=summary), f, indent=1)
+    plot(summary, os.path.join(args.out, "multi_gpu.png"))
+    print(f"wrote {args.out}/multi_gpu.json and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
