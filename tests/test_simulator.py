@@ -265,6 +265,21 @@ def test_more_pcie_bandwidth_never_lowers_throughput(batch, lo, hi):
 
 
 @FIT_SETTINGS
+@given(batch=st.integers(54, 185), lo=st.floats(0.05, 1), hi=st.floats(0.05, 1))
+def test_gpus_sharing_the_host_link_never_raise_throughput(batch, lo, hi):
+    lo, hi = min(lo, hi), max(lo, hi)
+    shared = _sim(pcie_h2d_all_gpus_share=lo, pcie_d2h_all_gpus_share=lo).run_batch(batch)
+    alone = _sim(pcie_h2d_all_gpus_share=hi, pcie_d2h_all_gpus_share=hi).run_batch(batch)
+    assert alone.throughput >= shared.throughput * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("share", [0, 1.5, float("nan")])
+def test_all_gpus_share_must_be_in_zero_one(share):
+    with pytest.raises(SimulatorConfigError, match="pcie_h2d_all_gpus_share"):
+        _sim(pcie_h2d_all_gpus_share=share)
+
+
+@FIT_SETTINGS
 @given(batch=st.integers(1, 185), lo=st.floats(5, 400), hi=st.floats(5, 400))
 def test_more_network_bandwidth_never_lowers_throughput(batch, lo, hi):
     lo, hi = min(lo, hi), max(lo, hi)

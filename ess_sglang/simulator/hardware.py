@@ -36,6 +36,12 @@ def _fraction(v: float) -> float:
     return v
 
 
+def _share(v: float) -> float:
+    if not (math.isfinite(v) and 0 < v <= 1):
+        raise ValueError(f"must be in (0, 1] (got {v!r})")
+    return v
+
+
 def _non_negative(v: float) -> float:
     if not (math.isfinite(v) and v >= 0):
         raise ValueError(f"must be a finite number >= 0 (got {v!r})")
@@ -45,6 +51,7 @@ def _non_negative(v: float) -> float:
 Positive = Annotated[float, Field(strict=False), AfterValidator(_positive)]
 NonNegative = Annotated[float, Field(strict=False), AfterValidator(_non_negative)]
 Fraction = Annotated[float, Field(strict=False), AfterValidator(_fraction)]
+Share = Annotated[float, Field(strict=False), AfterValidator(_share)]
 
 
 class Hardware(BaseModel):
@@ -82,6 +89,11 @@ class Hardware(BaseModel):
     """Scattered 656-B host->GPU gather rate that ESS's fetch kernel reaches (GB/s)."""
     pcie_d2h_gbps: Positive
     """Scattered 656-B GPU->host scatter rate (GB/s), for writing new tokens back."""
+    pcie_h2d_all_gpus_share: Share = 1.0
+    """Share of its own gather rate a GPU keeps while every GPU of the node gathers at once
+    (benchmarks/multi_gpu.py)."""
+    pcie_d2h_all_gpus_share: Share = 1.0
+    """The same for the scatter (write-back) rate."""
     pcie_fetch_latency_us: NonNegative = 3.0
     """Fixed time of one fetch kernel (us)."""
     overlap_interference: Fraction = 0.19
@@ -104,14 +116,17 @@ class Hardware(BaseModel):
         return self.host_mem_gib_node * GIB * self.host_mem_usable_fraction
 
     def h2d_rate(self) -> float:
-        """Effective host->GPU fetch rate per GPU (B/s): the kernel's rate, the link, and the host's share."""
-        return 1e9 * min(self.pcie_h2d_gbps, self.pcie_bulk_gbps, self.host_mem_bw_gbps_node / self.gpus_per_node)
+        """Effective host->GPU fetch rate per GPU (B/s) with every GPU of the node fetching: the kernel's rate on
+        the link, less what concurrent GPUs take, and the host memory's share."""
+        link = min(self.pcie_h2d_gbps, self.pcie_bulk_gbps) * self.pcie_h2d_all_gpus_share
+        return 1e9 * min(link, self.host_mem_bw_gbps_node / self.gpus_per_node)
 
     def d2h_rate(self) -> float:
-        return 1e9 * min(self.pcie_d2h_gbps, self.pcie_bulk_gbps, self.host_mem_bw_gbps_node / self.gpus_per_node)
+        link = min(self.pcie_d2h_gbps, self.pcie_bulk_gbps) * self.pcie_d2h_all_gpus_share
+        return 1e9 * min(link, self.host_mem_bw_gbps_node / self.gpus_per_node)
 
     def h2d_limited_by(self) -> str:
-        rates = {"pcie": min(self.pcie_h2d_gbps, self.pcie_bulk_gbps),
+        rates = {"pcie": min(self.pcie_h2d_gbps, self.pcie_bulk_gbps) * self.pcie_h2d_all_gpus_share,
                  "host_memory_bw": self.host_mem_bw_gbps_node / self.gpus_per_node}
         return min(rates, key=rates.__getitem__)
 
