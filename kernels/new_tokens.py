@@ -49,10 +49,9 @@ def store_reserved_triton(entries: torch.Tensor, host_layer: torch.Tensor, hot_l
                           num_locations: int) -> torch.Tensor:
     """entries [n, entry_bytes] uint8 (device); host_layer / hot_layer [rows, entry_bytes] uint8 (the host layer as
     its UVA view on a GPU); locs [n] KV locations (-1 to skip, distinct), stored where 0 <= loc < num_locations
-    (<= host rows); loc_to_slot [locations + 1] int32 and
-    slot_stamp [slots + 1] int64 of the layer; clock a 0-d int64 tensor; counters the layer's int64 counters,
-    counter_ids (D2H_ENTRIES, NOT_RESIDENT). Returns the int64 slot of each entry, -1 where it was not stored in
-    the hot pool (skipped or without a reserved slot)."""
+    (<= host rows); loc_to_slot [locations + 1] int32 and slot_stamp [slots + 1] int64 of the layer; clock a 0-d
+    int64 tensor; counters the layer's int64 counters, counter_ids (D2H_ENTRIES, NOT_RESIDENT). Returns the int64
+    slot of each entry, -1 where it was not stored in the hot pool (skipped or without a reserved slot)."""
     n = locs.shape[0]
     eb = entries.shape[1] if entries.dim() == 2 else -1
     if locs.dim() != 1 or entries.shape != (n, eb) or host_layer.shape[1] != eb or hot_layer.shape[1] != eb:
