@@ -348,22 +348,27 @@ class HotPoolCacheManager:
         return positions_to_locations(topk_pos, req_to_token, req_pool_indices, seq_lens, self.num_locations)
 
     def write_new_tokens(self, layer: int, locs: torch.Tensor, entries: torch.Tensor,
-                         reserved: bool = False) -> torch.Tensor:
+                         reserved: bool = False, insert: bool = True) -> torch.Tensor:
         """Store this step's new entries: D2H into the host pool, and into hot slots (protected this step).
 
         locs: [n] KV locations (-1 to skip), distinct; entries: [n, entry_bytes] uint8 on the device.
         reserved: every location already has a slot (`reserve`): write into it, with no lookup-and-evict pass (an
         entry without one is skipped in the hot pool and counted NOT_RESIDENT; the host copy is always written).
+        insert: give entries without a slot one (a lookup-and-evict pass over the pool). False: only the write-back,
+        plus the hot slot of an entry that already has one; a new token a later resolve selects is then a miss,
+        fetched from the host copy just written (lossless; one resolve fewer per layer).
         Returns the slot of each entry (int64, -1 where skipped).
         """
         if locs.dim() != 1 or entries.shape != (locs.shape[0], self.entry_bytes):
             raise ValueError(f"write_new_tokens wants locs [n] and entries [n, {self.entry_bytes}], got "
                              f"{tuple(locs.shape)} and {tuple(entries.shape)}")
-        if reserved and self._fused is not None and self.on_transfer is None and self.copy_impl != "none":
+        no_insert = reserved or not insert
+        if no_insert and self._fused is not None and self.on_transfer is None and self.copy_impl != "none":
             # one launch for what the torch path below does in ~15 (kernels/new_tokens.py)
+            not_resident = int(Counter.NOT_RESIDENT) if reserved else -1
             return store_reserved_triton(entries, self.host.layer(layer), self.hot_entries[layer], locs,
                                          self.loc_to_slot[layer], self.slot_stamp[layer], self.clock,
-                                         self.counters[layer], (int(Counter.D2H_ENTRIES), int(Counter.NOT_RESIDENT)),
+                                         self.counters[layer], (int(Counter.D2H_ENTRIES), not_resident),
                                          self.num_locations)
         flat = locs.long()
         flat = torch.where((flat >= 0) & (flat < self.num_locations), flat, -1)
@@ -371,10 +376,11 @@ class HotPoolCacheManager:
         rows = torch.arange(n, device=self.device)
         # write-back (D2H), then the same entries into their hot slots (device to device)
         self._copy(entries, self.host.layer(layer), torch.where(flat >= 0, rows, -1), flat, direction="d2h")
-        if reserved:
+        if no_insert:
             slot = self._lookup(layer, flat)
             self._protect(layer, slot)  # a later resolve sees them as just used, like any new token
-            self.counters[layer, Counter.NOT_RESIDENT] += ((flat >= 0) & (slot < 0)).sum()
+            if reserved:
+                self.counters[layer, Counter.NOT_RESIDENT] += ((flat >= 0) & (slot < 0)).sum()
         elif self._fused is not None:
             slot = self._fused_run(layer, flat, MODE_LOCATIONS, count=False, fetch=(Counter.NEW_TOKENS, -1),
                                    copy_from=None).long()

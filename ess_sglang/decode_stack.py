@@ -3,7 +3,8 @@
 One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
 
     1. store this step's token: its indexer key into the device indexer cache (main stream); its latent entry
-       written back to the host pool (D2H) and into a hot slot (side stream, overlapping the indexer);
+       written back to the host pool (D2H) and into a hot slot (side stream, overlapping the indexer; with
+       `new_tokens="on_demand"` only written back, then fetched like any other miss if the top-k selects it);
     2. indexer logits over the request's whole context (main stream);
     3. [prefetch] candidates scoring above the EMA of the k-th best score are fetched on the side stream while
        the main stream runs the top-k (ECHO; `ess_sglang.prefetch`);
@@ -89,6 +90,8 @@ class StackOptions:
     dba_attention: str = "whole"  # "whole": one attention over the batch (exact); "split": per half (hides more)
     overlap_programs: int = 32  # persistent programs of a copy that overlaps compute (the rest of the SMs compute)
     sync_copy: str = "inline"  # sync mode: "inline" (in the resolve's assign kernel: measured faster) or "counted"
+    new_tokens: str = "insert"  # "insert": each new token gets a hot slot (a resolve of its own on the side stream);
+    # "on_demand": only written back, and fetched like any miss when selected (one resolve fewer; not yet timed)
     attention: str = "auto"  # "flashmla", "reference", or "auto" (FlashMLA on CUDA)
     indexer: str = "auto"  # "triton", "torch", or "auto"
     topk: str = "auto"  # "triton" (one-launch radix select), "torch" (torch.topk), or "auto" (torch: faster so far)
@@ -108,6 +111,8 @@ class StackOptions:
         self.dba_fractions = fr
         if self.dba_attention not in ("whole", "split"):
             raise ValueError(f"dba_attention must be 'whole' or 'split', got {self.dba_attention!r}")
+        if self.new_tokens not in ("insert", "on_demand"):
+            raise ValueError(f"new_tokens must be 'insert' or 'on_demand', got {self.new_tokens!r}")
         if self.sync_copy not in ("counted", "inline"):
             raise ValueError(f"sync_copy must be 'counted' or 'inline', got {self.sync_copy!r}")
         if self.topk not in ("auto", "triton", "torch"):
@@ -336,7 +341,8 @@ class EssDecodeStack(_StackBase):
         # 1. this step's token: indexer key on the device; latent to host (D2H) and into a hot slot (side stream)
         self.index_cache[layer, batch.new_locs.long()] = x.new_index_key
         with st.on_side():
-            m.write_new_tokens(layer, batch.new_locs, x.new_latent, reserved=all_resident)
+            m.write_new_tokens(layer, batch.new_locs, x.new_latent, reserved=all_resident,
+                               insert=self.options.new_tokens == "insert")
         if all_resident:  # small batches whose every token fits: a lookup instead of a resolve, no traffic but D2H
             pos = self._select(layer, x, batch)
             st.wait()

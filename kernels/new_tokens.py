@@ -1,7 +1,8 @@
 """Store this step's new latent entries into slots reserved for them, in one launch.
 
 When every live token of a batch fits the hot pools, each request's next tokens get slots ahead of time
-(`HotPoolCacheManager.reserve`), and storing a new token is, per entry:
+(`HotPoolCacheManager.reserve`), and storing a new token is, per entry (the same kernel, without the NOT_RESIDENT
+count, writes new tokens back that are fetched on demand when selected: `write_new_tokens(..., insert=False)`):
 
     host[loc]  = entry                      (D2H write-back into the pinned total pool, through UVA)
     hot[slot]  = entry, stamp[slot] = clock  where slot = loc_to_slot[loc] is a slot (protected this step)
@@ -40,7 +41,8 @@ def _store_reserved_kernel(entries_ptr, host_ptr, hot_ptr, locs_ptr, l2s_ptr, st
     tl.store(hot_ptr + slot[:, None] * HOT_STRIDE + w[None, :], vals, mask=resident[:, None] & cols)
     tl.store(slots_out_ptr + r, tl.where(resident, slot, -1), mask=m)
     tl.atomic_add(cnt_ptr + C_D2H, tl.sum(ok.to(tl.int64)), sem="relaxed")
-    tl.atomic_add(cnt_ptr + C_NOT_RESIDENT, tl.sum((ok & ~resident).to(tl.int64)), sem="relaxed")
+    if C_NOT_RESIDENT >= 0:
+        tl.atomic_add(cnt_ptr + C_NOT_RESIDENT, tl.sum((ok & ~resident).to(tl.int64)), sem="relaxed")
 
 
 def store_reserved_triton(entries: torch.Tensor, host_layer: torch.Tensor, hot_layer: torch.Tensor,
@@ -50,8 +52,9 @@ def store_reserved_triton(entries: torch.Tensor, host_layer: torch.Tensor, hot_l
     """entries [n, entry_bytes] uint8 (device); host_layer / hot_layer [rows, entry_bytes] uint8 (the host layer as
     its UVA view on a GPU); locs [n] KV locations (-1 to skip, distinct), stored where 0 <= loc < num_locations
     (<= host rows); loc_to_slot [locations + 1] int32 and slot_stamp [slots + 1] int64 of the layer; clock a 0-d
-    int64 tensor; counters the layer's int64 counters, counter_ids (D2H_ENTRIES, NOT_RESIDENT). Returns the int64
-    slot of each entry, -1 where it was not stored in the hot pool (skipped or without a reserved slot)."""
+    int64 tensor; counters the layer's int64 counters, counter_ids (D2H_ENTRIES, NOT_RESIDENT; -1: not counted,
+    for new tokens that are not meant to be resident). Returns the int64 slot of each entry, -1 where it was not
+    stored in the hot pool (skipped or without a slot)."""
     n = locs.shape[0]
     eb = entries.shape[1] if entries.dim() == 2 else -1
     if locs.dim() != 1 or entries.shape != (n, eb) or host_layer.shape[1] != eb or hot_layer.shape[1] != eb:

@@ -91,9 +91,11 @@ for dot, q_type, q_fp8 in ((ki.DOT_BF16, "*u8", True), (ki.DOT_BF16, "*bf16", Fa
                                           w_sh=I64, r2t_stride=I64, out_sb=I64, out_sq=I64, num_locations=I64,
                                           table_width=I64, max_len=I64, H=I32, Q=I32),
           dict(HP=64, BLOCK_T=ki.BLOCK_T, DOT=dot, Q_FP8=q_fp8))
-check(kn._store_reserved_kernel, dict(entries_ptr=P32, host_ptr=P32, hot_ptr=P32, locs_ptr=P32, l2s_ptr=P32,
-                                     stamp_ptr=P64, clock_ptr=P64, cnt_ptr=P64, slots_out_ptr=P64, n=I64,
-                                     num_locations=I64, num_slots=I64),
-      dict(WORDS=164, HOST_STRIDE=164, HOT_STRIDE=164, BLOCK_WORDS=256, C_D2H=4, C_NOT_RESIDENT=13, ROWS=4))
+for not_resident in (13, -1):
+    check(kn._store_reserved_kernel, dict(entries_ptr=P32, host_ptr=P32, hot_ptr=P32, locs_ptr=P32, l2s_ptr=P32,
+                                         stamp_ptr=P64, clock_ptr=P64, cnt_ptr=P64, slots_out_ptr=P64, n=I64,
+                                         num_locations=I64, num_slots=I64),
+          dict(WORDS=164, HOST_STRIDE=164, HOT_STRIDE=164, BLOCK_WORDS=256, C_D2H=4, C_NOT_RESIDENT=not_resident,
+               ROWS=4))
 
 sys.exit(1 if FAILED else 0)

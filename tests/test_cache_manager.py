@@ -422,3 +422,29 @@ def test_launch_shapes_follow_the_selection_and_the_pool():
     assert block_for(big_pool, 1024, 8192, 256) == 8192
     assert -(-big_pool // block_for(big_pool, 1024, 8192, 256)) <= 256
     assert block_for(1, 1024, 8192, 256) == 1024
+
+
+def test_new_tokens_written_back_only_are_fetched_when_selected(impl):
+    # insert=False: the write-back, nothing inserted; a later resolve that selects the token fetches it from the
+    # host copy just written (bit for bit); a location that already had a slot gets its slot rewritten too
+    m, host, table, rpi, sl = make(impl=impl)
+    row = int(rpi[0])
+    new_loc = host.alloc(1).long()
+    table.set(row, int(sl[0]), new_loc)
+    sl = sl.clone()
+    sl[0] += 1
+    m.begin_step()
+    resident = table.req_to_token[row, :1].long()
+    m.warm_up(0, resident)
+    entries = torch.randint(0, 256, (2, 656), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    got = m.write_new_tokens(0, torch.cat([new_loc, resident]), entries, insert=False)
+    assert got[0] == -1 and got[1] >= 0
+    assert torch.equal(host.entries[0][new_loc[0]], entries[0]) and torch.equal(m.hot_entries[0][got[1]], entries[1])
+    c = m.counters[0]
+    assert c[Counter.NEW_TOKENS] == 0 and c[Counter.D2H_ENTRIES] == 2 and c[Counter.NOT_RESIDENT] == 0
+    m.begin_step()
+    pos = torch.tensor([[[int(sl[0]) - 1, 0]], [[0, 1]]], dtype=torch.int32)
+    slots = m.resolve(0, pos, table.req_to_token, rpi, sl)
+    assert torch.equal(m.hot_entries[0][slots[0, 0, 0].long()], entries[0])
+    assert torch.equal(m.hot_entries[0][slots[0, 0, 1].long()], entries[1])
+    m.check_invariants()

@@ -82,13 +82,17 @@ def steps(n, table, rows, locs, seed=1):
 @pytest.mark.parametrize("modes,prefetch,dba_attention", [
     (("sync", "sync"), False, "split"), (("sync", "sync"), True, "split"), (("dba", "dba"), False, "split"),
     (("dba", "sync"), True, "split"), (("dba", "dba"), True, "whole"), (("dba", "dba"), False, "three chunks"),
-    (("dba", "sync"), True, "fused kernels"), (("sync", "dba"), False, "fused kernels, counted copy")])
+    (("dba", "sync"), True, "fused kernels"), (("sync", "dba"), False, "fused kernels, counted copy"),
+    (("sync", "sync"), True, "new tokens on demand"), (("dba", "sync"), False, "fused kernels, new tokens on demand")])
 def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attention):
     # "fused kernels": the Triton resolve, prefetch candidates and counted copy (interpreted), as on the GPU
     split = (0.4, 0.3, 0.3) if dba_attention == "three chunks" else 0.5
     impl = "triton" if dba_attention.startswith("fused kernels") else "torch"
     options = dict(sync_copy="counted") if "counted copy" in dba_attention else {}
-    dba_attention = "whole" if dba_attention == "three chunks" or impl == "triton" else dba_attention
+    if "on demand" in dba_attention:
+        options["new_tokens"] = "on_demand"
+    dba_attention = "whole" if dba_attention in ("three chunks", "new tokens on demand") or impl == "triton" \
+        else dba_attention
     ess, hbm, table, rows, locs = build(modes, prefetch=prefetch, split_attention=dba_attention == "split",
                                         dba_attention=dba_attention, dba_split=split, resolve_impl=impl, **options)
     if impl == "triton" and prefetch:
@@ -105,6 +109,8 @@ def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attent
         assert c[Counter.PREFETCH_USEFUL] + c[Counter.PREFETCH_WASTED] == c[Counter.PREFETCHED]
     else:
         assert c[Counter.PREFETCHED] == 0
+    if "new_tokens" in options:  # written back only: every new token selected later was fetched as a miss
+        assert c[Counter.NEW_TOKENS] == 0 and c[Counter.D2H_ENTRIES] > 0
     ess.m.check_invariants()
 
 
@@ -179,6 +185,8 @@ def test_options_are_checked():
         StackOptions(modes=["sync", "fast"])
     with pytest.raises(ValueError, match="multiple of 64"):
         StackOptions(modes=["da"], da_width=100)
+    with pytest.raises(ValueError, match="new_tokens must be 'insert' or 'on_demand', got 'later'"):
+        StackOptions(modes=["sync"], new_tokens="later")
     with pytest.raises(ValueError, match="2 overlap modes for 3 layers"):
         HbmDecodeStack(torch.zeros(3, 64, 656, dtype=torch.uint8), torch.zeros(3, 64, 132, dtype=torch.uint8), 64,
                        StackOptions(modes=["sync", "sync"]))
