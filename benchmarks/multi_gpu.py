@@ -12,8 +12,9 @@ wall-clock instant and runs the same number of iterations, sized from the one-GP
     decode   (with --decode) one captured step of the decode-layer stack (4 DSA layers, sync mode, batch 64,
              32K context, hit ~0.95): its time, with every GPU decoding at once against one GPU alone
 
-Reported: per-GPU GB/s, the aggregate over the GPUs, the aggregate against `count` x the one-GPU bulk rate measured in
-the same run, and each GPU's rate against the same GPU running alone.
+Reported: per-GPU GB/s, the aggregate over the GPUs, the aggregate against `count` x GPU 0's bulk rate measured
+alone in the same run, each GPU's rate against the same GPU running alone (every GPU is also measured alone), and
+the share of the shortest run during which all of them were running (workers prepare, say so, then start together).
 
     python benchmarks/multi_gpu.py --out benchmarks/results [--decode]     (table; multi_gpu.json / .png)
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -36,18 +36,14 @@ COPY_OPS = ("bulk", "gather", "scatter", "both")
 
 
 # ------------------------------------------------------------------------------------------- machine facts
-def pci_bus_ids() -> list[str]:
-    """sysfs PCI addresses of the GPUs in CUDA order ("0000:18:00.0"), from nvidia-smi; [] when unavailable."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    ids = []
-    for line in out.split():
-        dom, rest = line.strip().lower().split(":", 1)
-        ids.append(f"{int(dom, 16):04x}:{rest}")
-    return ids
+def pci_bus_id(device: int) -> str | None:
+    """sysfs PCI address ("0000:18:00.0") of a CUDA device as this process numbers it (CUDA_VISIBLE_DEVICES and
+    CUDA_DEVICE_ORDER respected), from torch's device properties; None when torch does not say."""
+    props = torch.cuda.get_device_properties(device)
+    dom, bus, dev = (getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device"))
+    if bus is None or dev is None:
+        return None
+    return f"{dom or 0:04x}:{bus:02x}:{dev:02x}.0"
 
 
 def numa_node(bus_id: str | None) -> int:
@@ -178,10 +174,10 @@ class _DecodeStep:
 
 
 def _worker(rank: int, conn, args) -> None:
-    bus = args.bus_ids[rank] if rank < len(args.bus_ids) else None
+    bus = pci_bus_id(rank)
     node = numa_node(bus)
     cpus = node_cpus(node)
-    if cpus:
+    if cpus:  # before any host allocation: first touch then places the pool on the GPU's node
         os.sched_setaffinity(0, cpus)
     torch.cuda.set_device(rank)
     try:
@@ -201,11 +197,15 @@ def _worker(rank: int, conn, args) -> None:
         cmd = conn.recv()
         if cmd[0] == "stop":
             return
+        if cmd[0] == "prepare":  # whatever a measurement needs first, so that every worker is ready at the start
+            if cmd[1] == "decode":
+                ops.decode.rewind()
+            torch.cuda.synchronize()
+            conn.send("ready")
+            continue
         _, op, iters, start_at = cmd
         if op == "decode":
-            ops.decode.rewind()
             iters = min(iters, ops.decode.steps - ops.decode.s)
-        torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         while time.time() < start_at:  # every worker starts at the same instant
             pass
@@ -220,49 +220,67 @@ def _worker(rank: int, conn, args) -> None:
 
 
 # ------------------------------------------------------------------------------------------- the run
-def measure(conns, op: str, count: int, iters: int, margin_s: float = 0.5) -> list[dict]:
+def measure(conns, op: str, iters: int, margin_s: float = 0.2) -> list[dict]:
+    """Run `op` on the workers behind `conns` at once: each prepares and says so, then all start at one instant.
+    Each row gets the share of the shortest run during which every worker was running (`overlap`)."""
+    for c in conns:
+        c.send(("prepare", op))
+    for c in conns:
+        if c.recv() != "ready":
+            raise RuntimeError("a worker did not get ready")
     start_at = time.time() + margin_s
-    for c in conns[:count]:
+    for c in conns:
         c.send(("run", op, iters, start_at))
-    return [c.recv() for c in conns[:count]]
+    rows = [c.recv() for c in conns]
+    together = min(r["wall_end"] for r in rows) - max(r["wall_start"] for r in rows)
+    shortest = min(r["wall_end"] - r["wall_start"] for r in rows)
+    for r in rows:
+        r["overlap"] = max(0.0, together) / shortest if shortest > 0 else 0.0
+    return rows
 
 
 def summarise(rows: list[dict], counts: list[int]) -> list[dict]:
-    """One line per (op, GPU count): per-GPU rates, the aggregate, and ratios against one GPU alone."""
+    """One line per (op, GPU count): per-GPU rates, the aggregate against `count` x GPU 0's bulk rate alone, and
+    each GPU against the same GPU alone (rows with gpus == 1 hold every GPU's alone run; the worst is reported)."""
     out = []
-    alone = {r["op"]: r for r in rows if r["gpus"] == 1 and r["rank"] == 0}
-    bulk1 = alone["bulk"]["gbps"] if "bulk" in alone else None
-    ops = [op for op in COPY_OPS + ("decode",) if op in alone]
-    for op in ops:
+    alone = {(r["op"], r["rank"]): r for r in rows if r["gpus"] == 1}
+    bulk1 = alone[("bulk", 0)]["gbps"] if ("bulk", 0) in alone else None
+    for op in COPY_OPS + ("decode",):
         for c in counts:
-            rs = [r for r in rows if r["op"] == op and r["gpus"] == c]
+            rs = [r for r in rows if r["op"] == op and r["gpus"] == c and (c > 1 or r["rank"] == 0)]
             if not rs:
                 continue
-            line = dict(op=op, gpus=c, numa_nodes=sorted({r["numa_node"] for r in rs}))
+            line = dict(op=op, gpus=c, numa_nodes=sorted({r["numa_node"] for r in rs}),
+                        overlap=min(r.get("overlap", 1.0) for r in rs))
+            base = [alone.get((op, r["rank"])) for r in rs]
             if op == "decode":
-                line.update(step_us=[r["us_per_iter"] for r in rs],
-                            slowdown=max(r["us_per_iter"] for r in rs) / alone[op]["us_per_iter"])
+                line.update(step_us=[r["us_per_iter"] for r in rs], worst_vs_alone=None if None in base else min(
+                    b["us_per_iter"] / r["us_per_iter"] for r, b in zip(rs, base, strict=True)))
             else:
                 rates = [r["gbps"] for r in rs]
                 line.update(per_gpu_gbps=rates, aggregate_gbps=sum(rates),
                             aggregate_vs_bulk=sum(rates) / (c * bulk1) if bulk1 else None,
-                            min_vs_alone=min(rates) / alone[op]["gbps"])
+                            worst_vs_alone=None if None in base else min(
+                                r["gbps"] / b["gbps"] for r, b in zip(rs, base, strict=True)))
             out.append(line)
     return out
 
 
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
 def print_table(summary: list[dict]) -> None:
     print(f"\n{'op':8} {'GPUs':>4} {'per-GPU GB/s (or step us)':>34} {'aggregate':>9} {'agg / (n x bulk1)':>17} "
-          f"{'worst / alone':>13}  NUMA")
+          f"{'worst / alone':>13} {'overlap':>7}  NUMA")
     for s in summary:
         if s["op"] == "decode":
-            per = ", ".join(f"{x:.0f}" for x in s["step_us"])
-            print(f"{s['op']:8} {s['gpus']:>4} {per:>34} {'':>9} {'':>17} {1 / s['slowdown']:13.2f}  "
-                  f"{s['numa_nodes']}")
+            per, agg, vs_bulk = ", ".join(f"{x:.0f}" for x in s["step_us"]), "", ""
         else:
             per = ", ".join(f"{x:.1f}" for x in s["per_gpu_gbps"])
-            print(f"{s['op']:8} {s['gpus']:>4} {per:>34} {s['aggregate_gbps']:9.1f} {s['aggregate_vs_bulk']:17.2f} "
-                  f"{s['min_vs_alone']:13.2f}  {s['numa_nodes']}")
+            agg, vs_bulk = _fmt(s["aggregate_gbps"], ".1f"), _fmt(s["aggregate_vs_bulk"], ".2f")
+        print(f"{s['op']:8} {s['gpus']:>4} {per:>34} {agg:>9} {vs_bulk:>17} {_fmt(s['worst_vs_alone'], '.2f'):>13} "
+              f"{s['overlap']:7.2f}  {s['numa_nodes']}")
 
 
 def plot(summary: list[dict], path: str) -> None:
@@ -308,7 +326,6 @@ def main(argv=None) -> int:
     have = torch.cuda.device_count()
     counts = [c for c in (int(x) for x in args.gpus.split(",")) if 1 <= c <= have]
     skipped = [int(x) for x in args.gpus.split(",") if int(x) > have]
-    args.bus_ids = pci_bus_ids()
     ctx = mp.get_context("spawn")
     conns, procs = [], []
     for rank in range(max(counts)):
@@ -329,18 +346,24 @@ def main(argv=None) -> int:
     rows = []
     ops = list(COPY_OPS) + (["decode"] if args.decode else [])
     for op in ops:
-        probe = measure(conns, op, 1, 3)[0]  # size the loop from one GPU alone
+        probe = measure(conns[:1], op, 3)[0]  # size the loop from one GPU alone
         iters = max(3, int(args.seconds * 1e6 / probe["us_per_iter"]))
         if op == "decode":
             iters = min(iters, args.decode_steps)
-        for c in counts:
-            for r in measure(conns, op, c, iters):
+        # each GPU alone (its own baseline), then 2, 4, ... at once
+        runs = [(1, [conn]) for conn in conns] + [(c, conns[:c]) for c in counts if c > 1]
+        for c, group in runs:
+            got = measure(group, op, iters)
+            for r in got:
                 r.update(gpus=c, numa_node=workers[r["rank"]]["numa_node"])
-                rows.append(r)
-            overlap = min(r["wall_end"] for r in rows[-c:]) - max(r["wall_start"] for r in rows[-c:])
-            print(f"{op:8} x{c}: " + ", ".join(f"{r['gbps']:.1f} GB/s" if r["gbps"] else f"{r['us_per_iter']:.0f} us"
-                                                for r in rows[-c:]) + f"  (all running together {overlap:.2f} s)",
+            rows += got
+            print(f"{op:8} x{c}: " + ", ".join(f"GPU {r['rank']} {r['gbps']:.1f} GB/s" if r["gbps"] else
+                                                f"GPU {r['rank']} {r['us_per_iter']:.0f} us" for r in got) +
+                  (f"  (all running together for {got[0]['overlap']:.0%} of the shortest run)" if c > 1 else ""),
                   flush=True)
+            if c > 1 and got[0]["overlap"] < 0.9:
+                print(f"warning: {op} x{c}: the GPUs overlapped for only {got[0]['overlap']:.0%} of the shortest "
+                      "run; its rates understate the contention", flush=True)
     for c in conns:
         c.send(("stop",))
     for proc in procs:

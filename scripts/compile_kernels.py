@@ -53,7 +53,7 @@ for mode in (0, 1):
                                       stamp_ptr=P64, clock_ptr=P64, out_ptr=P32, loc_ptr=P64, cnt_ptr=P64,
                                       num_locations=I64, num_slots=I64),
               dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, C_LOOKUPS=0, C_HITS=1, C_BAD=5, BLOCK=1024))
-for copy, pend in ((True, False), (False, True), (True, True)):
+for copy, pend in ((True, False), (False, True), (True, True), (False, False)):
     check(kr._assign_kernel, dict(scr_ptr=P32, victims_ptr=P32, miss_loc_ptr=P64, miss_idx_ptr=P32, l2s_ptr=P32,
                                   s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64, out_ptr=P32, cnt_ptr=P64, src_ptr=P32,
                                   dst_ptr=P32, pend_src_ptr=P64, pend_dst_ptr=P64, pend_count_ptr=P64, n=I64),

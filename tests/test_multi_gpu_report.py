@@ -21,23 +21,33 @@ def test_unknown_numa_node_is_minus_one():
     assert mg.node_cpus(-1) == set()
 
 
-def row(op, gpus, rank, gbps=None, us=100.0, node=0):
-    return dict(op=op, gpus=gpus, rank=rank, gbps=gbps, us_per_iter=us, numa_node=node)
+def row(op, gpus, rank, gbps=None, us=100.0, node=0, overlap=1.0):
+    return dict(op=op, gpus=gpus, rank=rank, gbps=gbps, us_per_iter=us, numa_node=node, overlap=overlap)
 
 
-def test_summary_takes_ratios_against_one_gpu_alone():
-    rows = [row("bulk", 1, 0, 50.0), row("bulk", 2, 0, 45.0), row("bulk", 2, 1, 40.0, node=1),
-            row("gather", 1, 0, 40.0), row("gather", 2, 0, 30.0), row("gather", 2, 1, 20.0, node=1),
-            row("decode", 1, 0, us=700.0), row("decode", 2, 0, us=720.0), row("decode", 2, 1, us=770.0)]
+def test_summary_compares_each_gpu_with_itself_alone():
+    rows = [row("bulk", 1, 0, 50.0), row("bulk", 1, 1, 40.0, node=1),  # GPU 1 is slower even alone
+            row("bulk", 2, 0, 45.0), row("bulk", 2, 1, 40.0, node=1),
+            row("gather", 1, 0, 40.0), row("gather", 1, 1, 40.0, node=1),
+            row("gather", 2, 0, 30.0, overlap=0.97), row("gather", 2, 1, 20.0, node=1, overlap=0.97),
+            row("decode", 1, 0, us=700.0), row("decode", 1, 1, us=700.0, node=1),
+            row("decode", 2, 0, us=720.0), row("decode", 2, 1, us=770.0, node=1)]
     s = {(x["op"], x["gpus"]): x for x in mg.summarise(rows, [1, 2])}
-    assert s["bulk", 1]["aggregate_vs_bulk"] == pytest.approx(1.0)
+    assert s["bulk", 1]["aggregate_vs_bulk"] == pytest.approx(1.0) and s["bulk", 1]["per_gpu_gbps"] == [50.0]
     assert s["bulk", 2]["aggregate_gbps"] == pytest.approx(85.0)
     assert s["bulk", 2]["aggregate_vs_bulk"] == pytest.approx(85.0 / 100.0)
-    assert s["gather", 2]["aggregate_vs_bulk"] == pytest.approx(50.0 / 100.0)
-    assert s["gather", 2]["min_vs_alone"] == pytest.approx(20.0 / 40.0)
-    assert s["gather", 2]["numa_nodes"] == [0, 1]
-    assert s["decode", 2]["slowdown"] == pytest.approx(770.0 / 700.0)
+    assert s["bulk", 2]["worst_vs_alone"] == pytest.approx(45.0 / 50.0)  # GPU 1 kept all of its own 40
+    assert s["gather", 2]["worst_vs_alone"] == pytest.approx(20.0 / 40.0)
+    assert s["gather", 2]["numa_nodes"] == [0, 1] and s["gather", 2]["overlap"] == pytest.approx(0.97)
+    assert s["decode", 2]["worst_vs_alone"] == pytest.approx(700.0 / 770.0)
     mg.print_table(list(s.values()))
+
+
+def test_summary_without_a_baseline_says_so_instead_of_failing():
+    rows = [row("gather", 2, 0, 30.0), row("gather", 2, 1, 20.0)]
+    (line,) = mg.summarise(rows, [2])
+    assert line["worst_vs_alone"] is None and line["aggregate_vs_bulk"] is None
+    mg.print_table([line])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPUs")

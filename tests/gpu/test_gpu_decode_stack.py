@@ -87,14 +87,15 @@ def _inputs(w, s, q_index=None):
     return out
 
 
-def _ess(w, modes, prefetch=False, dba_attention="whole"):
+def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="insert"):
     slots = math.ceil(0.25 * B * CTX / 64) * 64
     m = HotPoolCacheManager(w["host"], slots, max_selected=B * TOPK)
     recent = slots // B - 64
     for layer in range(LAYERS):
         m.warm_up(layer, w["req_to_token"][:, CTX - recent:CTX].reshape(-1))
     pf = EchoPrefetcher(LAYERS, B, w["width"], device="cuda") if prefetch else None
-    opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, dba_attention=dba_attention)
+    opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, dba_attention=dba_attention,
+                        new_tokens=new_tokens)
     return EssDecodeStack(m, w["index_cache"], w["width"], opts, max_batch=B, prefetcher=pf)
 
 
@@ -114,11 +115,13 @@ def reference(world):
     return out_w, out_s
 
 
-@pytest.mark.parametrize("mode,prefetch,dba_attention", [("sync", False, "whole"), ("sync", True, "whole"),
-                                                        ("dba", True, "whole"), ("dba", False, "split"),
-                                                        ("da", False, "whole")])
-def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attention):
-    ess = _ess(world, [mode] * LAYERS, prefetch, dba_attention)
+@pytest.mark.parametrize("mode,prefetch,dba_attention,new_tokens", [
+    ("sync", False, "whole", "insert"), ("sync", True, "whole", "insert"), ("dba", True, "whole", "insert"),
+    ("dba", False, "split", "insert"), ("da", False, "whole", "insert"),
+    # new tokens written back on the side stream, then read back from the host by the resolve when selected
+    ("sync", False, "whole", "on_demand"), ("dba", True, "whole", "on_demand"), ("da", False, "whole", "on_demand")])
+def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attention, new_tokens):
+    ess = _ess(world, [mode] * LAYERS, prefetch, dba_attention, new_tokens)
     worst = 0.0
     for s in range(STEPS):
         got = ess.step(_batch(world, s), _inputs(world, s))
@@ -130,8 +133,9 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
                 assert torch.equal(got[layer], want), f"{mode} prefetch={prefetch}: step {s} layer {layer}"
     c = ess.m.counters.sum(0).cpu()
     hit = int(c[Counter.HITS]) / int(c[Counter.LOOKUPS])
-    print(f"\n{mode} prefetch={prefetch}: hit {hit:.3f}, misses {int(c[Counter.MISSES])}, prefetched "
-          f"{int(c[Counter.PREFETCHED])} (useful {int(c[Counter.PREFETCH_USEFUL])}), da max rel err {worst:.2e}")
+    print(f"\n{mode} prefetch={prefetch} new_tokens={new_tokens}: hit {hit:.3f}, misses {int(c[Counter.MISSES])}, "
+          f"prefetched {int(c[Counter.PREFETCHED])} (useful {int(c[Counter.PREFETCH_USEFUL])}), "
+          f"da max rel err {worst:.2e}")
     assert int(c[Counter.MISSES]) > 0 and int(c[Counter.OVERFLOW]) == 0
     if mode == "da":
         assert worst <= 1e-2
