@@ -302,8 +302,7 @@ class HotPoolCacheManager:
         `fetch_list` (at least len(locs) entries) receives what was fetched; by default a scratch list. `programs`:
         the copy's persistent programs (see `fetch`). Returns slots.
         """
-        flat = locs.reshape(-1).long()
-        flat = torch.where((flat >= 0) & (flat < self.num_locations), flat, -1)
+        flat = self._valid_locations(locs)
         if fetch_list is not None:
             fetch_list.check_holds(flat.numel(), "prefetch", "candidates")
         record = fetch_list if fetch_list is not None else self._prefetch_scratch(flat.numel())
@@ -370,8 +369,7 @@ class HotPoolCacheManager:
                                          self.loc_to_slot[layer], self.slot_stamp[layer], self.clock,
                                          self.counters[layer], (int(Counter.D2H_ENTRIES), not_resident),
                                          self.num_locations)
-        flat = locs.long()
-        flat = torch.where((flat >= 0) & (flat < self.num_locations), flat, -1)
+        flat = self._valid_locations(locs)
         n = flat.shape[0]
         rows = torch.arange(n, device=self.device)
         # write-back (D2H), then the same entries into their hot slots (device to device)
@@ -396,8 +394,7 @@ class HotPoolCacheManager:
 
     def warm_up(self, layer: int, locs: torch.Tensor) -> torch.Tensor:
         """Load the given KV locations (1-D, -1 to skip) of one layer into its hot pool; returns their slots."""
-        flat = locs.reshape(-1).long().to(self.device)
-        flat = torch.where((flat >= 0) & (flat < self.num_locations), flat, -1)
+        flat = self._valid_locations(locs)
         if self._fused is not None:
             return self._fused_run(layer, flat, MODE_LOCATIONS, count=False,
                                    fetch=(Counter.WARMUP_ENTRIES, Counter.H2D_ENTRIES),
@@ -410,8 +407,7 @@ class HotPoolCacheManager:
     def reserve(self, layer: int, locs: torch.Tensor) -> torch.Tensor:
         """Give the given KV locations (1-D, -1 to skip) slots without loading anything: for tokens still to come,
         so that `write_new_tokens(..., reserved=True)` can store them directly. Returns their slots."""
-        flat = locs.reshape(-1).long().to(self.device)
-        flat = torch.where((flat >= 0) & (flat < self.num_locations), flat, -1)
+        flat = self._valid_locations(locs)
         if self._fused is not None:
             return self._fused_run(layer, flat, MODE_LOCATIONS, count=False, fetch=(-1, -1), copy_from=None).long()
         return self._make_resident(layer, flat, copy=False)[0]
@@ -455,6 +451,11 @@ class HotPoolCacheManager:
             self.on_transfer(direction, run)
         else:
             run()
+
+    def _valid_locations(self, locs: torch.Tensor) -> torch.Tensor:
+        """KV locations as a flat int64 device tensor, -1 where outside [0, num_locations) (never read)."""
+        flat = locs.reshape(-1).long().to(self.device)
+        return torch.where((flat >= 0) & (flat < self.num_locations), flat, -1)
 
     def _lookup(self, layer: int, flat: torch.Tensor) -> torch.Tensor:
         """Slot of each location (int64, -1 when not resident or when the location is -1)."""

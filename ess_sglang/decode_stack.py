@@ -94,7 +94,7 @@ class StackOptions:
     # "on_demand": only written back, and fetched like any miss when selected (one resolve fewer; not yet timed)
     attention: str = "auto"  # "flashmla", "reference", or "auto" (FlashMLA on CUDA)
     indexer: str = "auto"  # "triton", "torch", or "auto"
-    topk: str = "auto"  # "triton" (one-launch radix select), "torch" (torch.topk), or "auto" (torch: faster so far)
+    topk: str = "auto"  # "triton" (Triton radix select), "torch" (torch.topk), or "auto" (torch: faster so far)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
@@ -160,8 +160,8 @@ def merge_attention(out0: torch.Tensor, lse0: torch.Tensor, out1: torch.Tensor,
 def topk_with_scores(scores: torch.Tensor, k: int, impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k positions [B, Q, k] int32 (-1 where fewer than k are visible) and the k-th best score [B, Q].
 
-    impl "triton": `ess_sglang.kernels.topk.topk_triton` (one launch; ties broken by position, positions in its
-    own order); "torch": torch.topk. Both stacks of a comparison must use the same one.
+    impl "triton": `ess_sglang.kernels.topk.topk_triton` (its default "tiles" variant; ties broken by position,
+    positions in its own order); "torch": torch.topk. Both stacks of a comparison must use the same one.
     """
     if impl == "triton":
         from ess_sglang.kernels.topk import topk_triton
@@ -234,7 +234,7 @@ class _StackBase:
         self.attention = options.attention if options.attention != "auto" else (
             "flashmla" if dev.type == "cuda" else "reference")
         self.run_indexer = _indexer(options.indexer)
-        # torch.topk is faster than the one-program-per-row Triton kernel on the H200 so far (benchmarks/NOTES.md)
+        # torch.topk is faster than both Triton top-k variants on the H200 from 64 rows (benchmarks/RESULTS.md)
         self.topk_impl = options.topk if options.topk != "auto" else "torch"
         self.score_hook = score_hook  # benchmarks: scores that replace the logits for the selection
         self.softmax_scale = QK_HEAD_DIM ** -0.5
