@@ -68,11 +68,14 @@ class EchoPrefetcher:
                                               req_pool_indices, seq_lens, loc_to_slot, num_locations,
                                               self.caps(seq_lens), self.width)
         B, _, T = logits.shape
-        thr = self.threshold[layer, req_pool_indices.long()].view(B, 1, 1)
+        rows = req_pool_indices.long()
+        row_ok = (rows >= 0) & (rows < req_to_token.shape[0])  # a row outside the table: no candidates
+        rows = torch.where(row_ok, rows, 0)
+        thr = self.threshold[layer, rows].view(B, 1, 1)
         above = (logits > thr).any(dim=1)  # [B, T]
         pos = torch.arange(T, device=logits.device).view(1, T)
-        locs = req_to_token[req_pool_indices.long(), :T].long()
-        ok = (pos < seq_lens.long().view(B, 1)) & (locs >= 0) & (locs < num_locations)
+        locs = req_to_token[rows, :T].long()
+        ok = row_ok.view(B, 1) & (pos < seq_lens.long().view(B, 1)) & (locs >= 0) & (locs < num_locations)
         at = torch.where(ok, locs, num_locations)
         resident = loc_to_slot[at] >= 0
         cand = above & ok & ~resident

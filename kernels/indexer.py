@@ -35,11 +35,10 @@ visible table entry is in range, and accepting fp8 q); `indexer_logits_triton` t
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+from ess_sglang.kernels.flashtrans import interpreting
 
 from ess_sglang.formats import FP8, FP8_MAX, INDEX_HEAD_DIM, INDEXER_ENTRY_BYTES, unpack_indexer_key
 from ess_sglang.reference.dsa import causal_lengths, topk_positions
@@ -50,10 +49,6 @@ NUM_WARPS = 4
 DOT_FP32, DOT_BF16, DOT_FP8 = 0, 1, 2
 
 assert INDEX_HEAD_DIM == 128 and ENTRY_WORDS == 33
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _check(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens, max_len):

@@ -22,19 +22,27 @@ def block_for(n: int, lo: int, hi: int, programs: int) -> int:
 
 
 @triton.jit
-def position_to_location(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, num_rows, width, per_batch, num_locations,
-                         i, m):
-    """Entries i (mask m) of a flat [B, Q, K] selection: (position, location, position visible, location valid).
+def locate(pos, b, m, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, num_rows, width, num_locations):
+    """Positions `pos` of batch entries `b` (mask m): (location, position visible, location valid).
 
     A position is read from its own request's row only when 0 <= pos < seq_len, pos < the table width and the row
-    is one of the table's; a table entry outside [0, num_locations) is not valid (shared with the fused resolve)."""
-    pos = tl.load(pos_ptr + i, mask=m, other=-1).to(tl.int64)
-    b = i // per_batch
+    is one of the table's; a table entry outside [0, num_locations) is not valid. The rule of
+    `cache_manager.positions_to_locations`, shared by translate, the fused resolve and the prefetch candidates."""
     seq = tl.load(seq_ptr + b, mask=m, other=0).to(tl.int64)
     row = tl.load(rpi_ptr + b, mask=m, other=-1).to(tl.int64)
     valid = m & (pos >= 0) & (pos < seq) & (pos < width) & (row >= 0) & (row < num_rows)
     loc = tl.load(r2t_ptr + row * r2t_stride + pos, mask=valid, other=-1).to(tl.int64)
-    return pos, loc, valid, valid & (loc >= 0) & (loc < num_locations)
+    return loc, valid, valid & (loc >= 0) & (loc < num_locations)
+
+
+@triton.jit
+def position_to_location(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, num_rows, width, per_batch, num_locations,
+                         i, m):
+    """Entries i (mask m) of a flat [B, Q, K] selection: (position, location, position visible, location valid)."""
+    pos = tl.load(pos_ptr + i, mask=m, other=-1).to(tl.int64)
+    loc, valid, ok = locate(pos, i // per_batch, m, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, num_rows, width,
+                            num_locations)
+    return pos, loc, valid, ok
 
 
 @triton.jit

@@ -73,7 +73,7 @@ check(kt._tile_count_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, prefix_p
 check(kt._tile_write_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, K=I32, prefix_ptr=P64, need_ptr=P32,
                                   offsets_ptr=P32, tiles=I32, out_pos_ptr=P32), dict(BLOCK=2048))
 common = dict(logits_ptr=PF, l_stride_b=I64, l_stride_q=I64, Q=I32, T=I64, thr_ptr=PF, rpi_ptr=P64, seq_ptr=P64,
-              r2t_ptr=P32, r2t_stride=I64, l2s_ptr=P32, num_locations=I64, tiles=I32)
+              r2t_ptr=P32, r2t_stride=I64, r2t_rows=I64, r2t_width=I64, l2s_ptr=P32, num_locations=I64, tiles=I32)
 check(kp._count_kernel, dict(common, counts_ptr=P64), dict(BLOCK=1024))
 check(kp._write_kernel, dict(common, offsets_ptr=P64, caps_ptr=P64, out_ptr=P64, width=I64), dict(BLOCK=1024))
 check(kr._misses_and_ages_kernel, dict(loc_ptr=P64, out_ptr=P32, l2s_ptr=P32, stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32,

@@ -264,3 +264,8 @@ def test_prefetch_candidate_kernels_equal_the_torch_definition():
     got = pf.candidates(*args, impl="triton")
     assert torch.equal(got, want)
     assert int((want >= 0).sum()) > 0 and int((want.view(B, -1) >= 0).sum(1).max()) == pf.width
+    # request rows outside the table (past its end, or -1) are never read and give no candidates
+    bad = (0, logits, req_to_token, torch.tensor([4, rows + 2, -1]), seq, loc_to_slot, 8000)
+    want_bad = pf.candidates(*bad, impl="torch")
+    assert torch.equal(pf.candidates(*bad, impl="triton"), want_bad)
+    assert torch.equal(want_bad.view(B, -1)[0], want.view(B, -1)[0]) and bool((want_bad.view(B, -1)[1:] == -1).all())
