@@ -818,15 +818,10 @@ def emulate_misses(trace, hot_buffer_size: int = HOT_BUFFER, warm: str = "staged
 
 # ------------------------------------------------------------------------------------------------ timing
 
-def sleep_cycles() -> int:
-    """GPU busy-wait before each timed replay, so the CPU has queued event, replay and event before the GPU gets
-    there (else the launch gap would be timed): ~50 us."""
-    return 100_000
-
-
 class GraphRunner:
-    """`fn` captured once in a CUDA graph and replayed, each `timed_replay` between two CUDA events after a short GPU
-    busy-wait. On a CPU device (tests) `fn` is called directly and timed with perf_counter."""
+    """`fn` captured once in a CUDA graph and replayed, each `timed_replay` between two CUDA events after a GPU
+    busy-wait (`timing.events_around`, shared with the other benchmarks). On a CPU device (tests) `fn` is called
+    directly and timed with perf_counter."""
 
     def __init__(self, fn, device):
         import torch
@@ -844,19 +839,15 @@ class GraphRunner:
     def timed_replay(self) -> None:
         import time
 
-        import torch
 
         if not self.cuda:
             t = time.perf_counter()
             self.fn()
             self.records.append((time.perf_counter() - t) * 1e6)
             return
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(sleep_cycles())
-        a.record()
-        self.graph.replay()
-        b.record()
-        self.records.append((a, b))
+        from timing import events_around  # benchmarks/timing.py
+
+        self.records.append(events_around(self.graph.replay))
 
     def times_us(self) -> np.ndarray:
         """Microseconds of every timed replay so far (syncs)."""
@@ -879,15 +870,14 @@ def summarize_times(times_us: np.ndarray, misses: np.ndarray, lookups: np.ndarra
     """times [reps, steps] us; misses / lookups [steps] (per step, all requests)."""
     steady = times_us[:, 1:] if times_us.shape[1] > 1 else times_us
     later_l = int(lookups[1:].sum())
-    return dict(us=float(np.median(steady)), us_mean=float(steady.mean()), us_p10=float(np.percentile(steady, 10)),
+    per_step = misses[1:].mean() if len(misses) > 1 else misses[0]  # steps >= 1, as the times
+    med = np.median(steady)
+    return dict(us=float(med), us_mean=float(steady.mean()), us_p10=float(np.percentile(steady, 10)),
                 us_p90=float(np.percentile(steady, 90)), us_step0=float(times_us[:, 0].mean()),
                 hit_rate=1.0 - float(misses.sum()) / max(int(lookups.sum()), 1),
                 hit_rate_after_step0=1.0 - float(misses[1:].sum()) / max(later_l, 1),
-                misses=int(misses.sum()), misses_per_step=float(misses[1:].mean() if len(misses) > 1 else misses[0]),
-                miss_bytes=int(misses.sum()) * item,
-                bytes_per_step=float((misses[1:].mean() if len(misses) > 1 else misses[0]) * item),
-                gbps=float((misses[1:].mean() if len(misses) > 1 else misses[0]) * item / max(np.median(steady), 1e-9)
-                           / 1e3),
+                misses=int(misses.sum()), misses_per_step=float(per_step), miss_bytes=int(misses.sum()) * item,
+                bytes_per_step=float(per_step * item), gbps=float(per_step * item / max(med, 1e-9) / 1e3),
                 times_us=[[round(float(x), 2) for x in row] for row in times_us])
 
 

@@ -7,35 +7,34 @@ import torch
 SLEEP_CYCLES = 200_000  # ~100 us of GPU busy-wait: longer than the host takes to launch a kernel or a graph
 
 
+def events_around(fn, *args) -> tuple:
+    """Run fn(*args) between two CUDA events, after a GPU busy-wait: the host queues the event, the work and the
+    second event while the GPU waits, so the time between the events is the work's own, without the host's launch
+    latency (which a decode step's graph pays once, not per layer). Returns the events; does not synchronise."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    a.record()
+    fn(*args)
+    b.record()
+    return a, b
+
+
 def median_us(fn, inputs, reps=20, warmup=3):
-    """Median microseconds of fn(*inputs[i % len(inputs)]) over `reps` calls, after `warmup` untimed ones (each
-    after a GPU busy-wait, as in `replay_us`: the device time of the work, without the host's launch latency)."""
+    """Median microseconds of fn(*inputs[i % len(inputs)]) over `reps` calls (`events_around` each), after `warmup`
+    untimed ones."""
     for i in range(warmup):
         fn(*inputs[i % len(inputs)])
     torch.cuda.synchronize()
     times = []
     for i in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        args = inputs[i % len(inputs)]
-        torch.cuda._sleep(SLEEP_CYCLES)  # the host launches fn while the GPU waits: its launch latency is not timed
-        a.record()
-        fn(*args)
-        b.record()
+        a, b = events_around(fn, *inputs[i % len(inputs)])
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
     return statistics.median(times)
 
 
 def replay_us(graph) -> float:
-    """Microseconds of one replay of a captured CUDA graph, between CUDA events (waits for it to finish).
-
-    A GPU busy-wait runs first, so that the host has queued the event, the replay and the second event before the
-    GPU gets there: the time is the graph's own, without the host's launch latency (which a decode step's graph
-    pays once, not per layer). The HiSparse harness (hisparse_kernel.GraphRunner) times the same way."""
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(SLEEP_CYCLES)
-    a.record()
-    graph.replay()
-    b.record()
+    """Microseconds of one replay of a captured CUDA graph (`events_around`; waits for it to finish)."""
+    a, b = events_around(graph.replay)
     b.synchronize()
     return a.elapsed_time(b) * 1e3

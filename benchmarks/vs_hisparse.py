@@ -53,6 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from hisparse_kernel import TOP_K as DEEPSEEK_TOP_K  # benchmarks/hisparse_kernel.py (numpy only at import)
+from hisparse_kernel import sizes_for
 
 from ess_sglang.hisparse_policy import replay_hisparse
 from ess_sglang.traces import (
@@ -67,7 +69,6 @@ from ess_sglang.traces import (
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_REAL = HERE / "traces" / "smollm2-135m_sample.npz"
-DEEPSEEK_TOP_K, HISPARSE_BUFFER, HISPARSE_PAGE = 2048, 4096, 64
 
 
 GPU_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -94,7 +95,7 @@ def time_ess(th, batch: int, reps: int = 2, copy: bool = True, check: bool = Tru
     per step (begin_step and write_new_tokens run eagerly before each replay, untimed). `resolve_impl="torch"` and
     a CPU `th` run the same steps on the CPU (tests)."""
     import torch
-    from hisparse_kernel import ITEM_BYTES, GraphRunner, sizes_for, summarize_times, sync
+    from hisparse_kernel import ITEM_BYTES, GraphRunner, summarize_times, sync
 
     from ess_sglang.cache_manager import Counter, HotPoolCacheManager
     from ess_sglang.warmup import warmup_positions
@@ -190,7 +191,7 @@ def gpu_timing(batches: list[int] | None = None, families: list[str] | None = No
     `resolve_impl="torch"` runs the whole pipeline on the CPU (the tests' dry run); times are then meaningless.
     """
     import torch
-    from hisparse_kernel import KernelConfig, build, emulate_misses, make_trace_host, sizes_for, time_hisparse
+    from hisparse_kernel import KernelConfig, build, emulate_misses, make_trace_host, time_hisparse
 
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("vs_hisparse --gpu: no CUDA GPU here")
@@ -342,13 +343,6 @@ def run_gpu(a) -> int:
     return 0
 
 
-def hisparse_sizes(top_k: int) -> tuple[int, int]:
-    """(device_buffer_size, extra page) for a trace's k: 4096 + 64 at k = 2048, scaled with k otherwise."""
-    if top_k == DEEPSEEK_TOP_K:
-        return HISPARSE_BUFFER, HISPARSE_PAGE
-    return 2 * top_k, max(1, HISPARSE_PAGE * top_k // DEEPSEEK_TOP_K)
-
-
 @dataclass
 class Family:
     name: str
@@ -402,7 +396,7 @@ def run_family(fam: Family) -> dict:
     t0 = time.time()
     trace = fam.make()
     t_make = time.time() - t0
-    H, page = hisparse_sizes(trace.top_k)
+    H, page = sizes_for(trace.top_k)
     slots = trace.batch * (H + page)
     t0 = time.time()
     look0 = int((trace.topk[0] >= 0).sum())
@@ -585,10 +579,6 @@ def main(argv: list[str] | None = None) -> int:
         plot(results, out / "vs_hisparse_hits.png")
     print(f"\nwrote {out / 'vs_hisparse_hits.json'}" + ("" if a.no_plot else f" and {out / 'vs_hisparse_hits.png'}"))
     return 0
-
-
-def summarize(stats: ReplayStats) -> str:  # handy in a REPL
-    return f"{stats.policy}: hit {stats.hit_rate:.4f}, misses {int(stats.misses.sum())}, {_mb(stats.miss_bytes)} MB"
 
 
 if __name__ == "__main__":
