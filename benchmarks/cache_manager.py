@@ -15,11 +15,9 @@ import argparse
 import json
 import os
 import statistics
-import sys
-import time
 
 import torch
-from timing import replay_us  # benchmarks/timing.py (run these files as scripts)
+from timing import replay_us, run_info  # benchmarks/timing.py (run these files as scripts)
 
 from ess_sglang.cache_manager import Counter, HotPoolCacheManager
 from ess_sglang.host_pool import HostTotalPool
@@ -105,8 +103,7 @@ def main(argv=None):
             for hit in [float(x) for x in args.hits.split(",")]:
                 for impl in ("none", "auto"):
                     rows.append(bench_one(host, batch, q, hit, impl, gen))
-    info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command="python " + " ".join(sys.argv))
+    info = run_info()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cache_manager.json"), "w") as f:
         json.dump(dict(info=info, rows=rows), f, indent=1)

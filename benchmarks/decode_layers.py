@@ -166,8 +166,9 @@ def reset_and_warm(ess: EssDecodeStack, cfg: Config) -> None:
     m.counters.zero_()
 
 
-def run_variant(stack, cfg: Config, queries, warm: int, is_ess: bool, all_resident: bool = False) -> dict:
-    """Warm steps eagerly, capture one step, replay the timed steps; per-step times and counters of the timed part."""
+def warm_and_capture(stack, cfg: Config, queries, warm: int, is_ess: bool, all_resident: bool = False):
+    """From the warmed pools (ESS), run `warm` steps eagerly, then capture step `warm` in a CUDA graph (capture does
+    not run it: replays start at step `warm`). Counters are zeroed before the capture."""
     kw = {"all_resident": True} if all_resident else {}
     if is_ess:
         reset_and_warm(stack, cfg)
@@ -181,7 +182,12 @@ def run_variant(stack, cfg: Config, queries, warm: int, is_ess: bool, all_reside
     cfg.load_step(warm, queries)
     with torch.cuda.graph(graph):
         stack.step(cfg.batch_tables, cfg.inputs, **kw)
-    # capture does not run the step: the timed steps start at `warm`
+    return graph
+
+
+def run_variant(stack, cfg: Config, queries, warm: int, is_ess: bool, all_resident: bool = False) -> dict:
+    """Warm steps eagerly, capture one step, replay the timed steps; per-step times and counters of the timed part."""
+    graph = warm_and_capture(stack, cfg, queries, warm, is_ess, all_resident)
     times = []
     for s in range(warm, cfg.steps):
         cfg.load_step(s, queries)

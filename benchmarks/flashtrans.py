@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 
 import torch
 from ess_sglang.kernels.flashtrans import copy_rows_counted, copy_rows_reference, copy_rows_triton
-from timing import median_us  # benchmarks/timing.py (run these files as scripts)
+from timing import median_us, run_info  # benchmarks/timing.py (run these files as scripts)
 
 from ess_sglang.host_pool import HostTotalPool
 
@@ -39,9 +37,10 @@ ROTATE = 6
 _KEEP_ALIVE = []
 
 
-def index_sets(n, pool_rows, slots, pattern, gen):
+def index_sets(n, pool_rows, slots, pattern, gen, count=ROTATE):
+    """`count` (host rows, hot slots) pairs of n entries each: random rows, or runs of 32 ("clustered")."""
     out = []
-    for _ in range(ROTATE):
+    for _ in range(count):
         if pattern == "random":
             src = torch.randint(0, pool_rows, (n,), device="cuda", generator=gen)
         else:  # clustered: runs of 32 consecutive host entries at random starts
@@ -83,8 +82,7 @@ def main(argv=None):
         padded_pools[stride] = pool.layer(0)[:, :ENTRY]
         _KEEP_ALIVE.append(pool)  # the view must not outlive its pinned pool
     rows = []
-    info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, pool_gib=args.pool_gib,
-                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command="python " + " ".join(sys.argv))
+    info = run_info(pool_gib=args.pool_gib)
 
     # correctness first, at the largest size, every variant, both directions
     src, dst = index_sets(slots, pool_rows, slots, "random", gen)[0]
@@ -204,8 +202,7 @@ def pool_size_sweep(pool_gibs, hot, bulk_dev, bulk_host, gen) -> list[dict]:
         for n in POOL_SIZES_N:
             nbytes = n * ENTRY
             bulk = median_us(lambda k=nbytes: bulk_dev[:k].copy_(bulk_host[:k], non_blocking=True), [()])
-            sets = [(torch.randint(0, rows, (n,), device="cuda", generator=gen),
-                     torch.randperm(hot.shape[0], device="cuda", generator=gen)[:n]) for _ in range(FRESH_SETS + 1)]
+            sets = index_sets(n, rows, hot.shape[0], "random", gen, count=FRESH_SETS + 1)
 
             def kernel(s, d, src=src_pool):
                 copy_rows_triton(src, hot, s, d)

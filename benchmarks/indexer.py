@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import time
 
 import torch
 from ess_sglang.kernels.indexer import (
@@ -35,7 +33,7 @@ from ess_sglang.kernels.indexer import (
     indexer_topk,
     quantize_index_q,
 )
-from timing import median_us  # benchmarks/timing.py (run these files as scripts)
+from timing import median_us, run_info  # benchmarks/timing.py (run these files as scripts)
 
 from ess_sglang.formats import FP8, FP8_MAX, INDEXER_ENTRY_BYTES
 
@@ -315,9 +313,7 @@ def main(argv=None):
     batches = [int(s) for s in args.batches.split(",")]
     contexts = [int(s) for s in args.contexts.split(",")]
     gen = torch.Generator(device=DEV).manual_seed(0)
-    info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command="python " + " ".join(sys.argv),
-                heads=H, head_dim=D, q_tokens=1, page=PAGE)
+    info = run_info(heads=H, head_dim=D, q_tokens=1, page=PAGE)
     import triton
     info["triton"] = triton.__version__
 

@@ -29,6 +29,8 @@ import time
 
 import torch
 import torch.multiprocessing as mp
+from flashtrans import index_sets  # benchmarks/ (run these files as scripts)
+from timing import run_info
 
 ENTRY = 656
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -96,8 +98,7 @@ class _Ops:
         self.bulk_dev = torch.empty(self.n * ENTRY, dtype=torch.uint8, device=dev)
         g = torch.Generator(device=dev).manual_seed(torch.cuda.current_device())
         # rotating index sets (pool rows, hot slots): 16 sets, each iteration takes the next
-        self.sets = [(torch.randint(0, rows, (self.n,), device=dev, generator=g),
-                      torch.randperm(slots, device=dev, generator=g)[: self.n]) for _ in range(16)]
+        self.sets = index_sets(self.n, rows, slots, "random", g, count=16)
         self.s1, self.s2 = torch.cuda.Stream(), torch.cuda.Stream()
         self.it = 0
         self.decode = _DecodeStep(args) if args.decode else None
@@ -139,7 +140,6 @@ class _DecodeStep:
     each replay loads the next step's inputs first (the selection drifts, so every step has misses)."""
 
     def __init__(self, args):
-        sys.path.insert(0, HERE)
         import decode_layers as dl
 
         self.dl = dl
@@ -153,16 +153,7 @@ class _DecodeStep:
         self.rewind()
 
     def rewind(self) -> None:
-        dl, cfg, st = self.dl, self.cfg, self.stack
-        dl.reset_and_warm(st, cfg)
-        for s in range(3):
-            cfg.load_step(s, self.queries)
-            st.step(cfg.batch_tables, cfg.inputs)
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        cfg.load_step(3, self.queries)
-        with torch.cuda.graph(self.graph):
-            st.step(cfg.batch_tables, cfg.inputs)
+        self.graph = self.dl.warm_and_capture(self.stack, self.cfg, self.queries, 3, is_ess=True)
         self.s = 3
 
     def replay(self) -> None:
@@ -372,9 +363,8 @@ def main(argv=None) -> int:
     print_table(summary)
     if skipped:
         print(f"not run: {skipped} GPUs (the machine has {have})")
-    info = dict(device=torch.cuda.get_device_name(0), gpus_on_machine=have, torch=torch.__version__,
-                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command="python " + " ".join(sys.argv),
-                entries=args.entries, pool_gib_per_gpu=args.pool_gib, workers=workers, not_run=skipped)
+    info = run_info(gpus_on_machine=have, entries=args.entries, pool_gib_per_gpu=args.pool_gib, workers=workers,
+                    not_run=skipped)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "multi_gpu.json"), "w") as f:
         json.dump(dict(info=info, rows=rows, summary=summary), f, indent=1)

@@ -1,6 +1,8 @@
 """Timing shared by the GPU benchmarks: CUDA events around each call, median over rotating inputs."""
 
 import statistics
+import sys
+import time
 
 import torch
 
@@ -38,3 +40,9 @@ def replay_us(graph) -> float:
     a, b = events_around(graph.replay)
     b.synchronize()
     return a.elapsed_time(b) * 1e3
+
+
+def run_info(**extra) -> dict:
+    """The header of a benchmark's JSON: device, torch version, date and the command line, plus `extra`."""
+    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command="python " + " ".join(sys.argv), **extra)
