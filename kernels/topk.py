@@ -124,7 +124,7 @@ def _topk_kernel(scores_ptr, row_stride, T, K, out_pos_ptr, out_kth_ptr, BLOCK: 
 # at offsets from an exclusive prefix sum over tiles. Same output, in the same order, as the one-program kernel.
 
 @triton.jit
-def _tile_hist_kernel(scores_ptr, row_stride, T, prefix_ptr, hist_ptr, tiles, P: tl.constexpr, BLOCK: tl.constexpr):
+def _tile_hist_kernel(scores_ptr, row_stride, T, prefix_ptr, hist_ptr, P: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = t < T
@@ -188,7 +188,7 @@ def _topk_tiled(flat: torch.Tensor, k: int, pos: torch.Tensor, kth: torch.Tensor
     prefix = torch.zeros(R, dtype=torch.int64, device=dev)
     need = torch.full((R,), k, dtype=torch.int32, device=dev)
     for p in range(4):
-        _tile_hist_kernel[(R, tiles)](flat, flat.stride(0), T, prefix, hist, tiles, P=p, BLOCK=BLOCK, num_warps=8)
+        _tile_hist_kernel[(R, tiles)](flat, flat.stride(0), T, prefix, hist, P=p, BLOCK=BLOCK, num_warps=8)
         _tile_select_kernel[(R,)](hist, prefix, need)
     counts = torch.empty((R, 2, tiles), dtype=torch.int32, device=dev)
     _tile_count_kernel[(R, tiles)](flat, flat.stride(0), T, prefix, counts, tiles, BLOCK=BLOCK, num_warps=8)

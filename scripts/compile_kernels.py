@@ -65,7 +65,7 @@ check(kf._copy_rows_counted_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=
 check(kt._topk_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, K=I32, out_pos_ptr=P32, out_kth_ptr=PF),
       dict(BLOCK=2048))
 for p in range(4):
-    check(kt._tile_hist_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, prefix_ptr=P64, hist_ptr=P32, tiles=I32),
+    check(kt._tile_hist_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, prefix_ptr=P64, hist_ptr=P32),
           dict(P=p, BLOCK=2048))
 check(kt._tile_select_kernel, dict(hist_ptr=P32, prefix_ptr=P64, need_ptr=P32), {})
 check(kt._tile_count_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, prefix_ptr=P64, counts_ptr=P32, tiles=I32),

@@ -115,18 +115,21 @@ class Hardware(BaseModel):
     def host_latent_bytes_node(self) -> float:
         return self.host_mem_gib_node * GIB * self.host_mem_usable_fraction
 
+    def _h2d_link_gbps(self) -> float:
+        """The gather kernel's rate on the link (at most bulk), less what the node's other GPUs take."""
+        return min(self.pcie_h2d_gbps, self.pcie_bulk_gbps) * self.pcie_h2d_all_gpus_share
+
     def h2d_rate(self) -> float:
         """Effective host->GPU fetch rate per GPU (B/s) with every GPU of the node fetching: the kernel's rate on
         the link, less what concurrent GPUs take, and the host memory's share."""
-        link = min(self.pcie_h2d_gbps, self.pcie_bulk_gbps) * self.pcie_h2d_all_gpus_share
-        return 1e9 * min(link, self.host_mem_bw_gbps_node / self.gpus_per_node)
+        return 1e9 * min(self._h2d_link_gbps(), self.host_mem_bw_gbps_node / self.gpus_per_node)
 
     def d2h_rate(self) -> float:
         link = min(self.pcie_d2h_gbps, self.pcie_bulk_gbps) * self.pcie_d2h_all_gpus_share
         return 1e9 * min(link, self.host_mem_bw_gbps_node / self.gpus_per_node)
 
     def h2d_limited_by(self) -> str:
-        rates = {"pcie": min(self.pcie_h2d_gbps, self.pcie_bulk_gbps) * self.pcie_h2d_all_gpus_share,
+        rates = {"pcie": self._h2d_link_gbps(),
                  "host_memory_bw": self.host_mem_bw_gbps_node / self.gpus_per_node}
         return min(rates, key=rates.__getitem__)
 
