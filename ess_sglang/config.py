@@ -267,7 +267,8 @@ class PoolPlan:
 
 # ----------------------------------------------------------------------------------------------- planning
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= n."""
     return -(-n // multiple) * multiple
 
 
@@ -310,14 +311,14 @@ def _plan(cfg: EssConfig, dep: Deployment, host_memory_bytes: int | None) -> Poo
     knob = cfg.hot_pool_sized_by
     if cfg.hot_slots_per_layer is not None:
         asked = cfg.hot_slots_per_layer
-        slots = _round_up(asked, cfg.page_size)
+        slots = round_up(asked, cfg.page_size)
     elif cfg.max_gpu_buffer_size_gb is not None:
         asked = int(cfg.max_gpu_buffer_size_gb * GIB // entry)
         slots = asked // cfg.page_size * cfg.page_size  # a budget, so rounded down
     else:
         ratio = cfg.sparse_memory_ratio if cfg.sparse_memory_ratio is not None else DEFAULT_SPARSE_MEMORY_RATIO
         asked = math.ceil(ratio * host_tokens - 1e-9)
-        slots = _round_up(asked, cfg.page_size)
+        slots = round_up(asked, cfg.page_size)
     shown = f"ess_config.{knob}"
     if getattr(cfg, knob) is None:
         shown += f" (default {DEFAULT_SPARSE_MEMORY_RATIO})"
@@ -347,7 +348,7 @@ def _plan(cfg: EssConfig, dep: Deployment, host_memory_bytes: int | None) -> Poo
 
 
 def _raise_hint(knob: str, needed: int, host_tokens: int, entry: int, page_size: int) -> str:
-    slots = _round_up(needed, page_size)
+    slots = round_up(needed, page_size)
     if knob == "hot_slots_per_layer":
         to = f"at least {slots:,}"
     elif knob == "max_gpu_buffer_size_gb":

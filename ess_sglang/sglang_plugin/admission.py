@@ -24,6 +24,8 @@ import logging
 from dataclasses import dataclass
 from enum import Enum
 
+from ess_sglang.config import round_up
+
 logger = logging.getLogger("ess_sglang.sglang_plugin")
 
 NEVER_FITS = 1 << 62
@@ -46,10 +48,6 @@ class Verdict:
 class Reservation:
     host_tokens: int
     hot_slots: int
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 class EssAdmission:
@@ -75,7 +73,7 @@ class EssAdmission:
     # -------------------------------------------------------------------------------------------- needs
     def host_need(self, total_tokens: int) -> int:
         """Host entries (= indexer entries) a request of `total_tokens` (prompt + max new tokens) can come to use."""
-        return _round_up(max(int(total_tokens), 1), self.page_size)
+        return round_up(max(int(total_tokens), 1), self.page_size)
 
     def hot_need(self, total_tokens: int) -> int:
         """Hot slots per layer one decode step of the request can need (its selections plus its new token)."""

@@ -342,7 +342,7 @@ class EssCoordinator:
     def note_queued(self, n: int) -> None:
         """Requests held back by admission (the sglang:ess_* 'queued for host capacity' gauge)."""
         self.queued = int(n)
-        if self.metrics is not None and hasattr(self.metrics, "set_queued_for_host_capacity"):
+        if self.metrics is not None:
             self.metrics.set_queued_for_host_capacity(self.queued)
 
     def attach_scheduler(self, scheduler: Any) -> None:
@@ -516,7 +516,7 @@ class EssCoordinator:
         return kv_allocated_len
 
     def destroy(self) -> None:
-        if self.metrics is not None and hasattr(self.metrics, "close"):
+        if self.metrics is not None:
             self.metrics.close()
         destroy = getattr(self.mem_pool_host, "destroy", None)
         if destroy is not None:

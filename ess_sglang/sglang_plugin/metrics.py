@@ -9,19 +9,7 @@ creates one ``EssMetrics`` per scheduler process, labelled like SGLang's schedul
 
 from __future__ import annotations
 
-import importlib
-import logging
 from typing import Any
-
-logger = logging.getLogger("ess_sglang.sglang_plugin")
-
-
-def metrics_module():
-    """``ess_sglang.metrics`` when it exists (it is developed separately), else None."""
-    try:
-        return importlib.import_module("ess_sglang.metrics")
-    except ImportError:
-        return None
 
 
 def scheduler_labels(scheduler: Any) -> dict[str, str] | None:
@@ -31,12 +19,10 @@ def scheduler_labels(scheduler: Any) -> dict[str, str] | None:
 
 
 def make_exporter(manager: Any, config: Any, labels: dict[str, str] | None) -> Any:
-    """An EssMetrics publishing `manager`'s counters, or None when metrics are off or the module is missing."""
+    """An EssMetrics publishing `manager`'s counters, or None when metrics are off."""
     if not config.metrics.enabled:
         return None
-    mod = metrics_module()
-    if mod is None or not hasattr(mod, "EssMetrics"):
-        logger.info("ESS: ess_sglang.metrics is not available; no sglang:ess_* series")
-        return None
+    from ess_sglang.metrics import EssMetrics  # prometheus_client: imported only where metrics are on
+
     kwargs = {"labels": labels} if labels else {}
-    return mod.EssMetrics(manager, config.metrics, **kwargs)
+    return EssMetrics(manager, config.metrics, **kwargs)

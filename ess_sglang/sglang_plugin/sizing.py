@@ -25,21 +25,25 @@ import math
 import os
 from dataclasses import dataclass
 
-from ess_sglang.config import DEFAULT_SPARSE_MEMORY_RATIO, GIB, Deployment, EssConfig, EssConfigError, PoolPlan
+from ess_sglang.config import (
+    DEFAULT_SPARSE_MEMORY_RATIO,
+    GIB,
+    Deployment,
+    EssConfig,
+    EssConfigError,
+    PoolPlan,
+    round_up,
+)
+from ess_sglang.formats import INDEXER_ENTRY_BYTES as INDEXER_BYTES  # indexer K entry per token and layer
+from ess_sglang.formats import LATENT_ENTRY_BYTES as LATENT_BYTES  # FlashMLA V32 entry per token and layer
 
 logger = logging.getLogger("ess_sglang.sglang_plugin")
 
-LATENT_BYTES = 656  # FlashMLA V32 entry per token and layer
-INDEXER_BYTES = 132  # indexer K entry per token and layer
 MAP_BYTES_PER_LOCATION = 4  # HotPoolCacheManager.loc_to_slot (int32) per location and layer
 MAP_BYTES_PER_SLOT = 12  # slot_to_loc (int32) + slot_stamp (int64) per hot slot and layer
 MAX_RUNNING_SEARCH = 4096
 HOST_MEMORY_FRACTION = 0.8
 """Share of the machine's memory the host pool may take when ess_config.memory_pool_size_gb is not set."""
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def _round_down(n: int, m: int) -> int:
@@ -100,14 +104,14 @@ def _layout(*, available_bytes: int, num_layers: int, page_size: int, host_token
     """
     L = num_layers
     H = _round_down(host_tokens, page_size)
-    fixed = L * (page_size * (LATENT_BYTES + MAP_BYTES_PER_SLOT + INDEXER_BYTES) + MAP_BYTES_PER_LOCATION)
+    fixed = gpu_bytes(L, 0, 1, page_size)  # the page of padding every pool has (independent of the ratio)
     budget = available_bytes - fixed
     if budget <= 0:
         return None
     best = None
     r = 1
     while True:
-        per_device_token = L * (LATENT_BYTES + MAP_BYTES_PER_SLOT + r * (INDEXER_BYTES + MAP_BYTES_PER_LOCATION))
+        per_device_token = gpu_bytes(L, 1, r, page_size) - fixed
         by_gpu = _round_down(budget // per_device_token, page_size)
         if by_gpu < extra + hot_min or (ratio is not None and ratio * r >= 1):
             break  # larger ratios only shrink the device pool further
@@ -149,10 +153,10 @@ def size_pools(config: EssConfig, *, available_bytes: int, num_layers: int, page
                            host_memory_bytes=host_memory_bytes)
         # one slot per request row (+ the padding row), and as many again: SGLang's PD queue counts free device
         # slots per incoming request
-        new_slots = _round_up(2 * (m + extra_rows + 1), page_size)
-        staging = _round_up(prefill_tokens, page_size) if colocated else 0
+        new_slots = round_up(2 * (m + extra_rows + 1), page_size)
+        staging = round_up(prefill_tokens, page_size) if colocated else 0
         extra = new_slots + staging
-        step_need = _round_up(plan.hot_slots_needed, page_size)
+        step_need = round_up(plan.hot_slots_needed, page_size)
         by_ratio = plan.hot_pool_sized_by == "sparse_memory_ratio"
         ratio = (config.sparse_memory_ratio or DEFAULT_SPARSE_MEMORY_RATIO) if by_ratio else None
         hot_min = step_need if by_ratio else max(step_need, plan.hot_slots_per_layer)
