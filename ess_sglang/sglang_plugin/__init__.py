@@ -34,13 +34,13 @@ def register() -> None:
 
     version = compat.installed_sglang_version()
     problems = [p for p in [compat.check_version(version)] if p]
-    problems += compat.check_targets(hooks.all_hooks(), version)
+    cli_problems = compat.check_targets(hooks.CLI_HOOKS, version)
+    problems += cli_problems + compat.check_targets(hooks.RUNTIME_HOOKS, version)
     report = compat.EnvironmentReport(version, problems)
     compat.set_report(report)
     if problems:
         logger.warning("ESS (ess-sglang) cannot be enabled in this process: %s", "; ".join(problems))
-    cli_ok = not compat.check_targets(hooks.CLI_HOOKS, version)
-    if cli_ok:
+    if not cli_problems:
         hooks.register_cli_hooks()  # so that --enable-ess is refused with a message rather than unknown
     if report.ok and os.environ.get(ENV_ENABLED) == "1":
         hooks.install_runtime_hooks(apply=False)  # SGLang's loader applies them right after this returns
