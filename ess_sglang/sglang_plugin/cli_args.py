@@ -96,13 +96,18 @@ def enable_on_record(server_args: Any, config_path: str | None) -> settings.EssS
     server_args.disable_radix_cache = True
     if server_args.kv_cache_dtype == "auto":
         server_args.kv_cache_dtype = "fp8_e4m3"
-    s = settings.EssSettings(True, config, config_path)
+    return _activate(server_args, settings.EssSettings(True, config, config_path))
+
+
+def _activate(server_args: Any, s: settings.EssSettings) -> settings.EssSettings:
+    """Record the settings on the server args and in this process, and install the runtime hooks now (this
+    process loaded the plugin before the flags were known)."""
     settings.store(server_args, s)
     settings.current(server_args)
     os.environ[ENV_ENABLED] = "1"
     from ess_sglang.sglang_plugin import hooks
 
-    hooks.install_runtime_hooks()  # this process loaded the plugin before the flags were known
+    hooks.install_runtime_hooks()
     compat.verify_applied(hooks.all_hooks())
     return s
 
@@ -115,14 +120,7 @@ def _enable_prefill_sender(server_args: Any, config: EssConfig, config_path: str
         raise EssLaunchError(_format(problems))
     if server_args.kv_cache_dtype == "auto":  # the decode instance's ESS stores fp8_e4m3; the KV layouts must match
         server_args.kv_cache_dtype = "fp8_e4m3"
-    s = settings.EssSettings(False, config, config_path, send_windows=True)
-    settings.store(server_args, s)
-    settings.current(server_args)
-    os.environ[ENV_ENABLED] = "1"
-    from ess_sglang.sglang_plugin import hooks
-
-    hooks.install_runtime_hooks()
-    compat.verify_applied(hooks.all_hooks())
+    s = _activate(server_args, settings.EssSettings(False, config, config_path, send_windows=True))
     if config.warmup_windows <= 0:
         logger.warning("ESS (PD prefill): ess_config.warmup_windows is 0: no window sets are sent; the decode "
                        "instance warms requests up from their most recent tokens")
@@ -195,16 +193,23 @@ def check_raw_flags(a: Any) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ resolution
 
-def check_resolved(view: Any, config: EssConfig, hf_config: Any) -> list[str]:
-    """Problems that need the model and resolved values. `view` reads resolved fields; `hf_config` is the model's."""
+def _not_dsa(hf_config: Any) -> str | None:
+    """The problem when the model does not use DeepSeek Sparse Attention, else None."""
     from sglang.srt.configs.model_config import is_deepseek_dsa
 
+    if is_deepseek_dsa(hf_config):
+        return None
+    arch = list(getattr(hf_config, "architectures", None) or ["unknown"])[0]
+    return (f"the model ({arch}) does not use DeepSeek Sparse Attention; ESS works only for DSA models "
+            f"(DeepSeek-V3.2, GLM-5): drop --enable-ess for this model")
+
+
+def check_resolved(view: Any, config: EssConfig, hf_config: Any) -> list[str]:
+    """Problems that need the model and resolved values. `view` reads resolved fields; `hf_config` is the model's."""
+    not_dsa = _not_dsa(hf_config)
+    if not_dsa is not None:
+        return [not_dsa]  # nothing below applies
     p = []
-    archs = list(getattr(hf_config, "architectures", None) or ["unknown"])
-    if not is_deepseek_dsa(hf_config):
-        p.append(f"the model ({archs[0]}) does not use DeepSeek Sparse Attention; ESS works only for DSA models "
-                 f"(DeepSeek-V3.2, GLM-5): drop --enable-ess for this model")
-        return p  # nothing below applies
     dtype = getattr(view, "kv_cache_dtype", None)
     if dtype not in SUPPORTED_KV_DTYPES:
         p.append(f"the KV cache dtype resolved to {dtype}; ESS needs FlashMLA V32 FP8 entries: use "
@@ -233,19 +238,11 @@ def check_resolved(view: Any, config: EssConfig, hf_config: Any) -> list[str]:
 def validate_hisparse_hook(original, view, *args, **kwargs):
     """AROUND hisparse_hook.validate_hisparse(view): ESS's checks first, then HiSparse's own."""
     s = settings.read(view)
-    if s.send_windows:
+    if s.send_windows or s.enabled:
         from sglang.srt.arg_groups.overrides import model_config_of
-        from sglang.srt.configs.model_config import is_deepseek_dsa
 
         hf_config = model_config_of(view).hf_config
-        if not is_deepseek_dsa(hf_config):
-            arch = (list(getattr(hf_config, "architectures", None) or ["unknown"]))[0]
-            raise EssLaunchError(f"--enable-ess: the model ({arch}) does not use DeepSeek Sparse Attention; ESS works "
-                                 f"only for DSA models (DeepSeek-V3.2, GLM-5): drop --enable-ess for this model")
-    if s.enabled:
-        from sglang.srt.arg_groups.overrides import model_config_of
-
-        problems = check_resolved(view, s.config, model_config_of(view).hf_config)
+        problems = check_resolved(view, s.config, hf_config) if s.enabled else [p for p in [_not_dsa(hf_config)] if p]
         if problems:
             raise EssLaunchError(_format(problems))
     return original(view, *args, **kwargs)
