@@ -416,27 +416,25 @@ class EssCoordinator:
 
     def _warm_up(self, row: int, seq_len: int, windows: list | None, ranked: torch.Tensor | None = None) -> None:
         """Load a new request's warm-up positions per layer: from the query windows' top-k sets (`windows`, per
-        layer [windows, k]; or `ranked`, per layer the union in priority order, as the PD prefill sends it), else
-        the most recent tokens."""
-        from ess_sglang.sglang_plugin.warmup import ranked_warmup_positions
-        from ess_sglang.warmup import warmup_positions
+        layer [windows, k], ranked here for all layers in one pass; or `ranked`, per layer the union in priority
+        order, as the PD prefill sends it), else the most recent tokens."""
+        from ess_sglang.sglang_plugin.warmup import rank_window_sets, ranked_warmup_positions
 
         if self.config.warmup_windows <= 0 or seq_len <= 0:
             return
         self._after_inflight_decode()
         budget = self.warmup_budget(seq_len)
+        if ranked is None and windows is not None:
+            ranked = rank_window_sets(windows, seq_len, budget)[0]
         recent = None
         table = self.req_to_host_pool[row]
         for layer in range(self.num_layers):
-            win = windows[layer] if windows is not None and layer < len(windows) else None
             if ranked is not None and layer < ranked.shape[0]:
                 pos = ranked_warmup_positions(seq_len, budget, ranked[layer]).to(self.device)
-            elif win is None:
-                if recent is None:
-                    recent = warmup_positions(seq_len, budget, None).to(self.device)
-                pos = recent
             else:
-                pos = warmup_positions(seq_len, budget, win).to(self.device)
+                if recent is None:
+                    recent = ranked_warmup_positions(seq_len, budget, None).to(self.device)
+                pos = recent
             locs = table[pos]
             for start in range(0, locs.numel(), self.max_selected):  # never grow the manager's scratch
                 self.manager.warm_up(layer, locs[start:start + self.max_selected])
