@@ -82,8 +82,10 @@ class WindowCapture:
         prev = slots[layer]
         if n < self.windows and prev is not None and seq_end is not None and prev[1] == int(seq_end) - n:
             kept = torch.cat([prev[0][-(self.windows - n):], kept])
-        slots[layer] = (kept.clone(), int(seq_end) if seq_end is not None else None)
-        self._set_bytes(row, sum(s[0].numel() * s[0].element_size() for s in slots if s is not None))
+        kept = kept.clone()
+        old = prev[0].numel() * prev[0].element_size() if prev is not None else 0
+        slots[layer] = (kept, int(seq_end) if seq_end is not None else None)
+        self._set_bytes(row, self._bytes.get(row, 0) - old + kept.numel() * kept.element_size())
 
     def _row_bytes(self, topk_rows: torch.Tensor) -> int:
         return self.num_layers * min(self.windows, int(topk_rows.shape[0])) * int(topk_rows.shape[1]) * \
