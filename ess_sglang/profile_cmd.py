@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 
 import numpy as np
 
+from ess_sglang.config import DEFAULT_SPARSE_MEMORY_RATIO, EssConfig, round_up
 from ess_sglang.overlap_policy import (
     DeviceTimings,
     OverlapProfile,
@@ -37,8 +38,8 @@ from ess_sglang.overlap_policy import (
     save_profile,
 )
 
-PAGE_SIZE = 64  # hot slots from --ratio are rounded up to a multiple of this, as EssConfig.plan does
-DEFAULT_RATIO = 0.2
+PAGE_SIZE = EssConfig.model_fields["page_size"].default  # hot slots from --ratio round up to it, as EssConfig.plan
+DEFAULT_RATIO = DEFAULT_SPARSE_MEMORY_RATIO
 SYNTHETIC_DEFAULTS = dict(batch=4, context=8192, layers=8, steps=64, top_k=512, overlap="0.98:0.80", burst_prob=0.02)
 DEMO_DEFAULTS = dict(batch=4, context=4096, layers=4, steps=64, top_k=256)
 
@@ -235,7 +236,7 @@ def _slots(args: argparse.Namespace, trace) -> tuple[int, float | None]:
     else:
         ratio = DEFAULT_RATIO if args.ratio is None else args.ratio
         tokens = int(trace.prompt_lens.sum()) + trace.steps * trace.batch
-        slots = -(-math.ceil(ratio * tokens - 1e-9) // PAGE_SIZE) * PAGE_SIZE
+        slots = round_up(math.ceil(ratio * tokens - 1e-9), PAGE_SIZE)
         flag = f"--ratio {ratio:g} ({slots} slots per layer for {tokens} tokens)"
     if slots < need:
         raise _FlagError(f"{flag}: one step needs batch {trace.batch} x (top-k {trace.top_k} + 1 new token) = {need} "
