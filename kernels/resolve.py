@@ -96,7 +96,9 @@ def _misses_and_ages_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr
         s = (pid - entry_blocks) * SBLOCK + tl.arange(0, SBLOCK)
         ms = s < num_slots
         age = _age(stamp_ptr, s, ms, tl.load(clock_ptr), A)
-        tl.atomic_add(scr_ptr + 8 + tl.arange(0, A), tl.histogram(age, A, mask=ms), sem="relaxed")
+        hist = tl.histogram(age, A, mask=ms)
+        # only the ages this block holds: every program adding all 256 bins queues thousands of atomics per bin
+        tl.atomic_add(scr_ptr + 8 + tl.arange(0, A), hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
@@ -111,14 +113,19 @@ def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, num_slots, A: tl
     s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ms = (s < num_slots) & (n_miss > 0)  # no misses: no victims, and no stamp is read
     age = _age(stamp_ptr, s, ms, tl.load(clock_ptr), A)
+    # most blocks hold no victim: they skip the list counters, on which every program would otherwise queue
     above = ms & (age > T)
     above32 = above.to(tl.int32)
-    ra = tl.atomic_add(scr_ptr + 1, tl.sum(above32), sem="relaxed") + tl.cumsum(above32, 0) - 1
-    tl.store(victims_ptr + ra, s + 1, mask=above & (ra < n_miss))
+    n_a = tl.sum(above32)
+    if n_a > 0:
+        ra = tl.atomic_add(scr_ptr + 1, n_a, sem="relaxed") + tl.cumsum(above32, 0) - 1
+        tl.store(victims_ptr + ra, s + 1, mask=above & (ra < n_miss))
     at_t = ms & (age == T)
     at32 = at_t.to(tl.int32)
-    rt = tl.atomic_add(scr_ptr + 2, tl.sum(at32), sem="relaxed") + tl.cumsum(at32, 0) - 1
-    tl.store(victims_ptr + n_above + rt, s + 1, mask=at_t & (rt < n_miss - n_above))
+    n_t = tl.sum(at32)
+    if n_t > 0:
+        rt = tl.atomic_add(scr_ptr + 2, n_t, sem="relaxed") + tl.cumsum(at32, 0) - 1
+        tl.store(victims_ptr + n_above + rt, s + 1, mask=at_t & (rt < n_miss - n_above))
 
 
 @triton.jit
@@ -199,6 +206,12 @@ class FusedResolver:
         # persistent programs of the assign kernel (without, with the inline copy): 4 and 1 per SM, the best measured
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
         self.assign_programs = assign_programs or (4 * sms, sms)
+        # Slots per program and warps of the two launches over the pool (age histogram, victim scan), the best of a
+        # sweep over pools of 164K-3.4M slots at batch 64 (benchmarks/NOTES.md): small blocks, now that blocks
+        # without ages or victims of their own skip the shared atomics
+        self.age_block, self.age_warps = 1024, 4
+        self.victim_block, self.victim_warps = 512, (4 if num_slots < 1 << 20 else 2)
+        self.lookup_block = 256  # entries per program of the lookup (256: 5.2 us at batch 64, 1024: 6.5)
         self.max_entries = 0
         self.device = device
         self._grow(max(max_entries, 1))
@@ -241,20 +254,19 @@ class FusedResolver:
             seq, rpi = seq_lens, req_pool_indices
         else:
             r2t, r2t_stride, r2t_rows, width, seq, rpi = src, 0, 0, 0, src, src
-        # entries per program: 256 at batch 1-16, up to 1024 at batch 64-128 (the best measured); slots per program
-        # by the pool's size: a small selection over a large pool must not histogram it in thousands of programs
+        # entries per program: 256 at batch 1-16, up to 1024 at batch 64-128 (the best measured)
         block = block_for(n, 256, 1024, 128)
-        sblock = block_for(S, 1024, 8192, 256)
         entry_blocks = triton.cdiv(n, block)
-        _lookup_kernel[(entry_blocks,)](
+        _lookup_kernel[(triton.cdiv(n, self.lookup_block),)](
             src, seq, rpi, r2t, r2t_stride, r2t_rows, width, n, per_batch, l2s, stamp, clock, out, self.locs, counters,
             l2s.shape[0] - 1, S, MODE=mode, COUNT=count, PROTECT=protect, C_LOOKUPS=counter_ids["LOOKUPS"],
-            C_HITS=counter_ids["HITS"], C_BAD=counter_ids["BAD_INDICES"], BLOCK=block)
-        _misses_and_ages_kernel[(entry_blocks + triton.cdiv(S, sblock),)](
+            C_HITS=counter_ids["HITS"], C_BAD=counter_ids["BAD_INDICES"], BLOCK=self.lookup_block)
+        _misses_and_ages_kernel[(entry_blocks + triton.cdiv(S, self.age_block),)](
             self.locs, out, l2s, stamp, clock, self.scratch, self.miss_loc, self.miss_idx, n, S, entry_blocks,
-            A=AGE_BUCKETS, BLOCK=block, SBLOCK=sblock)
-        _victims_kernel[(triton.cdiv(S, sblock),)](stamp, clock, self.scratch, self.victims, S, A=AGE_BUCKETS,
-                                                   BLOCK=sblock)
+            A=AGE_BUCKETS, BLOCK=block, SBLOCK=self.age_block, num_warps=self.age_warps)
+        _victims_kernel[(triton.cdiv(S, self.victim_block),)](stamp, clock, self.scratch, self.victims, S,
+                                                              A=AGE_BUCKETS, BLOCK=self.victim_block,
+                                                              num_warps=self.victim_warps)
         copy = copy_from is not None
         words = (copy_from.shape[1] // 4) if copy else 4
         src_w = copy_from.view(torch.int32) if copy else self.scratch
