@@ -59,7 +59,8 @@ from ess_sglang.prefetch import EchoPrefetcher
 HEADS, IHEADS, TOP_K = 128, 64, 2048
 MODES = ["sync", "prefetch", "da", "dba", "layerwise"]
 EXTRA_MODES = ["sync_counted",  # sync with a deferred fetch list and a persistent copy (the previous default)
-               "sync_ondemand",  # sync with new tokens written back only, fetched when selected (no insert resolve)
+               "sync_insert",  # sync with each new token inserted into a hot slot (a resolve of its own; the previous
+               # default: new tokens are now written back only, and fetched when selected)
                "dba_split"]  # dba with per-half attention (hides half B's copy behind half A's attention; inexact)
 
 
@@ -304,7 +305,7 @@ def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
             ess = build_ess(pools, cfg, slots, modes, prefetch,
                             **dict(options, sync_copy="counted" if mode == "sync_counted" else "inline",
                                    dba_attention="split" if mode == "dba_split" else "whole",
-                                   new_tokens="on_demand" if mode == "sync_ondemand" else "insert"))
+                                   new_tokens="insert" if mode == "sync_insert" else "on_demand"))
             r = run_variant(ess, cfg, queries, args.warm, is_ess=True, all_resident=resident)
         except Exception as exc:  # keep the other variants' results; the row says what failed
             print(f"{mode} at context {context}, batch {batch}: {type(exc).__name__}: {exc}", flush=True)

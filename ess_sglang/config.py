@@ -175,6 +175,9 @@ class EssConfig(BaseModel):
     """Cap on prefetched entries per request and layer, as a fraction of the request's context length."""
     prefetch_cap_min_tokens: NonNegativeInt = 64
     """The prefetch cap is never below this many entries."""
+    new_tokens: Literal["on_demand", "insert"] = "on_demand"
+    """Each decoded token's latent entry is written back to the host pool; "on_demand": fetched like any miss when
+    a later selection names it (no resolve of its own: measured faster); "insert": also given a protected hot slot."""
     scrub_on_free: StrictBool = False
     """Zero host and hot-pool entries when their tokens are freed (costs PCIe / HBM bandwidth)."""
     overlap_profile: Annotated[str, _rule(lambda v: v.strip() != "", "a non-empty path")] | None = None

@@ -83,15 +83,15 @@ def steps(n, table, rows, locs, seed=1):
     (("sync", "sync"), False, "split"), (("sync", "sync"), True, "split"), (("dba", "dba"), False, "split"),
     (("dba", "sync"), True, "split"), (("dba", "dba"), True, "whole"), (("dba", "dba"), False, "three chunks"),
     (("dba", "sync"), True, "fused kernels"), (("sync", "dba"), False, "fused kernels, counted copy"),
-    (("sync", "sync"), True, "new tokens on demand"), (("dba", "sync"), False, "fused kernels, new tokens on demand")])
+    (("sync", "sync"), True, "new tokens inserted"), (("dba", "sync"), False, "fused kernels, new tokens inserted")])
 def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attention):
     # "fused kernels": the Triton resolve, prefetch candidates and counted copy (interpreted), as on the GPU
     split = (0.4, 0.3, 0.3) if dba_attention == "three chunks" else 0.5
     impl = "triton" if dba_attention.startswith("fused kernels") else "torch"
     options = dict(sync_copy="counted") if "counted copy" in dba_attention else {}
-    if "on demand" in dba_attention:
-        options["new_tokens"] = "on_demand"
-    dba_attention = "whole" if dba_attention in ("three chunks", "new tokens on demand") or impl == "triton" \
+    if "inserted" in dba_attention:
+        options["new_tokens"] = "insert"
+    dba_attention = "whole" if dba_attention in ("three chunks", "new tokens inserted") or impl == "triton" \
         else dba_attention
     ess, hbm, table, rows, locs = build(modes, prefetch=prefetch, split_attention=dba_attention == "split",
                                         dba_attention=dba_attention, dba_split=split, resolve_impl=impl, **options)
@@ -109,7 +109,9 @@ def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attent
         assert c[Counter.PREFETCH_USEFUL] + c[Counter.PREFETCH_WASTED] == c[Counter.PREFETCHED]
     else:
         assert c[Counter.PREFETCHED] == 0
-    if "new_tokens" in options:  # written back only: every new token selected later was fetched as a miss
+    if "new_tokens" in options:  # each new token got a hot slot of its own
+        assert c[Counter.NEW_TOKENS] > 0
+    else:  # written back only (the default): every new token selected later was fetched as a miss
         assert c[Counter.NEW_TOKENS] == 0 and c[Counter.D2H_ENTRIES] > 0
     ess.m.check_invariants()
 

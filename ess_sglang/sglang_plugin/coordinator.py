@@ -26,7 +26,8 @@ tests/sglang/test_sglang_decode_seam.py with SGLang's own pools):
                                        that FlashMLA reads with ``kv_format="V32"``; -1 where the input was -1
 
 Per layer, inside the captured decode graph: the token being decoded (written by ``set_mla_kv_buffer`` into its
-request's new-token slot) is written back to the host pool and into a protected hot slot (``write_new_tokens``);
+request's new-token slot) is written back to the host pool (``write_new_tokens``; with ``new_tokens="insert"`` also
+into a protected hot slot, else fetched like any miss when selected);
 the positions are translated through ``req_to_host_pool`` to host locations and resolved (``resolve``: lookup,
 dedup, LRU eviction, H2D fetch of misses); the hot slots are offset to device-pool rows. ``begin_step`` advances
 the LRU clock on the first layer.
@@ -301,11 +302,12 @@ class EssCoordinator:
         rpi = req_pool_indices.long()
         lens = seq_lens.long()
         live = (self._row_ids[:B] < self.num_real_reqs.long()) & (lens > 0)
-        # 1. this step's token: from its new-token slot (set_mla_kv_buffer wrote it there) to host and hot pool
+        # 1. this step's token: from its new-token slot (set_mla_kv_buffer wrote it there) to the host pool (and a
+        # hot slot with new_tokens="insert")
         new_pos = (lens - 1).clamp(min=0)
         host_loc = torch.where(live, self.req_to_host_pool[rpi, new_pos], -1)
         entries = self.device_kv[layer][self.new_token_base + rpi]
-        self.manager.write_new_tokens(layer, host_loc, entries)
+        self.manager.write_new_tokens(layer, host_loc, entries, insert=self.config.new_tokens == "insert")
         # 2. the selection: positions -> host locations -> hot slots (misses fetched from the host pool)
         topk = torch.where(live.view(B, 1), top_k_result, -1).view(B, 1, K)
         slots = self.manager.resolve(layer, topk, self.req_to_host_pool, rpi, lens).view(B, K)

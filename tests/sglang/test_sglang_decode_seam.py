@@ -94,7 +94,7 @@ def _entries(g, n):
     return pack_latent(torch.randn((n, 512), generator=g) * 2, torch.randn((n, 64), generator=g))
 
 
-def _run(mode: str, steps: int):
+def _run(mode: str, steps: int, new_tokens: str = "on_demand"):
     from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
     from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
@@ -117,7 +117,7 @@ def _run(mode: str, steps: int):
                                                kvcache=ess_pool, need_sort=False, host_to_device_ratio=ratio)
     base_pool = DSATokenToKVPool(size=allocator.size_full, **kw)
     req_pool = ReqToTokenPool(size=B, max_context_len=max_ctx, device="cpu", enable_memory_saver=False)
-    config = EssConfig(top_k=TOPK, warmup_windows=WINDOWS)
+    config = EssConfig(top_k=TOPK, warmup_windows=WINDOWS, new_tokens=new_tokens)
     coord = EssCoordinator(req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, config=config,
                            hot_slots_per_layer=HOT, host_tokens=allocator.size_full, device="cpu", top_k=TOPK,
                            max_running_requests=B, pin_memory=False, copy_impl="torch")
@@ -220,7 +220,8 @@ def _run(mode: str, steps: int):
     m.check_invariants(live_locs=live)
     counts = m.counters.sum(0)
     stats = {"misses": int(counts[2]), "evictions": int(counts[8]), "lookups": int(counts[0]),
-             "new": int(counts[9]), "bad": int(counts[5]), "overflow": int(counts[6])}
+             "new": int(counts[9]), "written_back": int(counts[4]), "bad": int(counts[5]),
+             "overflow": int(counts[6])}
 
     # finishing releases everything: hot slots, host slots, admission, the new-token mapping
     host_free_before = coord.mem_pool_host.available_size()
@@ -242,13 +243,15 @@ def _run(mode: str, steps: int):
     return identical, stats
 
 
-@pytest.mark.parametrize("mode,steps", [("colocated", 64), ("pd", 16)])
-def test_decode_seam_bit_identical(mode, steps, parallel1):
-    identical, stats = _run(mode, steps)
+@pytest.mark.parametrize("mode,steps,new_tokens", [("colocated", 64, "on_demand"), ("pd", 16, "on_demand"),
+                                                    ("colocated", 16, "insert")])
+def test_decode_seam_bit_identical(mode, steps, new_tokens, parallel1):
+    identical, stats = _run(mode, steps, new_tokens)
     assert identical == steps
     # the run exercised the interesting paths: misses fetched from the host pool, evictions, new tokens
     assert stats["misses"] > 0 and stats["evictions"] > 0
-    assert stats["new"] == steps * 4 * LAYERS
+    assert stats["written_back"] == steps * 4 * LAYERS  # every decoded token reached the host pool
+    assert stats["new"] == (steps * 4 * LAYERS if new_tokens == "insert" else 0)  # and a hot slot of its own
     assert stats["overflow"] == 0 and stats["bad"] == 0
 
 
