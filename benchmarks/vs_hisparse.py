@@ -115,7 +115,7 @@ def time_ess(th, batch: int, reps: int = 2, copy: bool = True, check: bool = Tru
         pos = warmup_positions(int(prompts[r]), slots // batch, win)
         m.warm_up(0, r2t[r, pos.to(dev)])
     m.counters.zero_()
-    keys = [k for k in ("loc_to_slot", "slot_to_loc", "slot_stamp", "clock", "counters", "hot_entries", "prefetched")
+    keys = [k for k in ("loc_to_slot", "slot_to_loc", "slot_stamp", "clock", "counters", "hot_entries")
             if isinstance(getattr(m, k, None), torch.Tensor)]
     snap = {k: getattr(m, k).clone() for k in keys}
 

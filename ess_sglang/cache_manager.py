@@ -151,8 +151,8 @@ class HotPoolCacheManager:
         self.slot_stamp = torch.full((L, S + 1), FREE_STAMP, dtype=torch.int64, device=dev)
         self.clock = torch.zeros((), dtype=torch.int64, device=dev)
         self.counters = torch.zeros((L, len(Counter)), dtype=torch.int64, device=dev)
-        # the location each slot was prefetched for in this step (-1: not prefetched), to count useful and wasted
-        self.prefetched = torch.full((L, S + 1), -1, dtype=torch.int32, device=dev)
+        # the prefetch not yet settled, (layer, its fetch list): the list's pairs say what was prefetched where
+        self._unsettled_prefetch: tuple[int, FetchList] | None = None
         self._slot_ids = torch.arange(S, dtype=torch.int64, device=dev)
         self._ones = torch.ones(S, dtype=torch.int64, device=dev)
         self._age_ids = torch.arange(AGE_BUCKETS, dtype=torch.int64, device=dev)
@@ -176,7 +176,7 @@ class HotPoolCacheManager:
         self.loc_to_slot.fill_(-1)
         self.slot_to_loc.fill_(-1)
         self.slot_stamp.fill_(FREE_STAMP)
-        self.prefetched.fill_(-1)
+        self._unsettled_prefetch = None
         self.clock.zero_()
         self.counters.zero_()
 
@@ -199,7 +199,7 @@ class HotPoolCacheManager:
         req_pool_indices: [batch], the request row of each batch entry. seq_lens: [batch], tokens of each request.
         fetch_list: when given, the misses get their slots but are not copied: their (location, slot) pairs are written
         to it, and `fetch(layer, fetch_list)` copies them later (dual attention overlaps that copy with attention).
-        settle_prefetch: count this step's prefetched entries as useful (selected) or wasted, then clear the marks.
+        settle_prefetch: count the layer's last prefetch (this step's) as useful (selected) or wasted entries.
         Returns int32 [batch, q_tokens, k]: hot-pool slot of each selected entry, -1 where the input was padding or bad.
         """
         if topk_pos.dim() != 3:
@@ -210,6 +210,10 @@ class HotPoolCacheManager:
                              f"{tuple(req_pool_indices.shape)} and {tuple(seq_lens.shape)}")
         if fetch_list is not None:
             fetch_list.check_holds(topk_pos.numel(), "resolve", "selection")
+            if settle_prefetch and self._unsettled_prefetch is not None and \
+                    self._unsettled_prefetch[1].src is fetch_list.src:
+                raise ValueError("resolve: the fetch list is the unsettled prefetch's own list; the resolve would "
+                                 "overwrite the pairs its settle counts: give the prefetch and the resolve their own")
         if self._fused is not None:
             pos = topk_pos.reshape(-1)
             slots = self._fused_run(layer, pos, MODE_POSITIONS, count=True, fetch=(Counter.MISSES, Counter.H2D_ENTRIES),
@@ -228,7 +232,7 @@ class HotPoolCacheManager:
             cnt[Counter.H2D_ENTRIES] += fetched
             slots = slots.to(torch.int32)
         if settle_prefetch:
-            self._settle_prefetch(layer, slots)
+            self._settle_prefetch(layer)
         return slots.view(topk_pos.shape)
 
     def lookup_resident(self, layer: int, topk_pos: torch.Tensor, req_to_token: torch.Tensor,
@@ -297,11 +301,15 @@ class HotPoolCacheManager:
 
         Like warm-up, but nothing is protected: resident entries keep their recency and new ones are stamped as the
         newest evictable entries (clock - 1), so the exact resolve of the step can always evict them (a prefetch can
-        cost extra misses, never an overflow). The new slots are marked, so that the exact resolve
-        (`settle_prefetch=True`) counts each as useful (selected, still holding its entry) or wasted.
+        cost extra misses, never an overflow). The exact resolve that follows (`settle_prefetch=True`) counts each
+        fetched entry as useful (selected, its slot still holding it) or wasted, from the fetch list, which must not
+        be reused before then: one prefetch at a time is counted (a second one before the settle is refused).
         `fetch_list` (at least len(locs) entries) receives what was fetched; by default a scratch list. `programs`:
         the copy's persistent programs (see `fetch`). Returns slots.
         """
+        if self._unsettled_prefetch is not None:
+            raise ValueError(f"prefetch(layer {layer}): the prefetch of layer {self._unsettled_prefetch[0]} is not "
+                             f"settled yet; call resolve(..., settle_prefetch=True) for that layer first")
         flat = self._valid_locations(locs)
         if fetch_list is not None:
             fetch_list.check_holds(flat.numel(), "prefetch", "candidates")
@@ -315,10 +323,7 @@ class HotPoolCacheManager:
             self.counters[layer, Counter.PREFETCHED] += fetched
             self.counters[layer, Counter.H2D_ENTRIES] += fetched
         self.fetch(layer, record, programs)
-        n = flat.numel()
-        dst = record.dst[:n]
-        self.prefetched[layer].scatter_(0, torch.where(dst >= 0, dst, self.slots_per_layer), record.src[:n].int())
-        self.prefetched[layer, self.slots_per_layer:].fill_(-1)  # the sink (a slice: no host scalar in a graph)
+        self._unsettled_prefetch = (layer, record)  # read by the exact resolve's settle
         return slots
 
     def _prefetch_scratch(self, n: int) -> FetchList:
@@ -327,20 +332,30 @@ class HotPoolCacheManager:
             self._prefetch_list = self.new_fetch_list(max(n, 1))
         return self._prefetch_list
 
-    def _settle_prefetch(self, layer: int, slots: torch.Tensor) -> None:
-        """A prefetched slot is useful when the selection names it and it still holds the prefetched entry (it was not
-        evicted again in between); every other prefetched slot is wasted. Then clear the marks."""
-        S = self.slots_per_layer
-        flat = slots.reshape(-1).long()
-        selected = torch.zeros(S + 1, dtype=torch.bool, device=self.device)
-        selected.scatter_(0, torch.where(flat >= 0, flat, S), True)
-        pre = self.prefetched[layer, :S]
-        marked = pre >= 0
-        useful = (marked & selected[:S] & (self.slot_to_loc[layer, :S] == pre)).sum()
+    def _settle_prefetch(self, layer: int) -> None:
+        """Count the layer's unsettled prefetch, if any: an entry is useful when its slot still holds it (it was not
+        evicted again) and is stamped with the current step, which a prefetch never does (clock - 1) and a selection
+        always does; every other prefetched entry is wasted. (So do warm-up, `reserve` and the protection of a new
+        token's resident entry: between a prefetch and its settle, only the selection's resolves may run, as in the
+        decode step.) Work follows the prefetch list, not the pool; one launch on the fused path
+        (`kernels/prefetch.settle_prefetch_triton`)."""
+        if self._unsettled_prefetch is None or self._unsettled_prefetch[0] != layer:
+            return
+        record = self._unsettled_prefetch[1]
+        self._unsettled_prefetch = None
         cnt = self.counters[layer]
-        cnt[Counter.PREFETCH_USEFUL] += useful
-        cnt[Counter.PREFETCH_WASTED] += marked.sum() - useful
-        self.prefetched[layer].fill_(-1)
+        ids = (int(Counter.PREFETCH_USEFUL), int(Counter.PREFETCH_WASTED))
+        if self._fused is not None:
+            from ess_sglang.kernels.prefetch import settle_prefetch_triton
+            settle_prefetch_triton(record.src, record.dst, record.count, self.slot_to_loc[layer],
+                                   self.slot_stamp[layer], self.clock, cnt, ids)
+            return
+        got = record.dst >= 0
+        at = torch.where(got, record.dst, self.slots_per_layer)
+        useful = (got & (self.slot_to_loc[layer][at].long() == record.src)
+                  & (self.slot_stamp[layer][at] == self.clock)).sum()
+        cnt[ids[0]] += useful
+        cnt[ids[1]] += got.sum() - useful
 
     def translate(self, topk_pos: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                   seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

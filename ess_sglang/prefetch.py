@@ -25,11 +25,18 @@ import math
 
 import torch
 
+from ess_sglang.config import EssConfig
+
+_DEFAULTS = {name: EssConfig.model_fields[f"prefetch_{key}"].default
+             for name, key in (("alpha", "ema_alpha"), ("cap_fraction", "cap_fraction"),
+                               ("cap_min_tokens", "cap_min_tokens"))}
+
 
 class EchoPrefetcher:
-    def __init__(self, num_layers: int, num_rows: int, max_context: int, alpha: float = 0.5,
-                 cap_fraction: float = 0.05, cap_min_tokens: int = 64, device: torch.device | str = "cpu",
-                 impl: str = "auto"):
+    def __init__(self, num_layers: int, num_rows: int, max_context: int, alpha: float = _DEFAULTS["alpha"],
+                 cap_fraction: float = _DEFAULTS["cap_fraction"], cap_min_tokens: int = _DEFAULTS["cap_min_tokens"],
+                 device: torch.device | str = "cpu", impl: str = "auto"):
+        """Defaults: EssConfig's prefetch_ema_alpha, prefetch_cap_fraction and prefetch_cap_min_tokens."""
         if not 0 < alpha <= 1:
             raise ValueError(f"prefetch alpha must be in (0, 1], got {alpha}")
         if not 0 <= cap_fraction <= 1 or cap_min_tokens < 0 or max_context <= 0:
@@ -41,6 +48,8 @@ class EchoPrefetcher:
         self.width = max(1, min(max_context, max(cap_min_tokens, math.ceil(cap_fraction * max_context))))
         self.device = torch.device(device)
         self.impl = impl  # candidate selection: "triton", "torch" or "auto" (triton on CUDA)
+        # the cap fraction as the Triton kernel reads it (float64, on the device: a graph cannot copy it there later)
+        self._cap_fraction = torch.tensor([self.cap_fraction], dtype=torch.float64, device=self.device)
         self.threshold = torch.full((num_layers, num_rows), math.inf, dtype=torch.float32, device=self.device)
 
     def reset_rows(self, rows: torch.Tensor) -> None:
@@ -66,7 +75,7 @@ class EchoPrefetcher:
             from ess_sglang.kernels.prefetch import prefetch_candidates_triton
             return prefetch_candidates_triton(logits.contiguous(), self.threshold[layer], req_to_token,
                                               req_pool_indices, seq_lens, loc_to_slot, num_locations,
-                                              self.caps(seq_lens), self.width)
+                                              self._cap_fraction, self.cap_min_tokens, self.width)
         B, _, T = logits.shape
         rows = req_pool_indices.long()
         row_ok = (rows >= 0) & (rows < req_to_token.shape[0])  # a row outside the table: no candidates
@@ -87,7 +96,12 @@ class EchoPrefetcher:
         return out[:, :W].reshape(-1)
 
     def update(self, layer: int, kth_scores: torch.Tensor, req_pool_indices: torch.Tensor) -> None:
-        """Fold this step's k-th best score of each request ([B, Q] or [B]; the lowest over query tokens counts)."""
+        """Fold this step's k-th best score of each request ([B, Q] or [B]; the lowest over query tokens counts).
+        One Triton launch on CUDA (`kernels/prefetch.ema_update_triton`; it may round the last bit differently)."""
+        if self.impl == "triton" or (self.impl == "auto" and kth_scores.is_cuda):
+            from ess_sglang.kernels.prefetch import ema_update_triton
+            ema_update_triton(self.threshold[layer], kth_scores, req_pool_indices, self.alpha)
+            return
         kth = kth_scores.float().reshape(kth_scores.shape[0], -1).amin(dim=1)
         rows = req_pool_indices.long()
         old = self.threshold[layer, rows]

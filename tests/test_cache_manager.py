@@ -216,18 +216,25 @@ def test_shapes_are_checked(impl):
         m.resolve(0, torch.zeros(2, 1, 8, dtype=torch.int32), table.req_to_token, rpi, sl[:1])
 
 
-def test_fused_kernels_equal_the_torch_definition_state_for_state():
+@pytest.mark.parametrize("small_blocks", [False, True])
+def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks):
     """A random mix of every operation on both paths: every map, stamp, counter and hot entry equal, every step.
 
     (Triton's interpreter runs programs in order, so even the order of the miss and victim lists matches.)
+    `small_blocks`: the pool scans and the lookup in many programs, as over a large pool on the GPU (blocks without
+    ages or victims of their own skip the shared atomics).
     """
     g = torch.Generator().manual_seed(7)
     pair = [make(slots=320, lengths=(300, 500, 250), seed=5, impl=impl) for impl in ("torch", "triton")]
+    if small_blocks:
+        f = pair[1][0]._fused
+        f.age_block, f.victim_block, f.lookup_block = 64, 32, 16
     state = ("hot_entries", "loc_to_slot", "slot_to_loc", "slot_stamp", "clock", "counters")
     for step in range(12):
         q = 1 + step % 2
         pos = torch.randint(-2, 520, (3, q, 40), generator=g).int()
         new = torch.randint(0, 256, (3, 656), dtype=torch.uint8, generator=g)
+        ahead = torch.randint(0, 250, (30,), generator=g)  # prefetched positions (request step % 3)
         outs = []
         for m, host, table, rpi, sl in pair:
             m.begin_step()
@@ -235,8 +242,10 @@ def test_fused_kernels_equal_the_torch_definition_state_for_state():
                 m.warm_up(1, table.req_to_token[0, 200:300])
             locs = host.alloc(3) if step % 3 == 0 else torch.tensor([-1, -1, -1])
             o = [m.write_new_tokens(0, locs, new)]
+            if step % 4 == 1:  # a prefetch, settled (useful / wasted counted) by the next resolve of its layer
+                o.append(m.prefetch(1, table.req_to_token[step % 3, ahead]))
             for layer in range(2):
-                o.append(m.resolve(layer, pos, table.req_to_token, rpi, sl))
+                o.append(m.resolve(layer, pos, table.req_to_token, rpi, sl, settle_prefetch=True))
             if step == 6:
                 m.release(table.req_to_token[2, :250])
             outs.append(o)
@@ -308,11 +317,34 @@ def test_prefetch_counts_useful_and_wasted_entries(impl):
     check_slots(m, host, 0, slots, locs)
     assert c[Counter.HITS] == 20 and c[Counter.MISSES] == 44
     assert c[Counter.PREFETCH_USEFUL] == 20 and c[Counter.PREFETCH_WASTED] == 20
-    assert not bool((m.prefetched >= 0).any()), "prefetch marks survive the step"
-    # prefetching resident entries fetches nothing and marks nothing
+    # a prefetch is settled once: a second settling resolve without a prefetch counts nothing
     m.begin_step()
-    m.prefetch(0, pre)
-    assert c[Counter.PREFETCHED] == 40 and not bool((m.prefetched >= 0).any())
+    m.resolve(0, pos, req_to_token, rpi, sl, settle_prefetch=True)
+    assert c[Counter.PREFETCH_USEFUL] == 20 and c[Counter.PREFETCH_WASTED] == 20
+    # prefetching resident entries fetches nothing, so nothing is useful or wasted
+    m.begin_step()
+    m.prefetch(0, pre[20:])
+    m.resolve(0, pos, req_to_token, rpi, sl, settle_prefetch=True)
+    assert c[Counter.PREFETCHED] == 40 and c[Counter.PREFETCH_USEFUL] + c[Counter.PREFETCH_WASTED] == 40
+    m.check_invariants()
+
+
+def test_one_prefetch_at_a_time_is_counted(impl):
+    # the settle reads the prefetch's fetch list: it must not be reused or overwritten before then
+    m, host, table, rpi, sl = make(impl=impl)
+    pos = torch.stack([torch.arange(20, 84).view(1, 64), torch.full((1, 64), -1)]).int()
+    m.begin_step()
+    own = m.new_fetch_list(128)
+    m.prefetch(0, table.req_to_token[rpi[0], :40].long(), own)
+    with pytest.raises(ValueError, match="the prefetch of layer 0 is not settled yet"):
+        m.prefetch(1, table.req_to_token[rpi[0], :40].long())
+    with pytest.raises(ValueError, match="the fetch list is the unsettled prefetch's own list"):
+        m.resolve(0, pos, table.req_to_token, rpi, sl, fetch_list=own, settle_prefetch=True)
+    m.resolve(1, pos, table.req_to_token, rpi, sl, settle_prefetch=True)  # another layer: layer 0's stays pending
+    m.resolve(0, pos, table.req_to_token, rpi, sl, settle_prefetch=True)
+    c = m.counters[0]
+    assert c[Counter.PREFETCH_USEFUL] == 20 and c[Counter.PREFETCH_WASTED] == 20
+    m.prefetch(1, table.req_to_token[rpi[0], :40].long())  # settled: the next prefetch may start
     m.check_invariants()
 
 
@@ -409,16 +441,6 @@ def test_prefetch_refuses_a_fetch_list_too_short(impl):
     with pytest.raises(ValueError, match="fetch list holds 4 entries, the candidates 40"):
         m.prefetch(0, torch.arange(40), m.new_fetch_list(4))
     assert not bool((m.slot_to_loc >= 0).any()), "nothing may be assigned before the check"
-
-
-def test_entry_blocks_follow_the_selection():
-    # entries per program of the miss and finish launches follow the selection: a small one is spread over the GPU,
-    # a large one does not pay for thousands of tiny programs (benchmarks/NOTES.md)
-    from ess_sglang.kernels.translate import block_for
-
-    assert block_for(2048, 256, 1024, 128) == 256  # batch 1, top-k 2048
-    assert block_for(64 * 2048, 256, 1024, 128) == 1024  # batch 64
-    assert block_for(1, 256, 1024, 128) == 256
 
 
 def test_new_tokens_written_back_only_are_fetched_when_selected(impl):

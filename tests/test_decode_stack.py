@@ -142,8 +142,9 @@ def test_prefetch_waste_stays_under_the_cap_and_the_threshold_follows_the_kth_sc
     assert bool(torch.isfinite(pf.threshold[:, rows]).all())
 
 
-def test_prefetch_threshold_is_an_ema_of_the_kth_score():
-    pf = EchoPrefetcher(1, 4, 1000, alpha=0.5)
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_prefetch_threshold_is_an_ema_of_the_kth_score(impl):
+    pf = EchoPrefetcher(1, 4, 1000, alpha=0.5, impl=impl)
     rows = torch.tensor([2, 0])
     pf.update(0, torch.tensor([[4.0], [1.0]]), rows)
     assert pf.threshold[0].tolist()[:3] == [1.0, float("inf"), 4.0]
@@ -151,6 +152,39 @@ def test_prefetch_threshold_is_an_ema_of_the_kth_score():
     assert pf.threshold[0, 2] == 3.0 and pf.threshold[0, 0] == 2.0
     pf.reset_rows(torch.tensor([2]))
     assert pf.threshold[0, 2] == float("inf")
+
+
+def test_prefetch_caps_equal_on_both_paths_where_float32_would_round_up():
+    # 0.1 x a multiple of 10 is exact in float64 and one more in float32 (0.1f > 0.1): the kernel reads float64
+    pf = EchoPrefetcher(1, 2, 400, cap_fraction=0.1, cap_min_tokens=1)
+    req_to_token = torch.arange(800).view(2, 400).int()
+    logits = torch.ones((2, 1, 400))
+    pf.threshold[0] = 0.0
+    args = (0, logits, req_to_token, torch.tensor([0, 1]), torch.tensor([100, 230]),
+            torch.full((801,), -1, dtype=torch.int32), 800)
+    want = pf.candidates(*args, impl="torch")
+    assert (want.view(2, -1) >= 0).sum(1).tolist() == [10, 23]
+    assert torch.equal(pf.candidates(*args, impl="triton"), want)
+
+
+def test_threshold_update_kernel_equals_the_torch_definition():
+    g = torch.Generator().manual_seed(4)
+    a, b = (EchoPrefetcher(2, 9, 1000, alpha=0.3, impl=impl) for impl in ("torch", "triton"))
+    for step in range(4):
+        rows = torch.randperm(9, generator=g)[:5]
+        kth = torch.randn(5, 2, generator=g)
+        for pf in (a, b):
+            pf.update(1, kth, rows)
+        if step == 1:
+            for pf in (a, b):
+                pf.reset_rows(rows[:2])
+    # one launch may fuse the multiply-add (one rounding fewer): equal up to the last bit
+    assert torch.isfinite(a.threshold[1]).sum() == torch.isfinite(b.threshold[1]).sum() > 0
+    assert torch.allclose(a.threshold, b.threshold, rtol=1e-6, atol=0)
+    # the kernel never writes a request row outside the table (the torch path raises an IndexError there)
+    before = b.threshold.clone()
+    b.update(1, torch.randn(2, 1, generator=g), torch.tensor([-1, 9]))
+    assert torch.equal(b.threshold, before)
 
 
 def test_prefetch_candidates_are_above_threshold_missing_recent_first_and_capped():

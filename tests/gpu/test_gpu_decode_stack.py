@@ -87,7 +87,7 @@ def _inputs(w, s, q_index=None):
     return out
 
 
-def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="insert"):
+def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand"):
     slots = math.ceil(0.25 * B * CTX / 64) * 64
     m = HotPoolCacheManager(w["host"], slots, max_selected=B * TOPK)
     recent = slots // B - 64
@@ -146,8 +146,11 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
 
 
 @pytest.mark.parametrize("modes", [["da", "dba"], ["sync", "da"]])
-def test_whole_step_in_one_cuda_graph(world, modes):
-    """Capture a step with prefetch and mixed modes; replaying it over later steps equals the same steps eagerly."""
+def test_whole_step_in_one_cuda_graph(world, reference, modes):
+    """Capture a step with prefetch and mixed modes; replaying it over later steps gives what the all-HBM stack and
+    the same steps run eagerly give (exact layers bit-identical; DA within 1e-2 of single-pass attention: graph and
+    eager may split a layer's misses differently: equally old victims are taken in the order blocks reach the
+    atomics); every prefetched entry replayed is counted useful or wasted exactly once."""
     seq_lens = torch.zeros(B, dtype=torch.int64, device="cuda")
     new_locs = torch.zeros(B, dtype=torch.int64, device="cuda")
     q_index = [torch.zeros(B, 1, 64, 128, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
@@ -166,12 +169,16 @@ def test_whole_step_in_one_cuda_graph(world, modes):
         graph.replay()
         want = eager.step(_batch(world, s), _inputs(world, s))
         for layer in range(LAYERS):
+            exact = reference[0][s][layer]
             if modes[layer] == "da":
-                err = float((outs[layer].float() - want[layer].float()).abs().max() / want[layer].float().abs().max())
-                assert err <= 1e-2, f"step {s} layer {layer}: {err}"
+                for name, got in (("graph", outs[layer]), ("eager", want[layer])):
+                    err = float((got.float() - exact.float()).abs().max() / exact.float().abs().max())
+                    assert err <= 1e-2, f"{name}: step {s} layer {layer}: {err}"
             else:
-                assert torch.equal(outs[layer], want[layer]), f"step {s} layer {layer}"
-    assert int(graphed.m.counters[:, Counter.PREFETCHED].sum()) > 0
+                assert torch.equal(outs[layer], exact) and torch.equal(want[layer], exact), f"step {s} layer {layer}"
+    c = graphed.m.counters.sum(0).cpu()
+    assert int(c[Counter.PREFETCHED]) > 0
+    assert int(c[Counter.PREFETCH_USEFUL]) + int(c[Counter.PREFETCH_WASTED]) == int(c[Counter.PREFETCHED])
     graphed.m.check_invariants()
 
 
