@@ -91,8 +91,8 @@ class StackOptions:
     overlap_programs: int = 32  # persistent programs of a copy that overlaps compute (the rest of the SMs compute)
     sync_copy: str = "inline"  # sync mode: "inline" (in the resolve's assign kernel: measured faster) or "counted"
     new_tokens: str = "on_demand"  # only written back, and fetched like any miss when selected (one resolve fewer a
-    # layer: 1.262 against 1.280 x all-HBM at batch 64 / 32K, 1.155 against 1.191 at 128 / 128K); "insert": each new
-    # token gets a hot slot (a resolve of its own on the side stream)
+    # layer: 1.243 against 1.261 x all-HBM at batch 64 / 32K, 1.122 against 1.127 at 128 / 128K, benchmarks/RESULTS.md);
+    # "insert": each new token gets a hot slot (a resolve of its own on the side stream)
     attention: str = "auto"  # "flashmla", "reference", or "auto" (FlashMLA on CUDA)
     indexer: str = "auto"  # "triton", "torch", or "auto"
     topk: str = "auto"  # "triton" (Triton radix select), "torch" (torch.topk), or "auto" (torch: faster so far)
