@@ -7,6 +7,8 @@ previous one (the target hit rate) and replaces the rest with fresh positions of
 wrap-around costs one step in 64). The achieved hit rate is read from the manager's counters and reported.
 
     python benchmarks/cache_manager.py --out benchmarks/results     (table; cache_manager.json / .png)
+    python benchmarks/cache_manager.py --profile --batches 64 --pool-slots 163840,419840,1703936,3407872
+                                                                    (per-kernel times over pools of these sizes)
 """
 
 from __future__ import annotations
@@ -28,17 +30,17 @@ HIT_RATES = [0.5, 0.9, 0.95, 0.99]
 SEQUENCE = 64  # selections replayed in rotation
 
 
-def selections(batch, q_tokens, hit, gen):
+def selections(batch, q_tokens, hit, gen, context=CONTEXT):
     """SEQUENCE selections [batch, q_tokens, TOP_K]; consecutive ones share about `hit` of their positions."""
-    cur = torch.stack([torch.randperm(CONTEXT, device="cuda", generator=gen)[:TOP_K] for _ in range(batch)])
+    cur = torch.stack([torch.randperm(context, device="cuda", generator=gen)[:TOP_K] for _ in range(batch)])
     out = []
     for _ in range(SEQUENCE):
-        fresh = torch.randint(0, CONTEXT, (batch, TOP_K), device="cuda", generator=gen)
+        fresh = torch.randint(0, context, (batch, TOP_K), device="cuda", generator=gen)
         keep = torch.rand((batch, TOP_K), device="cuda", generator=gen) < hit
         cur = torch.where(keep, cur, fresh)
         sel = cur.view(batch, 1, TOP_K).expand(batch, q_tokens, TOP_K).clone()
         if q_tokens > 1:  # a draft token selects mostly the same positions, some others
-            other = torch.randint(0, CONTEXT, (batch, TOP_K), device="cuda", generator=gen)
+            other = torch.randint(0, context, (batch, TOP_K), device="cuda", generator=gen)
             swap = torch.rand((batch, TOP_K), device="cuda", generator=gen) < 0.1
             sel[:, 1] = torch.where(swap, other, sel[:, 1])
         out.append(sel.int().contiguous())
@@ -90,9 +92,12 @@ def main(argv=None):
     p.add_argument("--hits", default=",".join(map(str, HIT_RATES)))
     p.add_argument("--q-tokens", default="1,2")
     p.add_argument("--profile", action="store_true", help="per-kernel times of one resolve (torch.profiler), then exit")
+    p.add_argument("--pool-slots", default="",
+                   help="with --profile: hot-pool sizes (slots) to profile instead of 1.25 selections, pools filled")
     args = p.parse_args(argv)
     if args.profile:
-        return profile([int(x) for x in args.batches.split(",")])
+        return profile([int(x) for x in args.batches.split(",")],
+                       pool_slots=[int(x) for x in args.pool_slots.split(",") if x])
     gen = torch.Generator(device="cuda").manual_seed(0)
     batches = [int(x) for x in args.batches.split(",")]
     host = HostTotalPool(1, max(batches) * CONTEXT, device="cuda")  # one pinned pool (2.7 GiB at batch 128)
@@ -118,32 +123,52 @@ def main(argv=None):
                   f"{r['misses_per_step']:>8.0f} {nc['us']:>10.1f} {r['us']:>12.1f} {r['gbps']:>6.1f}")
 
 
-def profile(batches, hit=0.95):
-    """Per-kernel device time of the resolve of one layer, eager (the graph replays the same kernels)."""
+def profile(batches, hit=0.95, pool_slots=()):
+    """Per-kernel device time of the resolve of one layer, eager (the graph replays the same kernels), and the graph
+    replay's time. `pool_slots`: profile these pool sizes (filled first, ages spread over the filling steps) instead
+    of 1.25 selections: the age histogram and the victim scan read every slot."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    host = HostTotalPool(1, max(batches) * CONTEXT, device="cuda")
+    tokens = max(max(batches) * CONTEXT, 2 * max(pool_slots, default=0))
+    host = HostTotalPool(1, tokens, device="cuda")
     for batch in batches:
-        tokens = batch * CONTEXT
-        slots = (batch * TOP_K * 5 // 4 + 63) // 64 * 64
-        m = HotPoolCacheManager(host, slots, device="cuda", max_selected=batch * TOP_K)
-        r2t = torch.arange(tokens, device="cuda", dtype=torch.int32).view(batch, CONTEXT)
-        rpi, seq = torch.arange(batch, device="cuda"), torch.full((batch,), CONTEXT, device="cuda")
-        sels = selections(batch, 1, hit, gen)
-        for s in sels:
-            m.begin_step()
-            m.resolve(0, s, r2t, rpi, seq)
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for s in sels:
+        context = tokens // batch
+        n = batch * TOP_K
+        r2t = torch.arange(batch * context, device="cuda", dtype=torch.int32).view(batch, context)
+        rpi, seq = torch.arange(batch, device="cuda"), torch.full((batch,), context, device="cuda")
+        sels = selections(batch, 1, hit, gen, context)
+        for slots in pool_slots or [(n * 5 // 4 + 63) // 64 * 64]:
+            m = HotPoolCacheManager(host, slots, device="cuda", max_selected=n, copy_impl="none")
+            perm = torch.randperm(batch * context, device="cuda", generator=gen)
+            for c in range(0, slots if pool_slots else 0, n):  # fill the pool
+                m.begin_step()
+                m.reserve(0, perm[c:min(c + n, slots)])
+            for s in sels[:16]:
                 m.begin_step()
                 m.resolve(0, s, r2t, rpi, seq)
             torch.cuda.synchronize()
-        print(f"\nbatch {batch}, hit {hit}: device time per resolve, by kernel")
-        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
-            print(f"  {e.device_time_total / len(sels):8.1f} us  x{e.count / len(sels):4.1f}  {e.key[:90]}")
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for s in sels[16:32]:
+                    m.begin_step()
+                    m.resolve(0, s, r2t, rpi, seq)
+                torch.cuda.synchronize()
+            static = sels[0].clone()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                m.begin_step()
+                m.resolve(0, static, r2t, rpi, seq)
+            times = []
+            for s in sels[32:48]:
+                static.copy_(s)
+                times.append(replay_us(g))
+            print(f"\nbatch {batch}, hit {hit}, {slots:,} slots (resolve only): graph replay "
+                  f"{statistics.median(times):.1f} us; device time per resolve, by kernel")
+            for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+                print(f"  {e.device_time_total / 16:8.1f} us  x{e.count / 16:4.1f}  {e.key[:90]}")
+            del m, g
+            torch.cuda.empty_cache()
 
 
 def plot(rows, path):
