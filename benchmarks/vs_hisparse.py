@@ -4,7 +4,8 @@ Two policies replay the same traces (`ess_sglang.traces`):
 
 - ESS: one LRU hot pool per layer shared by the whole batch (`HotPoolCacheManager`, plain-torch path on the CPU), with
   ESS's warm-up (the union of the prefill's last query windows' top-k; the most recent prompt tokens when a trace
-  has no windows), new tokens stored into protected hot slots every step; hits and misses from its counters.
+  has no windows), new tokens written back and fetched when selected (the runtime's default; a second replay keeps
+  each in a protected hot slot, `new_tokens="insert"`); hits and misses from its counters.
 - HiSparse: an emulation of its per-request, per-layer buffer (`ess_sglang.hisparse_policy`, read from the sglang
   0.5.23 source: exact LRU at step granularity over `device_buffer_size` slots, newest token in an extra page and
   dropped after one step, warm-up = the prompt's first `device_buffer_size` tokens on a non-PD server ("staged"),
@@ -400,7 +401,8 @@ def run_family(fam: Family) -> dict:
     slots = trace.batch * (H + page)
     t0 = time.time()
     look0 = int((trace.topk[0] >= 0).sum())
-    ess = replay_ess(trace, slots)
+    ess = replay_ess(trace, slots)  # new tokens as the runtime stores them (EssConfig.new_tokens: on demand)
+    ess_insert = replay_ess(trace, slots, new_tokens="insert")  # each new token also kept in a hot slot
     hs = replay_hisparse(trace, H, warm="staged", extra_page=page)
     hs_pd = replay_hisparse(trace, H, warm="pd_direct", extra_page=page)
     variants = []
@@ -414,8 +416,9 @@ def run_family(fam: Family) -> dict:
                hisparse_buffer=H, hisparse_page=page, ess_slots_per_layer=slots,
                scaled=trace.top_k != DEEPSEEK_TOP_K, rows_sorted=bool(trace.meta.get("rows_sorted", False)),
                seconds=dict(trace=t_make, replay=t_replay), first_step_lookups=look0,
-               ess=ess.to_dict(), hisparse=hs.to_dict(), hisparse_pd=hs_pd.to_dict(), ess_warmup_variants=variants)
-    for key, st in (("ess", ess), ("hisparse", hs), ("hisparse_pd", hs_pd)):
+               ess=ess.to_dict(), ess_insert=ess_insert.to_dict(), hisparse=hs.to_dict(), hisparse_pd=hs_pd.to_dict(),
+               ess_warmup_variants=variants)
+    for key, st in (("ess", ess), ("ess_insert", ess_insert), ("hisparse", hs), ("hisparse_pd", hs_pd)):
         out[key].update(_summary(st, look0))
     return out
 
@@ -449,6 +452,15 @@ def print_tables(results: list[dict]) -> None:
               f"{e['hit_rate_after_step0']:.4f} | {h['hit_rate_after_step0']:.4f} | {_mb(e['miss_bytes'])} | "
               f"{_mb(h['miss_bytes'])} | {_mb(p['miss_bytes'])} | {_mb(e['warmup_bytes'])} | "
               f"{_mb(p['warmup_bytes'])} | {ratio:.2f} |")
+    print("\nESS with each new token inserted into a hot slot (new_tokens=insert) against the default (on demand):")
+    print("| family | ESS hit (on demand) | ESS hit (insert) | HiSparse hit (staged) | miss MB (on demand) | "
+          "miss MB (insert) |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        e, i = r["ess"], r.get("ess_insert")
+        if i is not None:
+            print(f"| {r['name']} | {e['hit_rate']:.4f} | {i['hit_rate']:.4f} | {r['hisparse']['hit_rate']:.4f} | "
+                  f"{_mb(e['miss_bytes'])} | {_mb(i['miss_bytes'])} |")
     print("\nESS warm-up variants (same pool; budget = entries per request and layer):")
     print("| family | warm-up | budget | hit | hit after step 0 | miss MB | warm-up MB | total MB | "
           "HiSparse staged total MB | HiSparse PD total MB |")

@@ -524,13 +524,15 @@ class ReplayStats:
 
 
 def replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str = "auto", resolve_impl: str = "torch",
-               device: str = "cpu", warmup_budget: int | None = None, on_step=None) -> ReplayStats:
+               device: str = "cpu", warmup_budget: int | None = None, on_step=None,
+               new_tokens: str | None = None) -> ReplayStats:
     """Replay `trace` through ESS's shared per-layer LRU hot pool (`HotPoolCacheManager`) and count its work.
 
     The pool has `slots_per_layer` slots per layer shared by all requests. Per step, as in decode: `begin_step`, then
-    per layer the step's new tokens are stored (`write_new_tokens`: D2H, and a protected hot slot), then the layer's
-    selection is resolved. Hits and misses are read from the manager's counters (LOOKUPS, MISSES). No entry bytes
-    move (`copy_impl="none"`, 1-byte host entries): bytes are misses x 656.
+    per layer the step's new tokens are stored (`write_new_tokens`: D2H; with new_tokens="insert" also a protected hot
+    slot, with "on_demand" fetched as a miss when selected; default: EssConfig's, what the runtime does), then the
+    layer's selection is resolved. Hits and misses are read from the manager's counters (LOOKUPS, MISSES). No entry
+    bytes move (`copy_impl="none"`, 1-byte host entries): bytes are misses x 656.
 
     warmup: "windows" (ESS's LRU warm-up: the union of the prefill's last query windows' top-k, `warmup_positions`,
     budget slots_per_layer // batch per request), "recent" (the most recent prompt tokens), "none", or "auto"
@@ -540,16 +542,21 @@ def replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str = "auto", res
     import torch
 
     trace.validate()
+    if new_tokens is None:
+        from ess_sglang.config import EssConfig
+        new_tokens = EssConfig.model_fields["new_tokens"].default
+    if new_tokens not in ("insert", "on_demand"):
+        raise ValueError(f"new_tokens must be 'insert' or 'on_demand', got {new_tokens!r}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small ops: torch's CPU thread pool costs more than it gains (x[idx]: 8 ms vs 75 us)
     try:
-        return _replay_ess(trace, slots_per_layer, warmup, resolve_impl, device, warmup_budget, on_step)
+        return _replay_ess(trace, slots_per_layer, warmup, resolve_impl, device, warmup_budget, on_step, new_tokens)
     finally:
         torch.set_num_threads(threads)
 
 
 def _replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str, resolve_impl: str, device: str,
-                warmup_budget: int | None, on_step=None) -> ReplayStats:
+                warmup_budget: int | None, on_step, new_tokens: str) -> ReplayStats:
     import torch
 
     from ess_sglang.cache_manager import Counter, HotPoolCacheManager
@@ -594,7 +601,7 @@ def _replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str, resolve_imp
         table.req_to_token[rpi, seq - 1] = new_locs.to(torch.int32)
         m.begin_step()
         for layer in range(L):
-            m.write_new_tokens(layer, new_locs, new_entries)
+            m.write_new_tokens(layer, new_locs, new_entries, insert=new_tokens == "insert")
             m.resolve(layer, topk[s, layer].unsqueeze(1), table.req_to_token, rpi, seq)
         if s == 0:
             first_step = int(m.counters[:, Counter.MISSES].sum())
@@ -608,5 +615,6 @@ def _replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str, resolve_imp
                        misses=c[:, Counter.MISSES].astype(np.int64),
                        warmup_entries=c[:, Counter.WARMUP_ENTRIES].astype(np.int64), slots_per_layer=slots_per_layer,
                        extra=dict(warmup=warmup, warmup_budget=warmup_budget, first_step_misses=first_step,
+                                  new_tokens_mode=new_tokens,
                                   evictions=int(c[:, Counter.EVICTIONS].sum()),
                                   new_tokens=int(c[:, Counter.NEW_TOKENS].sum())))

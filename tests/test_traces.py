@@ -217,6 +217,18 @@ def test_ess_replay_counts_every_lookup_and_warm_up():
         replay_ess(t, 3 * 60)  # cannot hold one step's selections
 
 
+def test_ess_replay_stores_new_tokens_as_the_runtime_does():
+    # default (EssConfig.new_tokens, "on_demand"): written back only, a selected one is a miss; "insert": a hot slot
+    t = small()
+    slots = 3 * 130
+    on_demand, insert = replay_ess(t, slots), replay_ess(t, slots, new_tokens="insert")
+    assert on_demand.extra["new_tokens_mode"] == "on_demand" and on_demand.extra["new_tokens"] == 0
+    assert insert.extra["new_tokens"] == t.steps * t.batch * t.num_layers
+    assert on_demand.lookups.tolist() == insert.lookups.tolist()
+    with pytest.raises(ValueError, match="new_tokens must be 'insert' or 'on_demand', got 'later'"):
+        replay_ess(t, slots, new_tokens="later")
+
+
 def test_demo_recorder_captures_the_indexer_selection():
     t = record_demo_trace(batch=2, context_len=256, steps=3, layers=2, top_k=32, warmup_windows=4, num_heads=2)
     assert t.topk.shape == (3, 2, 2, 32) and t.warmup_topk.shape == (2, 2, 4, 32)
