@@ -93,7 +93,8 @@ COUNTER_SERIES: tuple[CounterSeries, ...] = (
                   "Entries that found no free hot slot (0 whenever the config's sizing checks passed)."),
     CounterSeries(PREFIX + "evictions_total", "EVICTIONS", "Resident entries evicted (LRU) to make room."),
     CounterSeries(PREFIX + "new_entries_total", "NEW_TOKENS",
-                  "Newly decoded entries inserted into hot pools (and written back to the host pool)."),
+                  "Newly decoded entries given a hot slot of their own (new_tokens=insert; 0 with the default "
+                  "on_demand, where they are only written back: see the d2h transfer bytes)."),
     CounterSeries(PREFIX + "prefetch_useful_bytes_total", "PREFETCH_USEFUL",
                   "Bytes prefetched before the exact top-k was known that the top-k then selected.", bytes=True),
     CounterSeries(PREFIX + "prefetch_wasted_bytes_total", "PREFETCH_WASTED",
