@@ -123,12 +123,12 @@ class LayerViews:
 
 
 def build_cache_manager(host: HostPoolView, slots: int, hot_views: LayerViews, device: torch.device,
-                        max_selected: int, copy_impl: str = "auto"):
+                        max_selected: int, copy_impl: str = "auto", resolve_impl: str = "auto"):
     """A HotPoolCacheManager whose hot pools are `hot_views` (regions of SGLang's device pool)."""
     from ess_sglang.cache_manager import HotPoolCacheManager
 
     return HotPoolCacheManager(host, slots, device=device, max_selected=max_selected, copy_impl=copy_impl,
-                               hot_entries=hot_views)
+                               resolve_impl=resolve_impl, hot_entries=hot_views)
 
 
 def _contiguous(indices: torch.Tensor) -> int | None:
@@ -161,7 +161,7 @@ class EssCoordinator:
     def __init__(self, *, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, config: Any,
                  hot_slots_per_layer: int, host_tokens: int, device: torch.device | str, top_k: int,
                  max_running_requests: int | None = None, pin_memory: bool | None = None, copy_impl: str = "auto",
-                 host_pool: Any = None):
+                 host_pool: Any = None, resolve_impl: str = "auto"):
         dev = torch.device(device)
         self.config = config
         self.device = dev
@@ -207,7 +207,7 @@ class EssCoordinator:
         views = LayerViews([kv[base:base + hot_slots_per_layer] for kv in self.device_kv])
         self.host = HostPoolView(host_pool, L, E, dev)
         self.manager = build_cache_manager(self.host, hot_slots_per_layer, views, dev, max_selected=rows * top_k,
-                                           copy_impl=copy_impl)
+                                           copy_impl=copy_impl, resolve_impl=resolve_impl)
         self.max_selected = rows * top_k
 
         self.admission = EssAdmission(
