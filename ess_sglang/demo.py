@@ -100,7 +100,7 @@ def run_demo(batch: int = 8, context_len: int = 8192, steps: int = 64, ratio: fl
     table = RequestTable(batch, context_len + steps, device=dev)
     ref = DemoDecoder(spec, weights, DeviceCacheBackend(layers, plan.host_tokens, dev), plan.host_tokens, dev,
                       attention)
-    ess = DemoDecoder(spec, weights, EssBackend(manager), plan.host_tokens, dev, attention)
+    ess = DemoDecoder(spec, weights, EssBackend(manager, cfg.new_tokens), plan.host_tokens, dev, attention)
 
     hidden = context_hidden(spec, lengths, seed + 2, dev, dtype)
     rows = []

@@ -126,15 +126,18 @@ class EssBackend:
 
     name = "ess"
 
-    def __init__(self, manager: HotPoolCacheManager):
+    def __init__(self, manager: HotPoolCacheManager, new_tokens: str = "on_demand"):
+        """`new_tokens`: EssConfig.new_tokens ("on_demand": written back, fetched when selected; "insert": also a
+        protected hot slot)."""
         self.manager = manager
+        self.insert_new = new_tokens == "insert"
 
     def load_context(self, layer: int, locs: torch.Tensor, entries: torch.Tensor) -> None:
         """Prefill output lands in the host pool (as PD transfer does), not in the hot pool."""
         self.manager.host.entries[layer, locs.cpu().long()] = entries.cpu()
 
     def store_new(self, layer: int, locs: torch.Tensor, entries: torch.Tensor) -> None:
-        self.manager.write_new_tokens(layer, locs, entries)
+        self.manager.write_new_tokens(layer, locs, entries, insert=self.insert_new)
 
     def attention_table(self, layer, topk_pos, req_to_token, req_pool_indices, seq_lens):
         slots = self.manager.resolve(layer, topk_pos, req_to_token, req_pool_indices, seq_lens)
