@@ -219,6 +219,7 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
     live = torch.cat([coord.req_to_host_pool[r, : int(seq[i])] for i, r in enumerate(rows)])
     m.check_invariants(live_locs=live)
     counts = m.counters.sum(0)
+    _check_cuda_graph_padding(coord, rpi, seq, sel, B)
     stats = {"misses": int(counts[2]), "evictions": int(counts[8]), "lookups": int(counts[0]),
              "new": int(counts[9]), "written_back": int(counts[4]), "bad": int(counts[5]),
              "overflow": int(counts[6])}
@@ -241,6 +242,31 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
     assert int((m.slot_to_loc >= 0).sum()) == 0
     set_active(None)
     return identical, stats
+
+
+def _check_cuda_graph_padding(coord, rpi, seq, sel, B):
+    """Batch entries past num_real_reqs (CUDA-graph padding: row 0, seq_len 1, whatever top-k the indexer left) are
+    not live: no write-back, no lookup, every returned row -1; the real entries beside them are served as usual."""
+    m = coord.manager
+    maps = [t.clone() for t in (m.loc_to_slot, m.slot_to_loc, m.counters)]
+    host = coord.mem_pool_host.kv_buffer[0].clone()
+    coord.num_real_reqs.fill_(0)
+    pad_rows, pad_seq = torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
+    junk = torch.arange(2 * TOPK, dtype=torch.int32).view(2, TOPK)  # positions a padded row must never read
+    out = coord.swap_in_selected_pages(pad_rows, pad_seq, junk, coord.start_layer)
+    assert bool((out == -1).all())
+    assert all(torch.equal(a, b) for a, b in zip(maps, (m.loc_to_slot, m.slot_to_loc, m.counters), strict=True))
+    assert torch.equal(host, coord.mem_pool_host.kv_buffer[0])
+    # B real entries then one padded entry, in the last layer (no new step begins)
+    coord.num_real_reqs.fill_(B)
+    before = m.counters[LAYERS - 1].clone()
+    topk = torch.cat([sel.topk(LAYERS - 1, seq.tolist()), junk[:1]])
+    out = coord.swap_in_selected_pages(torch.cat([rpi, pad_rows[:1]]), torch.cat([seq, pad_seq[:1]]), topk,
+                                       coord.start_layer + LAYERS - 1)
+    delta = m.counters[LAYERS - 1] - before
+    assert bool((out[B] == -1).all()) and bool((out[:B] >= 0).any())
+    assert int(delta[4]) == B  # Counter.D2H_ENTRIES: one write-back per real request, none for the padding
+    assert int(delta[0]) == int((topk[:B] >= 0).sum())  # Counter.LOOKUPS: the real entries' valid positions only
 
 
 @pytest.mark.parametrize("mode,steps,new_tokens,resolve_impl", [
