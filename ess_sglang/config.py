@@ -140,6 +140,20 @@ class MetricsConfig(BaseModel):
     """Also export per-layer series (61 x more series for DeepSeek-V3.2)."""
 
 
+NEW_TOKEN_MODES = ("on_demand", "insert")
+DEFAULT_NEW_TOKENS = "on_demand"
+
+
+def new_token_mode(mode: str | None) -> str:
+    """EssConfig.new_tokens for code outside the config (decode stack, trace replay): None -> the default, anything
+    but "insert" / "on_demand" -> ValueError."""
+    if mode is None:
+        return DEFAULT_NEW_TOKENS
+    if mode not in NEW_TOKEN_MODES:
+        raise ValueError(f"new_tokens must be 'insert' or 'on_demand', got {mode!r}")
+    return mode
+
+
 class EssConfig(BaseModel):
     """The whole ESS configuration (the mapping under ``ess_config:``).
 
@@ -175,7 +189,7 @@ class EssConfig(BaseModel):
     """Cap on prefetched entries per request and layer, as a fraction of the request's context length."""
     prefetch_cap_min_tokens: NonNegativeInt = 64
     """The prefetch cap is never below this many entries."""
-    new_tokens: Literal["on_demand", "insert"] = "on_demand"
+    new_tokens: Literal["on_demand", "insert"] = DEFAULT_NEW_TOKENS
     """Each decoded token's latent entry is written back to the host pool; "on_demand": fetched like any miss when
     a later selection names it (no resolve of its own: measured faster); "insert": also given a protected hot slot."""
     scrub_on_free: StrictBool = False

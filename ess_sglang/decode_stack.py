@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from ess_sglang.cache_manager import HotPoolCacheManager, positions_to_locations
+from ess_sglang.config import DEFAULT_NEW_TOKENS, new_token_mode
 from ess_sglang.formats import QK_HEAD_DIM
 from ess_sglang.prefetch import EchoPrefetcher
 from ess_sglang.reference.dsa import latent_store_rows, sparse_mla_flashmla, sparse_mla_reference
@@ -90,9 +91,9 @@ class StackOptions:
     dba_attention: str = "whole"  # "whole": one attention over the batch (exact); "split": per half (hides more)
     overlap_programs: int = 32  # persistent programs of a copy that overlaps compute (the rest of the SMs compute)
     sync_copy: str = "inline"  # sync mode: "inline" (in the resolve's assign kernel: measured faster) or "counted"
-    new_tokens: str = "on_demand"  # only written back, and fetched like any miss when selected (one resolve fewer a
-    # layer: 1.243 against 1.261 x all-HBM at batch 64 / 32K, 1.122 against 1.127 at 128 / 128K, benchmarks/RESULTS.md);
-    # "insert": each new token gets a hot slot (a resolve of its own on the side stream)
+    new_tokens: str = DEFAULT_NEW_TOKENS  # "on_demand": only written back, and fetched like any miss when selected
+    # (one resolve fewer a layer: 1.243 against 1.261 x all-HBM at batch 64 / 32K, 1.122 against 1.127 at 128 / 128K,
+    # benchmarks/RESULTS.md); "insert": each new token gets a hot slot (a resolve of its own on the side stream)
     attention: str = "auto"  # "flashmla", "reference", or "auto" (FlashMLA on CUDA)
     indexer: str = "auto"  # "triton", "torch", or "auto"
     topk: str = "auto"  # "triton" (Triton radix select), "torch" (torch.topk), or "auto" (torch: faster so far)
@@ -112,8 +113,7 @@ class StackOptions:
         self.dba_fractions = fr
         if self.dba_attention not in ("whole", "split"):
             raise ValueError(f"dba_attention must be 'whole' or 'split', got {self.dba_attention!r}")
-        if self.new_tokens not in ("insert", "on_demand"):
-            raise ValueError(f"new_tokens must be 'insert' or 'on_demand', got {self.new_tokens!r}")
+        new_token_mode(self.new_tokens)
         if self.sync_copy not in ("counted", "inline"):
             raise ValueError(f"sync_copy must be 'counted' or 'inline', got {self.sync_copy!r}")
         if self.topk not in ("auto", "triton", "torch"):

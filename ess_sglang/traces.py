@@ -542,11 +542,9 @@ def replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str = "auto", res
     import torch
 
     trace.validate()
-    if new_tokens is None:
-        from ess_sglang.config import EssConfig
-        new_tokens = EssConfig.model_fields["new_tokens"].default
-    if new_tokens not in ("insert", "on_demand"):
-        raise ValueError(f"new_tokens must be 'insert' or 'on_demand', got {new_tokens!r}")
+    from ess_sglang.config import new_token_mode
+
+    new_tokens = new_token_mode(new_tokens)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small ops: torch's CPU thread pool costs more than it gains (x[idx]: 8 ms vs 75 us)
     try:

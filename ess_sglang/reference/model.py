@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ess_sglang.cache_manager import HotPoolCacheManager, positions_to_locations
+from ess_sglang.config import new_token_mode
 from ess_sglang.formats import (
     INDEX_HEAD_DIM,
     INDEXER_ENTRY_BYTES,
@@ -126,11 +127,11 @@ class EssBackend:
 
     name = "ess"
 
-    def __init__(self, manager: HotPoolCacheManager, new_tokens: str = "on_demand"):
+    def __init__(self, manager: HotPoolCacheManager, new_tokens: str | None = None):
         """`new_tokens`: EssConfig.new_tokens ("on_demand": written back, fetched when selected; "insert": also a
-        protected hot slot)."""
+        protected hot slot; None: the default)."""
         self.manager = manager
-        self.insert_new = new_tokens == "insert"
+        self.insert_new = new_token_mode(new_tokens) == "insert"
 
     def load_context(self, layer: int, locs: torch.Tensor, entries: torch.Tensor) -> None:
         """Prefill output lands in the host pool (as PD transfer does), not in the hot pool."""
