@@ -91,6 +91,44 @@ def _check_tables(m, host, table, rpi, seq, topk, tables):
         assert torch.equal(m.slot_to_loc[layer][slots[ok].long()].long(), locs[ok])
 
 
+def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact():
+    """The fused resolve at a size where many programs of every launch run at once (hundreds of victim-scan blocks,
+    the persistent assign kernel copying concurrently); two query tokens and two requests on one prefix make
+    entries that name a location another entry claimed and must read the winner's slot. Every step: each selected
+    entry's slot holds its host entry and the maps are inverse; a release mid-run frees its slots (its request's
+    entries are fetched again)."""
+    dev = torch.device("cuda")
+    lengths, top_k, layers = (16000,) * 8, 2048, 2
+    m, host, table, rpi, seq = _setup(layers, lengths=lengths, slots=48_000, top_k=2 * top_k)
+    table.set(int(rpi[1]), 0, table.req_to_token[int(rpi[0]), :8000].clone())  # request 1 shares 0's prefix
+    B = len(lengths)
+    g = torch.Generator(device=dev).manual_seed(5)
+    for step in range(12):
+        seq = seq + 1
+        near = (seq.view(B, 1) - 1 - torch.arange(top_k, device=dev).view(1, -1) * 2 - step * 97).clamp(min=0)
+        far = torch.randint(0, 16000, (B, top_k), device=dev, generator=g)
+        row0 = torch.where(torch.rand((B, top_k), device=dev, generator=g) < 0.3, far, near)
+        other = torch.randint(0, 16000, (B, top_k), device=dev, generator=g)
+        row1 = torch.where(torch.rand((B, top_k), device=dev, generator=g) < 0.5, other, row0)
+        topk = torch.stack([row0, row1], 1).int().contiguous()  # [B, 2, top_k]: half the entries named twice
+        m.begin_step()
+        new_locs = table.req_to_token[rpi.long(), (seq - 1).long()]
+        tables = []
+        for layer in range(layers):
+            entries = torch.randint(0, 256, (B, 656), dtype=torch.uint8, device=dev, generator=g)
+            m.write_new_tokens(layer, new_locs, entries, insert=False)
+            tables.append(m.resolve(layer, topk, table.req_to_token, rpi, seq))
+        torch.cuda.synchronize()
+        _check_tables(m, host, table, rpi, seq, torch.stack([topk] * layers), torch.stack(tables))
+        if step == 7:
+            m.release(table.req_to_token[int(rpi[7]), : int(seq[7])])  # forgotten: what it selects next is fetched
+        m.check_invariants()
+    c = m.counters.cpu()
+    assert int(c[:, Counter.EVICTIONS].sum()) > 100_000 and int(c[:, Counter.OVERFLOW].sum()) == 0
+    print(f"many programs: {int(c[:, Counter.MISSES].sum())} misses, {int(c[:, Counter.EVICTIONS].sum())} evictions, "
+          f"hit rate {1 - c[:, Counter.MISSES].sum().item() / c[:, Counter.LOOKUPS].sum().item():.3f}")
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_decode_step_is_captured_in_a_cuda_graph_and_replays_with_new_inputs(impl):
     layers, top_k, steps = 3, 512, 6
