@@ -16,7 +16,9 @@ quantisation kernel, interpreted) in both pools. FlashMLA is replaced by the tor
 (``ess_sglang.reference.dsa.sparse_mla_reference``) in ``_forward_flashmla_kv``; it reads the same tensor FlashMLA
 would (``get_key_buffer(layer_id)``) through the same index table. The outputs must be bit-identical at every layer
 of every step. Prompts reach ESS the colocated way (prefilled into device slots, staged to host by the coordinator)
-or the PD way (written straight into the host pool, as the RDMA transfer does).
+or the PD way (written straight into the host pool, as the RDMA transfer does). In the PD run a request finishes
+half-way and a new one decodes in its place on the host slots it freed: a hot entry left behind by the finished
+request would be read for the new one's and break bit-identity (checked: without the release it breaks at once).
 """
 
 from __future__ import annotations
@@ -94,7 +96,10 @@ def _entries(g, n):
     return pack_latent(torch.randn((n, 512), generator=g) * 2, torch.randn((n, 64), generator=g))
 
 
-def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str = "torch"):
+def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str = "torch",
+         replace_at: int | None = None):
+    """`replace_at` (PD mode): at that step request 1 finishes (ESS releases it, SGLang frees its locations) and a
+    new request takes its row and batch entry, its prompt written into the host slots the finished one freed."""
     from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
     from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
@@ -128,12 +133,13 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
     sel = Selections(max_ctx, seed=11)
     rows = list(range(1, B + 1))  # row 0 is ReqToTokenPool's padding row
     reqs = []
-    for i, (row, n) in enumerate(zip(rows, lens, strict=True)):
-        req = types.SimpleNamespace(rid=f"r{i}", kv=types.SimpleNamespace(req_pool_idx=row, kv_allocated_len=n),
+
+    def admit(i, row, n, rid, max_new):
+        req = types.SimpleNamespace(rid=rid, kv=types.SimpleNamespace(req_pool_idx=row, kv_allocated_len=n),
                                     extend_end=n, origin_input_ids=[0] * n, output_ids=[],
-                                    sampling_params=types.SimpleNamespace(max_new_tokens=steps),
+                                    sampling_params=types.SimpleNamespace(max_new_tokens=max_new),
                                     hisparse_staging=False)
-        assert coord.admission.admit(req.rid, n + steps).decision.value == "admit"
+        assert coord.admission.admit(req.rid, n + max_new).decision.value == "admit"
         one = torch.tensor([0])
         if mode == "colocated":  # prefill into device slots with SGLang's allocator, then stage to host
             logical = allocator.alloc_extend(one, one, torch.tensor([n]), torch.tensor([n]), torch.tensor([-1]), n)
@@ -173,7 +179,10 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
             req.ess_window_topk = windows if i == 2 else None
             coord.admit_request_direct(req)
             assert getattr(req, "ess_warmup_ranked", None) is None  # dropped once warmed up
-        reqs.append(req)
+        return req, (None if mode == "colocated" else host)
+
+    for i, (row, n) in enumerate(zip(rows, lens, strict=True)):
+        reqs.append(admit(i, row, n, f"r{i}", steps)[0])
     warm = coord.manager.counters[:, 7].clone()  # Counter.WARMUP_ENTRIES
     assert bool((warm > 0).all())
     assert coord.staging_free() == staging
@@ -185,6 +194,17 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
     seq = torch.tensor(lens, dtype=torch.int64)
     identical = 0
     for step in range(steps):
+        if step == replace_at:  # request 1 finishes; a new one takes its row, on the host slots it freed
+            old = reqs[1]
+            freed = coord.req_to_host_pool[rows[1], : int(seq[1])].clone()
+            coord.request_finished(old)
+            allocator.free(req_pool.req_to_token[rows[1], : old.kv.kv_allocated_len].long())
+            assert int((coord.manager.loc_to_slot[:, freed] >= 0).sum()) == 0  # nothing of it stays resident
+            n_new = 4000
+            reqs[1], host_new = admit(1, rows[1], n_new, "r1-next", steps - step)
+            assert bool(torch.isin(host_new, freed).any())  # the new prompt lives where the finished one did
+            seq = seq.clone()
+            seq[1] = n_new
         # ScheduleBatch.prepare_for_decode: allocate, write req_to_token, seq_lens + 1, map_last_loc_to_buffer
         last = req_pool.req_to_token[rpi, seq - 1].long()
         out_loc = allocator.alloc_decode(seq + 1, seq + 1, last)  # as alloc_for_decode: the lengths after
@@ -269,12 +289,14 @@ def _check_cuda_graph_padding(coord, rpi, seq, sel, B):
     assert int(delta[0]) == int((topk[:B] >= 0).sum())  # Counter.LOOKUPS: the real entries' valid positions only
 
 
-@pytest.mark.parametrize("mode,steps,new_tokens,resolve_impl", [
-    ("colocated", 64, "on_demand", "torch"), ("pd", 16, "on_demand", "torch"), ("colocated", 16, "insert", "torch"),
+@pytest.mark.parametrize("mode,steps,new_tokens,resolve_impl,replace_at", [
+    ("colocated", 64, "on_demand", "torch", None), ("colocated", 16, "insert", "torch", None),
+    # a request finishes at step 8 and a new one decodes on the host slots it freed: nothing stale may be read
+    ("pd", 16, "on_demand", "torch", 8),
     # the GPU's code path (fused resolve, one-launch new-token store; Triton interpreted) through the same seam
-    ("colocated", 8, "on_demand", "triton")])
-def test_decode_seam_bit_identical(mode, steps, new_tokens, resolve_impl, parallel1):
-    identical, stats = _run(mode, steps, new_tokens, resolve_impl)
+    ("colocated", 8, "on_demand", "triton", None)])
+def test_decode_seam_bit_identical(mode, steps, new_tokens, resolve_impl, replace_at, parallel1):
+    identical, stats = _run(mode, steps, new_tokens, resolve_impl, replace_at)
     assert identical == steps
     # the run exercised the interesting paths: misses fetched from the host pool, evictions, new tokens
     assert stats["misses"] > stats["written_back"] and stats["evictions"] > 0  # more than re-fetched new tokens
