@@ -1,6 +1,8 @@
 """GPU tests of the ESS core (run on the H200: see README, "GPU tests").
 
 - FlashTrans at full size between a pinned host pool of over 1 GiB (UVA) and device memory, both directions.
+- The fused resolve with hundreds of programs per launch at once (duplicates, a shared prefix, a release mid-run):
+  entries and maps exact at every step.
 - A multi-layer decode step (write-back + resolve for every layer) captured in one CUDA graph, replayed with new
   inputs, against the same steps run eagerly with torch's sync debug mode set to "error".
 - Lossless decode with FlashMLA: 256 steps, batch 8, context >= 8K, ratio 0.2, bit-identical to all-in-device.
