@@ -471,14 +471,16 @@ def test_new_tokens_written_back_only_are_fetched_when_selected(impl):
 
 @pytest.mark.parametrize("small_blocks", [False, True])
 def test_a_selection_larger_than_the_pool_overflows_the_same_on_both_paths(small_blocks):
-    """More distinct entries than slots in one step (config checks prevent it; the kernels must not break): every
+    """More distinct entries than slots in every step (config checks prevent it; the kernels must not break): every
     slot is filled, the rest overflow (-1, counted, their claims undone), the duplicate of an overflowed entry gets
-    -1 too, and the next steps evict normally; the fused kernels (several programs each) match the torch path."""
+    -1 too, and the next steps evict; the fused kernels match the torch path state for state (`small_blocks`: every
+    launch in several programs, run one after another by the interpreter)."""
     pair = [make(slots=48, lengths=(300, 500), seed=3, impl=impl) for impl in ("torch", "triton")]
     if small_blocks:
         f = pair[1][0]._fused
         f.age_block, f.victim_block, f.lookup_block, f.assign_programs = 16, 16, 16, (2, 2)
     g = torch.Generator().manual_seed(11)
+    overflow_before = evictions_before = 0
     for step in range(3):
         pos = torch.randint(0, 300, (2, 1, 40), generator=g).int().expand(2, 2, 40).contiguous()  # duplicates
         outs = []
@@ -490,7 +492,9 @@ def test_a_selection_larger_than_the_pool_overflows_the_same_on_both_paths(small
         for name in ("loc_to_slot", "slot_to_loc", "slot_stamp", "counters"):
             a, b = getattr(pair[0][0], name), getattr(pair[1][0], name)
             assert torch.equal(a[:, :-1] if name != "counters" else a, b[:, :-1] if name != "counters" else b), name
-    c = pair[1][0].counters[0]
-    assert int(c[Counter.OVERFLOW]) > 0 and int((outs[1] >= 0).sum()) > 0
-    # an entry and its duplicate (the other query token) get the same answer, slot or -1
-    assert torch.equal(outs[1][:, 0], outs[1][:, 1])
+        c = pair[1][0].counters[0]
+        assert pair[1][0].resident_count(0) == 48 and int(c[Counter.OVERFLOW]) > overflow_before
+        assert step == 0 or int(c[Counter.EVICTIONS]) > evictions_before
+        overflow_before, evictions_before = int(c[Counter.OVERFLOW]), int(c[Counter.EVICTIONS])
+        # an entry and its duplicate (the other query token) get the same answer, slot or -1
+        assert torch.equal(outs[1][:, 0], outs[1][:, 1]) and int((outs[1] >= 0).sum()) > 0

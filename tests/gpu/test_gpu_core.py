@@ -1,8 +1,8 @@
 """GPU tests of the ESS core (run on the H200: see README, "GPU tests").
 
 - FlashTrans at full size between a pinned host pool of over 1 GiB (UVA) and device memory, both directions.
-- The fused resolve with hundreds of programs per launch at once (duplicates, a shared prefix, a release mid-run):
-  entries and maps exact at every step.
+- The fused resolve with about a hundred programs per launch at once (duplicates, a shared prefix, a release
+  mid-run): entries and maps exact at every step.
 - A multi-layer decode step (write-back + resolve for every layer) captured in one CUDA graph, replayed with new
   inputs, against the same steps run eagerly with torch's sync debug mode set to "error".
 - Lossless decode with FlashMLA: 256 steps, batch 8, context >= 8K, ratio 0.2, bit-identical to all-in-device.
@@ -94,11 +94,11 @@ def _check_tables(m, host, table, rpi, seq, topk, tables):
 
 
 def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact():
-    """The fused resolve at a size where many programs of every launch run at once (hundreds of victim-scan blocks,
-    the persistent assign kernel copying concurrently); two query tokens and two requests on one prefix make
-    entries that name a location another entry claimed and must read the winner's slot. Every step: each selected
-    entry's slot holds its host entry and the maps are inverse; a release mid-run frees its slots (its request's
-    entries are fetched again)."""
+    """The fused resolve at a size where many programs of every launch run at once (94 victim-scan blocks, 128-175
+    programs in the lookup, age and finish launches, 132 persistent assign programs copying concurrently); two query
+    tokens and two requests on one prefix make entries that name a location another entry claimed and must read the
+    winner's slot. Every step: each selected entry's slot holds its host entry and the maps are inverse; a release
+    mid-run leaves none of the request's entries resident, and the ones it selects next are fetched again."""
     dev = torch.device("cuda")
     lengths, top_k, layers = (16000,) * 8, 2048, 2
     m, host, table, rpi, seq = _setup(layers, lengths=lengths, slots=48_000, top_k=2 * top_k)
@@ -123,7 +123,13 @@ def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact()
         torch.cuda.synchronize()
         _check_tables(m, host, table, rpi, seq, torch.stack([topk] * layers), torch.stack(tables))
         if step == 7:
-            m.release(table.req_to_token[int(rpi[7]), : int(seq[7])])  # forgotten: what it selects next is fetched
+            released = table.req_to_token[int(rpi[7]), : int(seq[7])].long()
+            misses_before = m.counters[:, Counter.MISSES].sum().item()
+            m.release(released)  # forgotten: what it selects next is fetched again
+            assert bool((m.loc_to_slot[:, released] == -1).all())
+        if step == 8:  # request 7 alone re-fetches its whole selection of this step, in every layer
+            refetched = m.counters[:, Counter.MISSES].sum().item() - misses_before
+            assert refetched >= layers * torch.unique(topk[7]).numel()
         m.check_invariants()
     c = m.counters.cpu()
     assert int(c[:, Counter.EVICTIONS].sum()) > 100_000 and int(c[:, Counter.OVERFLOW].sum()) == 0
