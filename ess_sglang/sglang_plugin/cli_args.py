@@ -188,7 +188,19 @@ def check_raw_flags(a: Any) -> list[str]:
     if threshold is not None and float(threshold) < 1:
         p.append("--disaggregation-decode-host-receive-threshold < 1 is not supported with ESS (KV already lands "
                  "in the host pool): leave it at 1")
+    if getattr(a, "disaggregation_mode", "null") == "decode" and not _deferred_decode_release():
+        p.append("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE is off: an aborted request's host-pool slots "
+                 "would be freed while the prefill's RDMA writes into them may still land, and a later request "
+                 "reusing them would read that data: unset it (SGLang's default holds the slots until the "
+                 "prefill acknowledges the transfer drained)")
     return p
+
+
+def _deferred_decode_release() -> bool:
+    """SGLang's switch for holding an aborted PD request's KV destination until the transfer drained (default on)."""
+    from sglang.srt.environ import envs
+
+    return bool(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get())
 
 
 # ------------------------------------------------------------------------------------------------ resolution

@@ -9,6 +9,7 @@ import pickle
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -207,6 +208,22 @@ def test_incompatible_flags_fail_with_what_to_change(loaded_plugins, ess_env, ex
 
     with pytest.raises(EssLaunchError, match=re.escape(expected)):
         _prepare(["--model-path", "/nonexistent", "--enable-ess", *extra])
+
+
+def test_pd_decode_refuses_immediate_release_of_aborted_transfers(loaded_plugins, ess_env, monkeypatch):
+    """With SGLang's deferred decode-side release off, an aborted request's host slots (the RDMA destination with
+    ESS) would be reused while writes may still land: a PD decode instance refuses to start, naming the variable."""
+    from ess_sglang.sglang_plugin.compat import EssLaunchError
+
+    args = ["--model-path", "/nonexistent", "--enable-ess", "--disaggregation-mode", "decode"]
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "false")
+    with pytest.raises(EssLaunchError, match="SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE is off"):
+        _prepare(args)
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "true")
+    from ess_sglang.sglang_plugin.cli_args import check_raw_flags
+
+    assert not [p for p in check_raw_flags(types.SimpleNamespace(disaggregation_mode="decode"))
+                if "DEFERRED_DECODE_KV_RELEASE" in p]
 
 
 def test_ess_config_without_enable_ess(loaded_plugins, ess_yaml, ess_env):
