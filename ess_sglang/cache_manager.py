@@ -84,6 +84,14 @@ class FetchList:
             self.dst[n:].fill_(-1)
 
 
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' element ranges overlap (views of one buffer included)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def positions_to_locations(topk_pos: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                            seq_lens: torch.Tensor, num_locations: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions [B, Q, K] -> KV locations (int64, -1 where padding or bad) and the mask of bad positions.
@@ -151,8 +159,9 @@ class HotPoolCacheManager:
         self.slot_stamp = torch.full((L, S + 1), FREE_STAMP, dtype=torch.int64, device=dev)
         self.clock = torch.zeros((), dtype=torch.int64, device=dev)
         self.counters = torch.zeros((L, len(Counter)), dtype=torch.int64, device=dev)
-        # the prefetch not yet settled, (layer, its fetch list): the list's pairs say what was prefetched where
-        self._unsettled_prefetch: tuple[int, FetchList] | None = None
+        # the prefetches not yet settled, all of one layer (layer, their fetch lists): each list's pairs say what was
+        # prefetched where
+        self._unsettled_prefetch: tuple[int, list[FetchList]] | None = None
         self._slot_ids = torch.arange(S, dtype=torch.int64, device=dev)
         self._ones = torch.ones(S, dtype=torch.int64, device=dev)
         self._age_ids = torch.arange(AGE_BUCKETS, dtype=torch.int64, device=dev)
@@ -199,7 +208,8 @@ class HotPoolCacheManager:
         req_pool_indices: [batch], the request row of each batch entry. seq_lens: [batch], tokens of each request.
         fetch_list: when given, the misses get their slots but are not copied: their (location, slot) pairs are written
         to it, and `fetch(layer, fetch_list)` copies them later (dual attention overlaps that copy with attention).
-        settle_prefetch: count the layer's last prefetch (this step's) as useful (selected) or wasted entries.
+        settle_prefetch: count the layer's prefetches of this step as useful (selected) or wasted entries, after the
+        resolve (`settle_prefetch(layer)` does it alone: the decode stack runs it beside attention).
         Returns int32 [batch, q_tokens, k]: hot-pool slot of each selected entry, -1 where the input was padding or bad.
         """
         if topk_pos.dim() != 3:
@@ -210,8 +220,8 @@ class HotPoolCacheManager:
                              f"{tuple(req_pool_indices.shape)} and {tuple(seq_lens.shape)}")
         if fetch_list is not None:
             fetch_list.check_holds(topk_pos.numel(), "resolve", "selection")
-            if settle_prefetch and self._unsettled_prefetch is not None and \
-                    self._unsettled_prefetch[1].src is fetch_list.src:
+            if self._unsettled_prefetch is not None and \
+                    any(_shares_memory(r.src, fetch_list.src) for r in self._unsettled_prefetch[1]):
                 raise ValueError("resolve: the fetch list is the unsettled prefetch's own list; the resolve would "
                                  "overwrite the pairs its settle counts: give the prefetch and the resolve their own")
         if self._fused is not None:
@@ -232,7 +242,7 @@ class HotPoolCacheManager:
             cnt[Counter.H2D_ENTRIES] += fetched
             slots = slots.to(torch.int32)
         if settle_prefetch:
-            self._settle_prefetch(layer)
+            self.settle_prefetch(layer)
         return slots.view(topk_pos.shape)
 
     def lookup_resident(self, layer: int, topk_pos: torch.Tensor, req_to_token: torch.Tensor,
@@ -303,17 +313,24 @@ class HotPoolCacheManager:
         newest evictable entries (clock - 1), so the exact resolve of the step can always evict them (a prefetch can
         cost extra misses, never an overflow). The exact resolve that follows (`settle_prefetch=True`) counts each
         fetched entry as useful (selected, its slot still holding it) or wasted, from the fetch list, which must not
-        be reused before then: one prefetch at a time is counted (a second one before the settle is refused).
+        be reused before then. Several prefetches of one layer may precede its settle (the decode stack prefetches
+        each batch chunk as soon as its indexer logits exist), each into a list of its own (slices of one list are
+        fine if they do not overlap); a prefetch of another layer, or one into a list still unsettled, is refused.
         `fetch_list` (at least len(locs) entries) receives what was fetched; by default a scratch list. `programs`:
         the copy's persistent programs (see `fetch`). Returns slots.
         """
-        if self._unsettled_prefetch is not None:
-            raise ValueError(f"prefetch(layer {layer}): the prefetch of layer {self._unsettled_prefetch[0]} is not "
-                             f"settled yet; call resolve(..., settle_prefetch=True) for that layer first")
         flat = self._valid_locations(locs)
         if fetch_list is not None:
             fetch_list.check_holds(flat.numel(), "prefetch", "candidates")
         record = fetch_list if fetch_list is not None else self._prefetch_scratch(flat.numel())
+        if self._unsettled_prefetch is not None:
+            pending_layer, pending = self._unsettled_prefetch
+            if pending_layer != layer:
+                raise ValueError(f"prefetch(layer {layer}): the prefetch of layer {pending_layer} is not settled "
+                                 f"yet; call resolve(..., settle_prefetch=True) for that layer first")
+            if any(_shares_memory(r.src, record.src) or _shares_memory(r.count, record.count) for r in pending):
+                raise ValueError(f"prefetch(layer {layer}): its fetch list overlaps the list of a prefetch of this "
+                                 f"layer that is not settled yet; give each prefetch before the settle its own list")
         if self._fused is not None:
             slots = self._fused_run(layer, flat, MODE_LOCATIONS, count=False,
                                     fetch=(Counter.PREFETCHED, Counter.H2D_ENTRIES),
@@ -323,7 +340,11 @@ class HotPoolCacheManager:
             self.counters[layer, Counter.PREFETCHED] += fetched
             self.counters[layer, Counter.H2D_ENTRIES] += fetched
         self.fetch(layer, record, programs)
-        self._unsettled_prefetch = (layer, record)  # read by the exact resolve's settle
+        # read by the exact resolve's settle
+        if self._unsettled_prefetch is None:
+            self._unsettled_prefetch = (layer, [record])
+        else:
+            self._unsettled_prefetch[1].append(record)
         return slots
 
     def _prefetch_scratch(self, n: int) -> FetchList:
@@ -332,30 +353,32 @@ class HotPoolCacheManager:
             self._prefetch_list = self.new_fetch_list(max(n, 1))
         return self._prefetch_list
 
-    def _settle_prefetch(self, layer: int) -> None:
-        """Count the layer's unsettled prefetch, if any: an entry is useful when its slot still holds it (it was not
-        evicted again) and is stamped with the current step, which a prefetch never does (clock - 1) and a selection
-        always does; every other prefetched entry is wasted. (So do warm-up, `reserve` and the protection of a new
-        token's resident entry: between a prefetch and its settle, only the selection's resolves may run, as in the
-        decode step.) Work follows the prefetch list, not the pool; one launch on the fused path
+    def settle_prefetch(self, layer: int) -> None:
+        """Count the layer's unsettled prefetches, if any, once the selection's resolve has run: an entry is useful
+        when its slot still holds it (it was not evicted again) and is stamped with the current step, which a prefetch
+        never does (clock - 1) and a selection always does; every other prefetched entry is wasted. (So do warm-up,
+        `reserve` and the protection of a new token's resident entry: between a prefetch and its settle, only the
+        selection's resolves may run, as in the decode step.) It only reads the layer's maps, so it may run on another
+        stream beside attention. Work follows the prefetch lists, not the pool; one launch per list on the fused path
         (`kernels/prefetch.settle_prefetch_triton`)."""
         if self._unsettled_prefetch is None or self._unsettled_prefetch[0] != layer:
             return
-        record = self._unsettled_prefetch[1]
+        records = self._unsettled_prefetch[1]
         self._unsettled_prefetch = None
         cnt = self.counters[layer]
         ids = (int(Counter.PREFETCH_USEFUL), int(Counter.PREFETCH_WASTED))
-        if self._fused is not None:
-            from ess_sglang.kernels.prefetch import settle_prefetch_triton
-            settle_prefetch_triton(record.src, record.dst, record.count, self.slot_to_loc[layer],
-                                   self.slot_stamp[layer], self.clock, cnt, ids)
-            return
-        got = record.dst >= 0
-        at = torch.where(got, record.dst, self.slots_per_layer)
-        useful = (got & (self.slot_to_loc[layer][at].long() == record.src)
-                  & (self.slot_stamp[layer][at] == self.clock)).sum()
-        cnt[ids[0]] += useful
-        cnt[ids[1]] += got.sum() - useful
+        for record in records:
+            if self._fused is not None:
+                from ess_sglang.kernels.prefetch import settle_prefetch_triton
+                settle_prefetch_triton(record.src, record.dst, record.count, self.slot_to_loc[layer],
+                                       self.slot_stamp[layer], self.clock, cnt, ids)
+                continue
+            got = record.dst >= 0
+            at = torch.where(got, record.dst, self.slots_per_layer)
+            useful = (got & (self.slot_to_loc[layer][at].long() == record.src)
+                      & (self.slot_stamp[layer][at] == self.clock)).sum()
+            cnt[ids[0]] += useful
+            cnt[ids[1]] += got.sum() - useful
 
     def translate(self, topk_pos: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                   seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

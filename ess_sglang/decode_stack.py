@@ -7,7 +7,9 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
        if the top-k selects it (with `new_tokens="insert"` also into a hot slot of its own: a resolve more);
     2. indexer logits over the request's whole context (main stream);
     3. [prefetch] candidates scoring above the EMA of the k-th best score are fetched on the side stream while
-       the main stream runs the top-k (ECHO; `ess_sglang.prefetch`);
+       the main stream runs the top-k (ECHO; `ess_sglang.prefetch`); with `prefetch_chunks` > 1 the indexer runs
+       over the batch in that many chunks and each chunk's candidates are fetched as soon as its logits exist,
+       beside the next chunk's indexer (the last chunk's beside the top-k);
     4. top-k positions (torch.topk, or the Triton kernel `ess_sglang.kernels.topk`); the k-th best score updates
        the prefetch threshold at the end of the layer, once the side stream has read it;
     5. resolve + fetch, then attention over hot-pool slots, in the layer's mode:
@@ -50,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ess_sglang.cache_manager import HotPoolCacheManager, positions_to_locations
+from ess_sglang.cache_manager import FetchList, HotPoolCacheManager, positions_to_locations
 from ess_sglang.config import DEFAULT_NEW_TOKENS, new_token_mode
 from ess_sglang.formats import QK_HEAD_DIM
 from ess_sglang.prefetch import EchoPrefetcher
@@ -86,6 +88,9 @@ class StackOptions:
     modes: Sequence[str]  # one per layer: "sync", "da" or "dba"
     top_k: int = 2048
     prefetch: bool = False
+    prefetch_chunks: int | Sequence[float] = 1  # prefetch: the indexer runs in this many equal batch chunks (or in
+    # chunks of these fractions of the batch), each chunk's prefetch beside the next chunk's indexer (1: one indexer
+    # launch, the prefetch beside the top-k only)
     da_width: int = 256  # Attn1's table width (a multiple of 64 for FlashMLA)
     dba_split: float | Sequence[float] = 0.75  # chunk A's fraction of the batch (measured best), or every chunk's
     dba_attention: str = "whole"  # "whole": one attention over the batch (exact); "split": per half (hides more)
@@ -118,8 +123,22 @@ class StackOptions:
             raise ValueError(f"sync_copy must be 'counted' or 'inline', got {self.sync_copy!r}")
         if self.topk not in ("auto", "triton", "torch"):
             raise ValueError(f"topk must be 'auto', 'triton' or 'torch', got {self.topk!r}")
+        self.prefetch_fractions = _fractions("prefetch_chunks", self.prefetch_chunks)
         if self.overlap_programs < 1:
             raise ValueError(f"overlap_programs must be >= 1, got {self.overlap_programs}")
+
+
+def _fractions(name: str, chunks: int | Sequence[float]) -> tuple[float, ...]:
+    """Chunk fractions of the batch: n equal ones for an int n >= 1, or the given fractions (each in (0, 1], summing
+    to 1)."""
+    if isinstance(chunks, int):
+        if chunks < 1:
+            raise ValueError(f"{name} must be >= 1 or fractions of the batch summing to 1, got {chunks}")
+        return (1 / chunks,) * chunks
+    fr = tuple(float(f) for f in chunks)
+    if not fr or any(not 0 < f <= 1 for f in fr) or abs(sum(fr) - 1) > 1e-6:
+        raise ValueError(f"{name} must be >= 1 or fractions of the batch in (0, 1] summing to 1, got {chunks}")
+    return fr
 
 
 # ------------------------------------------------------------------------------------------------ shared pieces
@@ -207,9 +226,9 @@ class _Streams:
 def _indexer(kind: str):
     from ess_sglang.kernels.indexer import indexer_logits
 
-    def run(q_index, w_index, cache, batch: DecodeBatch, max_len: int) -> torch.Tensor:
+    def run(q_index, w_index, cache, batch: DecodeBatch, max_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
         return indexer_logits(q_index, w_index, cache, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                              max_len, impl=kind)
+                              max_len, impl=kind, out=out)
     return run
 
 
@@ -244,10 +263,14 @@ class _StackBase:
     def _attend(self, q: torch.Tensor, entries: torch.Tensor, table: torch.Tensor):
         return attend(self.attention, q, entries, table, self.softmax_scale, self.schedules)
 
-    def _scores(self, layer: int, x: LayerInputs, batch: DecodeBatch) -> torch.Tensor:
-        """Indexer logits [B, Q, max_len] (or, when a score hook is set, the scores it puts in their place)."""
-        logits = self.run_indexer(x.q_index, x.w_index, self.index_cache[layer], batch, self.max_len)
-        return self.score_hook(layer, logits, batch) if self.score_hook is not None else logits
+    def _scores(self, layer: int, x: LayerInputs, batch: DecodeBatch, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Indexer logits [B, Q, max_len] (or, when a score hook is set, the scores it puts in their place), written
+        to `out` when given."""
+        logits = self.run_indexer(x.q_index, x.w_index, self.index_cache[layer], batch, self.max_len, out)
+        if self.score_hook is None:
+            return logits
+        scores = self.score_hook(layer, logits, batch)
+        return scores if out is None else out.copy_(scores)
 
     def _select(self, layer: int, x: LayerInputs, batch: DecodeBatch) -> torch.Tensor:
         """The top-k positions of the layer's scores."""
@@ -326,6 +349,8 @@ class EssDecodeStack(_StackBase):
         self.fetch_early = manager.new_fetch_list(q_rows * options.top_k)
         if self.prefetcher is not None:
             self.prefetch_list = manager.new_fetch_list(max_batch * self.prefetcher.width)
+            self._prefetch_counts = torch.zeros(len(options.prefetch_fractions), dtype=torch.int64,
+                                                device=manager.device)
         manager.reserve_scratch(max(q_rows * options.top_k, max_batch * self.prefetcher.width if self.prefetcher
                                     else 0))
         self._side_inputs: list[torch.Tensor] = []  # tensors the side stream reads: alive until the layer joins it
@@ -372,26 +397,46 @@ class EssDecodeStack(_StackBase):
     def _resolve_and_fetch(self, layer: int, batch: DecodeBatch, pos: torch.Tensor,
                            programs: int | None = None) -> torch.Tensor:
         """Resolve, then copy the misses (with the whole GPU unless `programs` says fewer); returns the slots."""
-        settle = self.prefetcher is not None
         if self.options.sync_copy == "inline" and programs is None:
-            return self.m.resolve(layer, pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                                  settle_prefetch=settle)
-        slots = self.m.resolve(layer, pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                               fetch_list=self.fetch_list, settle_prefetch=settle)
-        self.m.fetch(layer, self.fetch_list, programs)
+            slots = self.m.resolve(layer, pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens)
+        else:
+            slots = self.m.resolve(layer, pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                   fetch_list=self.fetch_list)
+            self.m.fetch(layer, self.fetch_list, programs)
+        self._settle_beside(layer)
         return slots
 
+    def _settle_beside(self, layer: int) -> None:
+        """Count this layer's prefetches useful or wasted on the side stream, beside attention (it reads the maps the
+        exact resolve just left; nothing changes them before the layer joins the side stream)."""
+        if self.prefetcher is not None:
+            with self.streams.on_side():
+                self.m.settle_prefetch(layer)
+
     def _select_and_prefetch(self, layer: int, x: LayerInputs, batch: DecodeBatch) -> torch.Tensor:
-        """Steps 2-4: indexer logits; prefetch above the threshold on the side stream; top-k on the main stream."""
+        """Steps 2-4: indexer logits; prefetch above the threshold on the side stream; top-k on the main stream.
+
+        With `prefetch_chunks` > 1 the indexer runs chunk by chunk over the batch into one logits tensor, and each
+        chunk's prefetch (into its own slice of the prefetch list) starts as soon as the chunk's logits exist."""
         pf = self.prefetcher
         if pf is None:
             return self._select(layer, x, batch)
-        logits = self._scores(layer, x, batch)
+        B, W = batch.seq_lens.shape[0], pf.width
+        bounds = chunk_bounds(B, self.options.prefetch_fractions)
+        if len(bounds) == 1:
+            logits = self._scores(layer, x, batch)
+        else:
+            logits = torch.empty((B, x.q_index.shape[1], self.max_len), dtype=torch.float32, device=x.q_index.device)
         self._side_inputs.append(logits)
-        with self.streams.on_side():
-            cand = pf.candidates(layer, logits, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                                 self.m.loc_to_slot[layer], self.m.num_locations)
-            self.m.prefetch(layer, cand, self.prefetch_list, programs=self.options.overlap_programs)
+        pl = self.prefetch_list
+        for i, (lo, hi) in enumerate(bounds):
+            b, xi = (batch, x) if len(bounds) == 1 else _slice(batch, x, lo, hi)
+            chunk_logits = logits if len(bounds) == 1 else self._scores(layer, xi, b, out=logits[lo:hi])
+            with self.streams.on_side():
+                cand = pf.candidates(layer, chunk_logits, b.req_to_token, b.req_pool_indices, b.seq_lens,
+                                     self.m.loc_to_slot[layer], self.m.num_locations)
+                record = FetchList(pl.src[lo * W:hi * W], pl.dst[lo * W:hi * W], self._prefetch_counts[i:i + 1])
+                self.m.prefetch(layer, cand, record, programs=self.options.overlap_programs)
         pos, kth = topk_with_scores(logits, self.options.top_k, self.topk_impl)
         # the threshold moves only once the side stream has read it (at the end of the layer)
         self._pending_thresholds.append((kth, batch.req_pool_indices))
@@ -401,8 +446,7 @@ class EssDecodeStack(_StackBase):
         m, st, W = self.m, self.streams, self.options.da_width
         S = m.slots_per_layer
         fl, early = self.fetch_list, self.fetch_early
-        slots = m.resolve(layer, pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, fetch_list=fl,
-                          settle_prefetch=self.prefetcher is not None)
+        slots = m.resolve(layer, pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, fetch_list=fl)
         # which selected entries wait for a copy: those in slots the deferred resolve just assigned
         pending = torch.zeros(S + 1, dtype=torch.bool, device=m.device)
         pending.scatter_(0, torch.where(fl.dst >= 0, fl.dst, S), True)
@@ -425,6 +469,7 @@ class EssDecodeStack(_StackBase):
         m.fetch(layer, early)
         with st.on_side():
             m.fetch(layer, fl, self.options.overlap_programs)
+        self._settle_beside(layer)  # behind the copy: the misses land first
         late = miss & ~excess[at]
         table0 = torch.where(late, -1, slots)
         table1 = torch.full((*slots.shape[:-1], W + 1), -1, dtype=torch.int32, device=m.device)

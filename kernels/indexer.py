@@ -195,14 +195,16 @@ def indexer_logits_triton(q_index: torch.Tensor, weights: torch.Tensor, index_ca
 
 
 def indexer_logits(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens, max_len,
-                   impl: str = "auto") -> torch.Tensor:
-    """impl: "auto" (the kernel for CUDA tensors, the reference otherwise), "triton" or "torch"."""
+                   impl: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
+    """impl: "auto" (the kernel for CUDA tensors, the reference otherwise), "triton" or "torch".
+    `out` (fp32 [B, Q, max_len], e.g. a batch chunk's rows of a larger tensor) receives the logits when given."""
     if impl == "triton" or (impl == "auto" and q_index.is_cuda):
         return indexer_logits_triton(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens,
-                                     max_len)
+                                     max_len, out=out)
     if impl in ("torch", "auto"):
-        return indexer_logits_reference(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens,
-                                        max_len)
+        logits = indexer_logits_reference(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens,
+                                          max_len)
+        return logits if out is None else out.copy_(logits)
     raise ValueError(f"indexer_logits: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
 
 

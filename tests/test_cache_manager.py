@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ess_sglang.cache_manager import Counter, HotPoolCacheManager
+from ess_sglang.cache_manager import Counter, FetchList, HotPoolCacheManager
 from ess_sglang.host_pool import HostTotalPool
 from ess_sglang.request_table import RequestTable
 
@@ -345,6 +345,35 @@ def test_one_prefetch_at_a_time_is_counted(impl):
     c = m.counters[0]
     assert c[Counter.PREFETCH_USEFUL] == 20 and c[Counter.PREFETCH_WASTED] == 20
     m.prefetch(1, table.req_to_token[rpi[0], :40].long())  # settled: the next prefetch may start
+    m.check_invariants()
+
+
+def test_prefetches_of_one_layer_in_lists_of_their_own_are_all_counted(impl):
+    # the decode stack prefetches each batch chunk as soon as its logits exist: several prefetches of one layer,
+    # in disjoint slices of one list, settled together by the layer's exact resolve
+    m, host, table, rpi, sl = make(impl=impl)
+    pos = torch.stack([torch.arange(20, 84).view(1, 64), torch.full((1, 64), -1)]).int()
+    m.begin_step()
+    whole = m.new_fetch_list(128)
+    counts = torch.zeros(3, dtype=torch.int64)
+    first = FetchList(whole.src[:64], whole.dst[:64], counts[0:1])
+    second = FetchList(whole.src[64:], whole.dst[64:], counts[1:2])
+    m.prefetch(0, table.req_to_token[rpi[0], :30].long(), first)
+    with pytest.raises(ValueError, match="overlaps the list of a prefetch of this layer that is not settled yet"):
+        m.prefetch(0, table.req_to_token[rpi[0], 30:40].long(), FetchList(whole.src[32:96], whole.dst[32:96],
+                                                                          counts[2:3]))
+    with pytest.raises(ValueError, match="the prefetch of layer 0 is not settled yet"):
+        m.prefetch(1, table.req_to_token[rpi[0], 30:40].long(), second)
+    m.prefetch(0, table.req_to_token[rpi[0], 30:40].long(), second)
+    with pytest.raises(ValueError, match="the fetch list is the unsettled prefetch's own list"):
+        m.resolve(0, pos, table.req_to_token, rpi, sl, fetch_list=whole, settle_prefetch=True)
+    slots = m.resolve(0, pos, table.req_to_token, rpi, sl, settle_prefetch=True)
+    locs, _ = m.translate(pos, table.req_to_token, rpi, sl)
+    check_slots(m, host, 0, slots, locs)
+    c = m.counters[0]  # positions 0..39 prefetched, 20..83 selected: 20 useful, 20 wasted, as in one prefetch
+    assert c[Counter.PREFETCHED] == 40 and c[Counter.HITS] == 20 and c[Counter.MISSES] == 44
+    assert c[Counter.PREFETCH_USEFUL] == 20 and c[Counter.PREFETCH_WASTED] == 20
+    m.prefetch(1, table.req_to_token[rpi[0], :40].long(), first)  # settled: the lists may be reused
     m.check_invariants()
 
 

@@ -83,7 +83,8 @@ def steps(n, table, rows, locs, seed=1):
     (("sync", "sync"), False, "split"), (("sync", "sync"), True, "split"), (("dba", "dba"), False, "split"),
     (("dba", "sync"), True, "split"), (("dba", "dba"), True, "whole"), (("dba", "dba"), False, "three chunks"),
     (("dba", "sync"), True, "fused kernels"), (("sync", "dba"), False, "fused kernels, counted copy"),
-    (("sync", "sync"), True, "new tokens inserted"), (("dba", "sync"), False, "fused kernels, new tokens inserted")])
+    (("sync", "sync"), True, "new tokens inserted"), (("dba", "sync"), False, "fused kernels, new tokens inserted"),
+    (("dba", "sync"), True, "prefetch in chunks"), (("sync", "dba"), True, "fused kernels, prefetch in chunks")])
 def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attention):
     # "fused kernels": the Triton resolve, prefetch candidates and counted copy (interpreted), as on the GPU
     split = (0.4, 0.3, 0.3) if dba_attention == "three chunks" else 0.5
@@ -91,8 +92,10 @@ def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attent
     options = dict(sync_copy="counted") if "counted copy" in dba_attention else {}
     if "inserted" in dba_attention:
         options["new_tokens"] = "insert"
-    dba_attention = "whole" if dba_attention in ("three chunks", "new tokens inserted") or impl == "triton" \
-        else dba_attention
+    if "prefetch in chunks" in dba_attention:  # the indexer in 3 chunks of one request, each prefetched at once
+        options["prefetch_chunks"] = 3
+    dba_attention = "whole" if dba_attention in ("three chunks", "new tokens inserted", "prefetch in chunks") \
+        or impl == "triton" else dba_attention
     ess, hbm, table, rows, locs = build(modes, prefetch=prefetch, split_attention=dba_attention == "split",
                                         dba_attention=dba_attention, dba_split=split, resolve_impl=impl, **options)
     if impl == "triton" and prefetch:
@@ -114,6 +117,39 @@ def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attent
     else:  # written back only (the default): every new token selected later was fetched as a miss
         assert c[Counter.NEW_TOKENS] == 0 and c[Counter.D2H_ENTRIES] > 0
     ess.m.check_invariants()
+
+
+def test_prefetch_in_chunks_fetches_what_one_prefetch_over_the_batch_fetches():
+    # In a pool that holds every selection and prefetch (no evictions), prefetching chunk by chunk takes the same
+    # candidates as one prefetch over the whole batch: after every step the same locations are resident in every
+    # layer, with the same stamps, and every counter (prefetched, useful, wasted, misses) agrees; each chunk wrote its
+    # own slice of the prefetch list and all of them were settled. (With evictions the two may differ and both be
+    # right: a chunk's prefetch can evict an entry that a later chunk then finds missing and prefetches again.)
+    runs = []
+    for chunks in (1, 2, 3, (0.7, 0.3)):
+        ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, slots=1024, prefetch_chunks=chunks)
+        states = []
+        for batch, inputs in steps(8, table, rows, locs):
+            ess.step(batch, inputs)
+            m = ess.m
+            l2s = m.loc_to_slot.long()
+            stamps = torch.where(l2s >= 0, torch.gather(m.slot_stamp, 1, l2s.clamp(min=0)), -1)
+            states.append((l2s >= 0, stamps, m.counters.clone()))
+        runs.append(states)
+    c = runs[0][-1][2].sum(0)
+    assert c[Counter.PREFETCHED] > 0 and c[Counter.PREFETCH_WASTED] > 0 and c[Counter.MISSES] > 0
+    assert c[Counter.EVICTIONS] == 0
+    for other in runs[1:]:
+        for s, (want, got) in enumerate(zip(runs[0], other, strict=True)):
+            assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), f"step {s}"
+
+
+def test_prefetch_chunks_are_a_positive_count_or_fractions_summing_to_one():
+    assert StackOptions(modes=["sync"], prefetch_chunks=2).prefetch_fractions == (0.5, 0.5)
+    assert StackOptions(modes=["sync"], prefetch_chunks=(0.6, 0.4)).prefetch_fractions == (0.6, 0.4)
+    for bad in (0, -1, (0.6, 0.6), (0.0, 1.0), ()):
+        with pytest.raises(ValueError, match=r"prefetch_chunks must be >= 1 or fractions of the batch"):
+            StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=bad)
 
 
 @pytest.mark.parametrize("da_width", [64, 128])

@@ -1,6 +1,7 @@
 """The decode-layer stack on the GPU with the Triton indexer, the fused resolve and FlashMLA (run on the H200).
 
-- sync and prefetch: bit-identical to the all-HBM stack at every layer of every step;
+- sync and prefetch (also with the indexer in batch chunks, each prefetched at once): bit-identical to the all-HBM
+  stack at every layer of every step;
 - dba: bit-identical to the all-HBM stack (whole-batch attention, the default), or to the all-HBM stack with its
   attention split the same way ("split");
 - da: within bf16 rounding of single-pass attention (max relative error <= 1e-2);
@@ -87,7 +88,7 @@ def _inputs(w, s, q_index=None):
     return out
 
 
-def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand"):
+def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand", prefetch_chunks=1):
     slots = math.ceil(0.25 * B * CTX / 64) * 64
     m = HotPoolCacheManager(w["host"], slots, max_selected=B * TOPK)
     recent = slots // B - 64
@@ -95,7 +96,7 @@ def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand"
         m.warm_up(layer, w["req_to_token"][:, CTX - recent:CTX].reshape(-1))
     pf = EchoPrefetcher(LAYERS, B, w["width"], device="cuda") if prefetch else None
     opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, dba_attention=dba_attention,
-                        new_tokens=new_tokens)
+                        new_tokens=new_tokens, prefetch_chunks=prefetch_chunks)
     return EssDecodeStack(m, w["index_cache"], w["width"], opts, max_batch=B, prefetcher=pf)
 
 
@@ -119,9 +120,11 @@ def reference(world):
     ("sync", False, "whole", "insert"), ("sync", True, "whole", "insert"), ("dba", True, "whole", "insert"),
     ("dba", False, "split", "insert"), ("da", False, "whole", "insert"),
     # new tokens written back on the side stream, then read back from the host by the resolve when selected
-    ("sync", False, "whole", "on_demand"), ("dba", True, "whole", "on_demand"), ("da", False, "whole", "on_demand")])
+    ("sync", False, "whole", "on_demand"), ("dba", True, "whole", "on_demand"), ("da", False, "whole", "on_demand"),
+    # the indexer in 3 batch chunks, each chunk prefetched beside the next one's indexer
+    ("sync", 3, "whole", "on_demand")])
 def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attention, new_tokens):
-    ess = _ess(world, [mode] * LAYERS, prefetch, dba_attention, new_tokens)
+    ess = _ess(world, [mode] * LAYERS, bool(prefetch), dba_attention, new_tokens, prefetch_chunks=max(1, int(prefetch)))
     worst = 0.0
     for s in range(STEPS):
         got = ess.step(_batch(world, s), _inputs(world, s))
@@ -145,8 +148,8 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
     ess.m.check_invariants()
 
 
-@pytest.mark.parametrize("modes", [["da", "dba"], ["sync", "da"]])
-def test_whole_step_in_one_cuda_graph(world, reference, modes):
+@pytest.mark.parametrize("modes,prefetch_chunks", [(["da", "dba"], 1), (["sync", "da"], 1), (["sync", "dba"], 2)])
+def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks):
     """Capture a step with prefetch and mixed modes; replaying it over later steps gives what the all-HBM stack and
     the same steps run eagerly give (exact layers bit-identical; DA within 1e-2 of single-pass attention: graph and
     eager may split a layer's misses differently: equally old victims are taken in the order blocks reach the
@@ -154,7 +157,7 @@ def test_whole_step_in_one_cuda_graph(world, reference, modes):
     seq_lens = torch.zeros(B, dtype=torch.int64, device="cuda")
     new_locs = torch.zeros(B, dtype=torch.int64, device="cuda")
     q_index = [torch.zeros(B, 1, 64, 128, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
-    eager, graphed = _ess(world, modes, prefetch=True), _ess(world, modes, prefetch=True)
+    eager, graphed = (_ess(world, modes, prefetch=True, prefetch_chunks=prefetch_chunks) for _ in range(2))
     for s in range(3):  # warm-up (Triton compiles) on both
         for st in (eager, graphed):
             st.step(_batch(world, s), _inputs(world, s))
