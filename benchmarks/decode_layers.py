@@ -7,6 +7,8 @@ ESS stack over hot pools filled by the cache manager from a pinned host pool, in
 
     sync       resolve + copy, then attention
     prefetch   sync, plus ECHO prefetch of candidates above the EMA threshold while the top-k runs
+    prefetchN  prefetch with the indexer run in N batch chunks (e.g. prefetch2): each chunk's prefetch starts as soon
+               as its logits exist, beside the next chunk's indexer (the last chunk's beside the top-k)
     da         dual attention (hits while misses copy; then misses; merged by LSE)
     dba        dual-batch (half A's resolve + copy behind half B's indexer, half B's behind half A's attention)
     layerwise  the policy: when every token of the batch fits the pools, the all-resident path (one lookup per
@@ -62,6 +64,16 @@ EXTRA_MODES = ["sync_counted",  # sync with a deferred fetch list and a persiste
                "sync_insert",  # sync with each new token inserted into a hot slot (a resolve of its own; the previous
                # default: new tokens are now written back only, and fetched when selected)
                "dba_split"]  # dba with per-half attention (hides half B's copy behind half A's attention; inexact)
+
+
+def prefetch_chunks(mode: str) -> int:
+    """Indexer chunks of a prefetch mode: "prefetch" 1, "prefetchN" N; 0 for a mode without prefetch."""
+    if not mode.startswith("prefetch"):
+        return 0
+    n = mode[len("prefetch"):]
+    if n and not (n.isdigit() and int(n) >= 1):
+        raise ValueError(f"mode {mode!r}: prefetch takes a chunk count, e.g. prefetch2")
+    return int(n or 1)
 
 
 class Pools:
@@ -248,9 +260,10 @@ def check_correctness(pools, cfg, slots, queries, warm) -> dict:
         cfg.load_step(s, queries)
         want.append([o.clone() for o in hbm.step(cfg.batch_tables, cfg.inputs)])
         want_split.append([o.clone() for o in hbm_split.step(cfg.batch_tables, cfg.inputs)])
-    for name, modes, prefetch in (("sync", "sync", False), ("prefetch", "sync", True), ("da", "da", False),
-                                  ("dba", "dba", False)):
-        ess = build_ess(pools, cfg, slots, [modes] * cfg.layers, prefetch)
+    for name, modes, prefetch in (("sync", "sync", False), ("prefetch", "sync", True), ("prefetch2", "sync", True),
+                                  ("da", "da", False), ("dba", "dba", False)):
+        ess = build_ess(pools, cfg, slots, [modes] * cfg.layers, prefetch,
+                        prefetch_chunks=max(1, prefetch_chunks(name)))
         reset_and_warm(ess, cfg)
         identical, identical_split, rel = True, True, 0.0
         for s in range(cfg.steps):
@@ -297,13 +310,16 @@ def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
             modes, prefetch = choose_modes(sync_misses, batch, context, timings), False
         elif mode in EXTRA_MODES:
             modes, prefetch = [mode.split("_")[0]] * layers, False
+        elif prefetch_chunks(mode):
+            modes, prefetch = ["sync"] * layers, True
         else:
-            modes, prefetch = [mode if mode != "prefetch" else "sync"] * layers, mode == "prefetch"
+            modes, prefetch = [mode] * layers, False
         if "dba" in modes and batch < 2:
             continue
         try:
             ess = build_ess(pools, cfg, slots, modes, prefetch,
                             **dict(options, sync_copy="counted" if mode == "sync_counted" else "inline",
+                                   prefetch_chunks=max(1, prefetch_chunks(mode)),
                                    dba_attention="split" if mode == "dba_split" else "whole",
                                    new_tokens="insert" if mode == "sync_insert" else "on_demand"))
             r = run_variant(ess, cfg, queries, args.warm, is_ess=True, all_resident=resident)
@@ -352,7 +368,7 @@ def plot(rows, path) -> None:
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.2), squeeze=False)
     for ax, ctx in zip(axes[0], contexts, strict=True):
         sel = [r for r in rows if r["context"] == ctx and abs(r["target_hit"] - 0.95) < 1e-9]
-        for variant in ["hbm"] + MODES:
+        for variant in ["hbm"] + list(dict.fromkeys(r["variant"] for r in sel if r["variant"] != "hbm")):
             pts = sorted((r["batch"], r["ratio"]) for r in sel if r["variant"] == variant and "ratio" in r)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
@@ -393,6 +409,9 @@ def main(argv=None) -> int:
         args.contexts, args.hits = "32768", "0.95"
         args.batches = args.batches if args.batches != p.get_default("batches") else "2,64"
     args.modes = args.modes.split(",")
+    bad = [m for m in args.modes if m not in MODES + EXTRA_MODES and not prefetch_chunks(m)]
+    if bad:
+        p.error(f"--modes: unknown mode {bad[0]!r} (of {MODES + EXTRA_MODES}, or prefetchN)")
     split = [float(f) for f in args.dba_split.split(",")]
     args.dba_split = split[0] if len(split) == 1 else tuple(split)
     contexts = [int(x) for x in args.contexts.split(",")]
