@@ -85,11 +85,21 @@ class FetchList:
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' element ranges overlap (views of one buffer included)."""
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    """Whether two tensors (views of one buffer included) may share an element: their byte spans, from the first
+    element to the last one their strides reach, overlap. Conservative for interleaved strided views."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _lists_share_memory(a: FetchList, b: FetchList) -> bool:
+    return any(_shares_memory(x, y) for x in (a.src, a.dst, a.count) for y in (b.src, b.dst, b.count))
 
 
 def positions_to_locations(topk_pos: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -221,7 +231,7 @@ class HotPoolCacheManager:
         if fetch_list is not None:
             fetch_list.check_holds(topk_pos.numel(), "resolve", "selection")
             if self._unsettled_prefetch is not None and \
-                    any(_shares_memory(r.src, fetch_list.src) for r in self._unsettled_prefetch[1]):
+                    any(_lists_share_memory(r, fetch_list) for r in self._unsettled_prefetch[1]):
                 raise ValueError("resolve: the fetch list is the unsettled prefetch's own list; the resolve would "
                                  "overwrite the pairs its settle counts: give the prefetch and the resolve their own")
         if self._fused is not None:
@@ -328,7 +338,7 @@ class HotPoolCacheManager:
             if pending_layer != layer:
                 raise ValueError(f"prefetch(layer {layer}): the prefetch of layer {pending_layer} is not settled "
                                  f"yet; call resolve(..., settle_prefetch=True) for that layer first")
-            if any(_shares_memory(r.src, record.src) or _shares_memory(r.count, record.count) for r in pending):
+            if any(_lists_share_memory(r, record) for r in pending):
                 raise ValueError(f"prefetch(layer {layer}): its fetch list overlaps the list of a prefetch of this "
                                  f"layer that is not settled yet; give each prefetch before the settle its own list")
         if self._fused is not None:
@@ -359,7 +369,9 @@ class HotPoolCacheManager:
         never does (clock - 1) and a selection always does; every other prefetched entry is wasted. (So do warm-up,
         `reserve` and the protection of a new token's resident entry: between a prefetch and its settle, only the
         selection's resolves may run, as in the decode step.) It only reads the layer's maps, so it may run on another
-        stream beside attention. Work follows the prefetch lists, not the pool; one launch per list on the fused path
+        stream beside attention; the lists count as settled once it is queued, so a caller that runs it on another
+        stream orders any later write into them (the decode stack joins the side stream at the end of each layer).
+        Work follows the prefetch lists, not the pool; one launch per list on the fused path
         (`kernels/prefetch.settle_prefetch_triton`)."""
         if self._unsettled_prefetch is None or self._unsettled_prefetch[0] != layer:
             return

@@ -47,6 +47,7 @@ and every step can be captured in one CUDA graph (no host synchronisation anywhe
 from __future__ import annotations
 
 import contextlib
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -129,15 +130,19 @@ class StackOptions:
 
 
 def _fractions(name: str, chunks: int | Sequence[float]) -> tuple[float, ...]:
-    """Chunk fractions of the batch: n equal ones for an int n >= 1, or the given fractions (each in (0, 1], summing
-    to 1)."""
-    if isinstance(chunks, int):
+    """Chunk fractions of the batch: n equal ones for an integer n >= 1, or the given fractions (each in (0, 1],
+    summing to 1)."""
+    bad = ValueError(f"{name} must be an integer >= 1 or fractions of the batch in (0, 1] summing to 1, got {chunks!r}")
+    if isinstance(chunks, numbers.Integral) and not isinstance(chunks, bool):
         if chunks < 1:
-            raise ValueError(f"{name} must be >= 1 or fractions of the batch summing to 1, got {chunks}")
-        return (1 / chunks,) * chunks
+            raise bad
+        return (1 / int(chunks),) * int(chunks)
+    if not isinstance(chunks, Sequence) or isinstance(chunks, str) or \
+            not all(isinstance(f, numbers.Real) and not isinstance(f, bool) for f in chunks):
+        raise bad
     fr = tuple(float(f) for f in chunks)
     if not fr or any(not 0 < f <= 1 for f in fr) or abs(sum(fr) - 1) > 1e-6:
-        raise ValueError(f"{name} must be >= 1 or fractions of the batch in (0, 1] summing to 1, got {chunks}")
+        raise bad
     return fr
 
 
@@ -270,7 +275,12 @@ class _StackBase:
         if self.score_hook is None:
             return logits
         scores = self.score_hook(layer, logits, batch)
-        return scores if out is None else out.copy_(scores)
+        if out is None:
+            return scores
+        if scores.shape != out.shape:
+            raise ValueError(f"score hook: returned scores of shape {tuple(scores.shape)} for logits of shape "
+                             f"{tuple(out.shape)}")
+        return out.copy_(scores)
 
     def _select(self, layer: int, x: LayerInputs, batch: DecodeBatch) -> torch.Tensor:
         """The top-k positions of the layer's scores."""
@@ -408,7 +418,8 @@ class EssDecodeStack(_StackBase):
 
     def _settle_beside(self, layer: int) -> None:
         """Count this layer's prefetches useful or wasted on the side stream, beside attention (it reads the maps the
-        exact resolve just left; nothing changes them before the layer joins the side stream)."""
+        exact resolve just left; nothing changes them before the layer joins the side stream). In DBA, where each
+        chunk's resolve already runs on the side stream, it follows that chunk's copy there."""
         if self.prefetcher is not None:
             with self.streams.on_side():
                 self.m.settle_prefetch(layer)
@@ -469,7 +480,6 @@ class EssDecodeStack(_StackBase):
         m.fetch(layer, early)
         with st.on_side():
             m.fetch(layer, fl, self.options.overlap_programs)
-        self._settle_beside(layer)  # behind the copy: the misses land first
         late = miss & ~excess[at]
         table0 = torch.where(late, -1, slots)
         table1 = torch.full((*slots.shape[:-1], W + 1), -1, dtype=torch.int32, device=m.device)
@@ -478,6 +488,7 @@ class EssDecodeStack(_StackBase):
         entries = m.layer_entries(layer)
         out0, lse0 = self._attend(x.q, entries, table0)
         st.wait()  # the misses have landed
+        self._settle_beside(layer)  # beside Attn1 (queued after the copy, it would hold Attn1 back)
         out1, lse1 = self._attend(x.q, entries, table1)
         return merge_attention(out0, lse0, out1, lse1)
 

@@ -176,8 +176,7 @@ def indexer_logits_triton(q_index: torch.Tensor, weights: torch.Tensor, index_ca
     mode = dot_mode(q_index.dtype, fp8_dot)
     if out is None:
         out = torch.empty((B, Q, max_len), dtype=torch.float32, device=q_index.device)
-    elif out.shape != (B, Q, max_len) or out.dtype != torch.float32 or out.stride(-1) != 1:
-        raise ValueError(f"indexer_logits_triton: out must be fp32 [B, Q, max_len] = {(B, Q, max_len)}")
+    _check_out(out, q_index, max_len)
     if B == 0 or max_len == 0:
         return out
     cache_words = index_cache.view(torch.int32)  # [N, 33]
@@ -194,6 +193,14 @@ def indexer_logits_triton(q_index: torch.Tensor, weights: torch.Tensor, index_ca
     return out
 
 
+def _check_out(out: torch.Tensor, q_index: torch.Tensor, max_len: int) -> None:
+    B, Q = q_index.shape[:2]
+    if tuple(out.shape) != (B, Q, max_len) or out.dtype != torch.float32 or out.stride(-1) != 1 or \
+            out.device != q_index.device:
+        raise ValueError(f"indexer_logits: out must be fp32 [B, Q, max_len] = {(B, Q, max_len)} on {q_index.device} "
+                         f"with its last dim contiguous, got {out.dtype} {tuple(out.shape)} on {out.device}")
+
+
 def indexer_logits(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens, max_len,
                    impl: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
     """impl: "auto" (the kernel for CUDA tensors, the reference otherwise), "triton" or "torch".
@@ -202,6 +209,8 @@ def indexer_logits(q_index, weights, index_cache, req_to_token, req_pool_indices
         return indexer_logits_triton(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens,
                                      max_len, out=out)
     if impl in ("torch", "auto"):
+        if out is not None:
+            _check_out(out, q_index, max_len)
         logits = indexer_logits_reference(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens,
                                           max_len)
         return logits if out is None else out.copy_(logits)

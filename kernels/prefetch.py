@@ -14,7 +14,7 @@ equal under TRITON_INTERPRET.
 
 Two more launches of the prefetch path live here, each beside its torch definition: the threshold's EMA update
 (`EchoPrefetcher.update`) and the settle that counts a prefetch's useful and wasted entries
-(`HotPoolCacheManager._settle_prefetch`). Each replaces a chain of ~10 small torch kernels on the decode step's
+(`HotPoolCacheManager.settle_prefetch`). Each replaces a chain of ~10 small torch kernels on the decode step's
 critical path (a kernel timeline at batch 64: ~30 and ~70 us a layer).
 """
 

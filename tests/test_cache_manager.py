@@ -348,6 +348,17 @@ def test_one_prefetch_at_a_time_is_counted(impl):
     m.check_invariants()
 
 
+def test_list_overlap_check_sees_views_of_one_buffer():
+    from ess_sglang.cache_manager import _shares_memory
+
+    buf = torch.arange(100)
+    assert _shares_memory(buf[:50], buf[49:]) and not _shares_memory(buf[:50], buf[50:])
+    assert not _shares_memory(buf[:50], torch.arange(50)) and not _shares_memory(buf[:0], buf)
+    assert _shares_memory(buf[0:100:10], buf[50:60])  # a strided view reaches into the slice
+    assert _shares_memory(buf[0::2], buf[1::2])  # interleaved views: refused (conservative)
+    assert _shares_memory(buf.view(10, 10)[:, 0], buf[90:])  # column 0 reaches element 90
+
+
 def test_prefetches_of_one_layer_in_lists_of_their_own_are_all_counted(impl):
     # the decode stack prefetches each batch chunk as soon as its logits exist: several prefetches of one layer,
     # in disjoint slices of one list, settled together by the layer's exact resolve
@@ -364,6 +375,9 @@ def test_prefetches_of_one_layer_in_lists_of_their_own_are_all_counted(impl):
                                                                           counts[2:3]))
     with pytest.raises(ValueError, match="the prefetch of layer 0 is not settled yet"):
         m.prefetch(1, table.req_to_token[rpi[0], 30:40].long(), second)
+    with pytest.raises(ValueError, match="overlaps the list of a prefetch"):  # a destination shared with the first
+        m.prefetch(0, table.req_to_token[rpi[0], 30:40].long(), FetchList(whole.src[64:], whole.dst[:64],
+                                                                          counts[2:3]))
     m.prefetch(0, table.req_to_token[rpi[0], 30:40].long(), second)
     with pytest.raises(ValueError, match="the fetch list is the unsettled prefetch's own list"):
         m.resolve(0, pos, table.req_to_token, rpi, sl, fetch_list=whole, settle_prefetch=True)

@@ -10,6 +10,7 @@ from ess_sglang.decode_stack import (
     HbmDecodeStack,
     LayerInputs,
     StackOptions,
+    chunk_bounds,
     latent_store_rows,
     merge_attention,
 )
@@ -128,9 +129,16 @@ def test_prefetch_in_chunks_fetches_what_one_prefetch_over_the_batch_fetches():
     runs = []
     for chunks in (1, 2, 3, (0.7, 0.3)):
         ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, slots=1024, prefetch_chunks=chunks)
+        calls = []  # the batch rows of each prefetch: one prefetch per chunk and layer
+        prefetch = ess.m.prefetch
+        ess.m.prefetch = lambda layer, locs_, record, calls=calls, prefetch=prefetch, **kw: (
+            calls.append(record.src.numel()), prefetch(layer, locs_, record, **kw))[1]
         states = []
         for batch, inputs in steps(8, table, rows, locs):
+            calls.clear()
             ess.step(batch, inputs)
+            want = [hi - lo for lo, hi in chunk_bounds(len(LENGTHS), ess.options.prefetch_fractions)] * LAYERS
+            assert calls == [n * ess.prefetcher.width for n in want], (chunks, calls)
             m = ess.m
             l2s = m.loc_to_slot.long()
             stamps = torch.where(l2s >= 0, torch.gather(m.slot_stamp, 1, l2s.clamp(min=0)), -1)
@@ -145,11 +153,22 @@ def test_prefetch_in_chunks_fetches_what_one_prefetch_over_the_batch_fetches():
 
 
 def test_prefetch_chunks_are_a_positive_count_or_fractions_summing_to_one():
+    import numpy as np
+
     assert StackOptions(modes=["sync"], prefetch_chunks=2).prefetch_fractions == (0.5, 0.5)
+    assert StackOptions(modes=["sync"], prefetch_chunks=np.int64(2)).prefetch_fractions == (0.5, 0.5)
     assert StackOptions(modes=["sync"], prefetch_chunks=(0.6, 0.4)).prefetch_fractions == (0.6, 0.4)
-    for bad in (0, -1, (0.6, 0.6), (0.0, 1.0), ()):
-        with pytest.raises(ValueError, match=r"prefetch_chunks must be >= 1 or fractions of the batch"):
+    for bad in (0, -1, True, 2.0, "2", (0.6, 0.6), (0.0, 1.0), (), (True, False)):
+        with pytest.raises(ValueError, match=r"prefetch_chunks must be an integer >= 1 or fractions of the batch"):
             StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=bad)
+
+
+def test_a_score_hook_of_the_wrong_shape_is_refused_with_chunks():
+    ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=2)
+    ess.score_hook = lambda layer, logits, batch: logits[:, :, :-1]
+    batch, inputs = next(steps(1, table, rows, locs))
+    with pytest.raises(ValueError, match="score hook: returned scores of shape"):
+        ess.step(batch, inputs)
 
 
 @pytest.mark.parametrize("da_width", [64, 128])

@@ -239,6 +239,13 @@ def test_dispatch_and_bad_arguments():
         indexer_logits_triton(q, w, cache[:, :128], r2t, rpi, seq, T)
     with pytest.raises(ValueError, match="out"):
         indexer_logits_triton(q, w, cache, r2t, rpi, seq, T, out=torch.empty(2, 1, T + 1))
+    for impl in ("torch", "triton"):  # the same check on both paths, before anything is written
+        for bad in (torch.empty(2, 1, T + 1), torch.empty(2, 1, T, dtype=torch.float64), torch.empty(1, 1, T)):
+            with pytest.raises(ValueError, match=r"out must be fp32 \[B, Q, max_len\]"):
+                indexer_logits(q, w, cache, r2t, rpi, seq, T, impl=impl, out=bad)
+    rows = torch.full((4, 1, T), float("nan"))
+    assert torch.equal(indexer_logits(q, w, cache, r2t, rpi, seq, T, impl="torch", out=rows[1:3]), rows[1:3])
+    assert torch.equal(rows[1:3], dsa_indexer_logits(q, w, cache, r2t, rpi, seq, T)) and rows[0].isnan().all()
 
 
 @pytest.mark.gpu
