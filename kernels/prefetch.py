@@ -5,9 +5,12 @@ A position of request b is a candidate when it is visible (below seq_len, in a r
 query token scores it above the request's threshold, and its entry is not resident. Candidates are listed most recent
 first, at most cap[b] per request, in a [B, width] table of KV locations (-1 padded):
 
-    K1 count   one program per (request, tile of positions): the tile's number of candidates -> counts[b, tile]
-    K2 write   each program sums the counts of the later tiles of its request, recomputes its tile's candidates and
-               writes them at that offset + rank from the tile's end, below the request's cap
+    K1 count   one program per (request, tile of positions): the tile's number of candidates -> counts[b, tile],
+               and its first KEEP candidates' locations, in position order -> kept[b, tile]
+    K2 write   each program sums the counts of the later tiles of its request and writes its tile's candidates at
+               that offset + rank from the tile's end, below the request's cap: read from `kept`, or, for a tile
+               with more than KEEP candidates, recomputed (re-reading the logits, the request table and the slot
+               map, which `kept` saves the other tiles)
 
 The torch definition is `ess_sglang.prefetch.EchoPrefetcher.candidates` (impl="torch"); the tests check the two are
 equal under TRITON_INTERPRET.
@@ -26,6 +29,7 @@ import triton.language as tl
 from ess_sglang.kernels.translate import locate
 
 BLOCK = 1024
+KEEP = 128  # candidates per tile that K1 keeps for K2 (a tile with more is recomputed by K2)
 
 
 @triton.jit
@@ -47,34 +51,46 @@ def _candidates(logits_ptr, l_stride_b, l_stride_q, Q, thr_ptr, rpi_ptr, seq_ptr
 
 @triton.jit
 def _count_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, rpi_ptr, seq_ptr, r2t_ptr, r2t_stride,
-                  r2t_rows, r2t_width, l2s_ptr, num_locations, counts_ptr, tiles, BLOCK: tl.constexpr):
+                  r2t_rows, r2t_width, l2s_ptr, num_locations, counts_ptr, kept_ptr, tiles, BLOCK: tl.constexpr,
+                  KEEP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
-    t = tile * BLOCK + tl.arange(0, BLOCK)
-    cand, _ = _candidates(logits_ptr, l_stride_b, l_stride_q, Q, thr_ptr, rpi_ptr, seq_ptr, r2t_ptr, r2t_stride,
-                          r2t_rows, r2t_width, T, l2s_ptr, num_locations, b, t, BLOCK)
-    tl.store(counts_ptr + b * tiles + tile, tl.sum(cand.to(tl.int64)))
-
-
-@triton.jit
-def _write_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, rpi_ptr, seq_ptr, r2t_ptr, r2t_stride,
-                  r2t_rows, r2t_width, l2s_ptr, num_locations, counts_ptr, tiles, cap_fraction_ptr, cap_min, out_ptr,
-                  width, BLOCK: tl.constexpr, TILES: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
-    later = tl.arange(0, TILES)
-    later_counts = tl.load(counts_ptr + b * tiles + later, mask=(later > tile) & (later < tiles), other=0)
     t = tile * BLOCK + tl.arange(0, BLOCK)
     cand, loc = _candidates(logits_ptr, l_stride_b, l_stride_q, Q, thr_ptr, rpi_ptr, seq_ptr, r2t_ptr, r2t_stride,
                             r2t_rows, r2t_width, T, l2s_ptr, num_locations, b, t, BLOCK)
     c = cand.to(tl.int64)
-    from_end = tl.sum(c) - tl.cumsum(c, 0)  # candidates after this one within the tile
-    rank = tl.sum(later_counts) + from_end
+    tl.store(counts_ptr + b * tiles + tile, tl.sum(c))
+    # the tile's first KEEP candidates, in position order: K2 then reads them instead of recomputing the tile
+    at = tl.cumsum(c, 0) - 1
+    tl.store(kept_ptr + (b * tiles + tile) * KEEP + at, loc, mask=cand & (at < KEEP))
+
+
+@triton.jit
+def _write_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, rpi_ptr, seq_ptr, r2t_ptr, r2t_stride,
+                  r2t_rows, r2t_width, l2s_ptr, num_locations, counts_ptr, kept_ptr, tiles, cap_fraction_ptr, cap_min,
+                  out_ptr, width, BLOCK: tl.constexpr, TILES: tl.constexpr, KEEP: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    later = tl.arange(0, TILES)
+    later_counts = tl.load(counts_ptr + b * tiles + later, mask=(later > tile) & (later < tiles), other=0)
+    n = tl.load(counts_ptr + b * tiles + tile)
     # the request's cap, as EchoPrefetcher.caps: clamp(ceil(seq_len * cap_fraction), cap_min, width), in float64 (a
     # Python float argument would arrive as float32, whose rounding moves some caps by one)
     seq = tl.load(seq_ptr + b).to(tl.float64)
     cap = tl.minimum(tl.maximum(tl.math.ceil(seq * tl.load(cap_fraction_ptr)).to(tl.int64), cap_min), width)
-    tl.store(out_ptr + b * width + rank, loc, mask=cand & (rank < cap))
+    if n <= KEEP:  # K1 kept all of the tile's candidates: the j-th has n - 1 - j candidates after it in the tile
+        j = tl.arange(0, KEEP)
+        kept = tl.load(kept_ptr + (b * tiles + tile) * KEEP + j, mask=j < n, other=-1)
+        kept_rank = tl.sum(later_counts) + n - 1 - j
+        tl.store(out_ptr + b * width + kept_rank, kept, mask=(j < n) & (kept_rank < cap))
+    else:  # a tile with more candidates than K1 kept: recompute it
+        t = tile * BLOCK + tl.arange(0, BLOCK)
+        cand, loc = _candidates(logits_ptr, l_stride_b, l_stride_q, Q, thr_ptr, rpi_ptr, seq_ptr, r2t_ptr,
+                                r2t_stride, r2t_rows, r2t_width, T, l2s_ptr, num_locations, b, t, BLOCK)
+        c = cand.to(tl.int64)
+        from_end = tl.sum(c) - tl.cumsum(c, 0)  # candidates after this one within the tile
+        rank = tl.sum(later_counts) + from_end
+        tl.store(out_ptr + b * width + rank, loc, mask=cand & (rank < cap))
 
 
 def prefetch_candidates_triton(logits: torch.Tensor, thresholds: torch.Tensor, req_to_token: torch.Tensor,
@@ -92,15 +108,16 @@ def prefetch_candidates_triton(logits: torch.Tensor, thresholds: torch.Tensor, r
     out = torch.full((B, width), -1, dtype=torch.int64, device=logits.device)
     if B == 0 or T == 0:
         return out.view(-1)
-    tiles = triton.cdiv(T, BLOCK)
-    counts = torch.empty((B, tiles), dtype=torch.int64, device=logits.device)
-    args = (logits, logits.stride(0), logits.stride(1), Q, T, thresholds, req_pool_indices, seq_lens, req_to_token,
-            req_to_token.stride(0), req_to_token.shape[0], req_to_token.shape[1], loc_to_slot, num_locations)
-    _count_kernel[(B, tiles)](*args, counts, tiles, BLOCK=BLOCK)
     if cap_fraction.dtype != torch.float64 or cap_fraction.numel() != 1:
         raise ValueError("prefetch_candidates_triton wants cap_fraction as a float64 tensor of one element")
-    _write_kernel[(B, tiles)](*args, counts, tiles, cap_fraction, int(cap_min_tokens), out, width, BLOCK=BLOCK,
-                              TILES=triton.next_power_of_2(tiles))
+    tiles = triton.cdiv(T, BLOCK)
+    counts = torch.empty((B, tiles), dtype=torch.int64, device=logits.device)
+    kept = torch.empty((B, tiles, KEEP), dtype=torch.int64, device=logits.device)
+    args = (logits, logits.stride(0), logits.stride(1), Q, T, thresholds, req_pool_indices, seq_lens, req_to_token,
+            req_to_token.stride(0), req_to_token.shape[0], req_to_token.shape[1], loc_to_slot, num_locations)
+    _count_kernel[(B, tiles)](*args, counts, kept, tiles, BLOCK=BLOCK, KEEP=KEEP)
+    _write_kernel[(B, tiles)](*args, counts, kept, tiles, cap_fraction, int(cap_min_tokens), out, width, BLOCK=BLOCK,
+                              TILES=triton.next_power_of_2(tiles), KEEP=KEEP)
     return out.view(-1)
 
 

@@ -355,6 +355,20 @@ def test_prefetch_candidate_kernels_equal_the_torch_definition():
     got = pf.candidates(*args, impl="triton")
     assert torch.equal(got, want)
     assert int((want >= 0).sum()) > 0 and int((want.view(B, -1) >= 0).sum(1).max()) == pf.width
+    # thresholds that leave some tiles few candidates (read back from what K1 kept) and others many (recomputed)
+    from ess_sglang.kernels.prefetch import BLOCK, KEEP
+
+    pf.threshold[0] = torch.tensor([0.0, 2.0, 4.0, 0.0, 3.5])
+    pf.threshold[0, 4] = 4.5
+    want = pf.candidates(*args, impl="torch")
+    assert torch.equal(pf.candidates(*args, impl="triton"), want)
+    above = (logits > pf.threshold[0, rpi].view(B, 1, 1)).any(1)
+    locs = req_to_token[rpi, :T].long()
+    visible = (torch.arange(T).view(1, T) < seq.view(B, 1)) & (locs >= 0) & (locs < 8000)
+    cand = above & visible & (loc_to_slot[torch.where(visible, locs, 8000)] < 0)
+    per_tile = torch.nn.functional.pad(cand, (0, -T % BLOCK)).view(B, -1, BLOCK).sum(-1)
+    assert bool(((per_tile > 0) & (per_tile <= KEEP)).any()) and bool((per_tile > KEEP).any()), per_tile
+    assert int((want >= 0).sum()) > 0
     # request rows outside the table (past its end, or -1) are never read and give no candidates
     bad = (0, logits, req_to_token, torch.tensor([4, rows + 2, -1]), seq, loc_to_slot, 8000)
     want_bad = pf.candidates(*bad, impl="torch")
