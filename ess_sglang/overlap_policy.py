@@ -146,10 +146,10 @@ H200_NOTE = ("NVIDIA H200 (PCIe Gen5 x16), docs DESIGN.md section 2, measured 20
              "for 16) plus extra launches (measured 2026-11-29); decode-stack timeline at batch 64 and 32K context "
              "(benchmarks/decode_layers.py, 4 layers, CUDA-graph replay, 2026-11-29) per layer: all latents in HBM "
              "574 us, sync 776, dba 800 (whole-batch attention, split 0.75, 16 copy programs) and 828 (split 0.5), "
-             "da 975-987; full decode-stack benchmark (benchmarks/results/decode_layers.json, 4 layers, dba split "
-             "0.75, 16 copy programs, torch top-k, 2026-11-29) at hit 0.95, x all-HBM, sync / dba / da: 32K batch 64 "
-             "1.345 / 1.379 / 1.694, batch 128 1.411 / 1.309 / 1.654; 128K batch 64 1.199 / 1.208 / 1.301, batch 128 "
-             "1.201 / 1.180 / 1.263")
+             "da 975-987; full decode-stack benchmark (an early run of benchmarks/decode_layers.py, 4 layers, dba "
+             "split 0.75, 16 copy programs, torch top-k, 2026-11-29) at hit 0.95, x all-HBM, sync / dba / da: 32K "
+             "batch 64 1.345 / 1.379 / 1.694, batch 128 1.411 / 1.309 / 1.654; 128K batch 64 1.199 / 1.208 / 1.301, "
+             "batch 128 1.201 / 1.180 / 1.263")
 
 
 class DeviceTimings(BaseModel):
@@ -175,7 +175,8 @@ class DeviceTimings(BaseModel):
     da_overhead_us: NonNegFloat = 184.0
     """Fixed cost of DA: the second narrow attention (its own schedule), the table split and the log-sum-exp merge;
     the median over the decode-stack benchmark's configurations with batch >= 16 of (da - sync) + h_da x min(T, A(B))
-    (183.6 us; measured 2026-11-29, benchmarks/results/decode_layers.json)."""
+    (183.6 us; measured 2026-11-29 in an early run of benchmarks/decode_layers.py, whose results file later runs
+    replaced)."""
     dba_overhead_us: NonNegFloat = 130.0
     """Fixed cost of DBA: the second top-k of the split ~120 us (torch.topk is latency-bound: the same time for 16
     and 48 rows) plus the split halves' extra launches and the side-stream synchronisation; measured 2026-11-29."""

@@ -85,9 +85,9 @@ def test_modes_at_batch_64_and_32k_context():
         assert set(choose_modes([11311, 26774, 50000, 400000], b, C32K)) == {"dba"}
 
 
-# Measured decode stack (benchmarks/results/decode_layers.json, H200, 2026-11-29; 4 layers, dba split 0.75, 16 copy
-# programs, torch top-k): context, batch, target hit, per-layer us of sync / da / dba, sync's H2D MB per step (4
-# layers), and sync's distinct misses per layer and step.
+# Measured decode stack (an early run of benchmarks/decode_layers.py, H200, 2026-11-29, whose results file later runs
+# replaced; 4 layers, dba split 0.75, 16 copy programs, torch top-k): context, batch, target hit, per-layer us of
+# sync / da / dba, sync's H2D MB per step (4 layers), and sync's distinct misses per layer and step.
 MEASURED = [
     (32768, 16, 0.9, 322.0, 466.2, 384.9, 7.91, (2945.1, 2981.1, 3097.6, 3040.9)),
     (32768, 16, 0.95, 300.4, 453.1, 377.7, 3.74, (1394.9, 1405.5, 1460.8, 1445.4)),
