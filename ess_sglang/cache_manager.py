@@ -379,12 +379,14 @@ class HotPoolCacheManager:
         self._unsettled_prefetch = None
         cnt = self.counters[layer]
         ids = (int(Counter.PREFETCH_USEFUL), int(Counter.PREFETCH_WASTED))
-        for record in records:
-            if self._fused is not None:
-                from ess_sglang.kernels.prefetch import settle_prefetch_triton
+        if self._fused is not None:
+            from ess_sglang.kernels.prefetch import settle_prefetch_triton
+
+            for record in records:
                 settle_prefetch_triton(record.src, record.dst, record.count, self.slot_to_loc[layer],
                                        self.slot_stamp[layer], self.clock, cnt, ids)
-                continue
+            return
+        for record in records:
             got = record.dst >= 0
             at = torch.where(got, record.dst, self.slots_per_layer)
             useful = (got & (self.slot_to_loc[layer][at].long() == record.src)

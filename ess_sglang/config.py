@@ -189,7 +189,7 @@ class EssConfig(BaseModel):
     """Cap on prefetched entries per request and layer, as a fraction of the request's context length."""
     prefetch_cap_min_tokens: NonNegativeInt = 64
     """The prefetch cap is never below this many entries."""
-    new_tokens: Literal["on_demand", "insert"] = DEFAULT_NEW_TOKENS
+    new_tokens: Literal[NEW_TOKEN_MODES] = DEFAULT_NEW_TOKENS
     """Each decoded token's latent entry is written back to the host pool; "on_demand": fetched like any miss when
     a later selection names it (no resolve of its own: measured faster); "insert": also given a protected hot slot."""
     scrub_on_free: StrictBool = False

@@ -433,16 +433,12 @@ class EssDecodeStack(_StackBase):
         if pf is None:
             return self._select(layer, x, batch)
         B, W = batch.seq_lens.shape[0], pf.width
-        bounds = chunk_bounds(B, self.options.prefetch_fractions)
-        if len(bounds) == 1:
-            logits = self._scores(layer, x, batch)
-        else:
-            logits = torch.empty((B, x.q_index.shape[1], self.max_len), dtype=torch.float32, device=x.q_index.device)
+        logits = torch.empty((B, x.q_index.shape[1], self.max_len), dtype=torch.float32, device=x.q_index.device)
         self._side_inputs.append(logits)
         pl = self.prefetch_list
-        for i, (lo, hi) in enumerate(bounds):
-            b, xi = (batch, x) if len(bounds) == 1 else _slice(batch, x, lo, hi)
-            chunk_logits = logits if len(bounds) == 1 else self._scores(layer, xi, b, out=logits[lo:hi])
+        for i, (lo, hi) in enumerate(chunk_bounds(B, self.options.prefetch_fractions)):
+            b, xi = _slice(batch, x, lo, hi)
+            chunk_logits = self._scores(layer, xi, b, out=logits[lo:hi])
             with self.streams.on_side():
                 cand = pf.candidates(layer, chunk_logits, b.req_to_token, b.req_pool_indices, b.seq_lens,
                                      self.m.loc_to_slot[layer], self.m.num_locations)
