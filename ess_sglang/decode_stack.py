@@ -6,10 +6,11 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
        written back to the host pool (D2H, side stream, overlapping the indexer), then fetched like any other miss
        if the top-k selects it (with `new_tokens="insert"` also into a hot slot of its own: a resolve more);
     2. indexer logits over the request's whole context (main stream);
-    3. [prefetch] candidates scoring above the EMA of the k-th best score are fetched on the side stream while
-       the main stream runs the top-k (ECHO; `ess_sglang.prefetch`); with `prefetch_chunks` > 1 the indexer runs
-       over the batch in that many chunks and each chunk's candidates are fetched as soon as its logits exist,
-       beside the next chunk's indexer (the last chunk's beside the top-k);
+    3. [prefetch, in every layer (`prefetch`) or in the layers `prefetch_layers` names] candidates scoring above the
+       EMA of the k-th best score are fetched on the side stream while the main stream runs the top-k (ECHO;
+       `ess_sglang.prefetch`); with `prefetch_chunks` > 1 the indexer runs over the batch in that many chunks and
+       each chunk's candidates are fetched as soon as its logits exist, beside the next chunk's indexer (the last
+       chunk's beside the top-k);
     4. top-k positions (torch.topk, or the Triton kernel `ess_sglang.kernels.topk`); the k-th best score updates
        the prefetch threshold at the end of the layer, once the side stream has read it;
     5. resolve + fetch, then attention over hot-pool slots, in the layer's mode:
@@ -88,10 +89,12 @@ class LayerInputs:
 class StackOptions:
     modes: Sequence[str]  # one per layer: "sync", "da" or "dba"
     top_k: int = 2048
-    prefetch: bool = False
+    prefetch: bool = False  # ECHO prefetch in every layer
     prefetch_chunks: int | Sequence[float] = 1  # prefetch: the indexer runs in this many equal batch chunks (or in
     # chunks of these fractions of the batch), each chunk's prefetch beside the next chunk's indexer (1: one indexer
     # launch, the prefetch beside the top-k only)
+    prefetch_layers: Sequence[int] | None = None  # instead of `prefetch`: per layer, 0 (no prefetch) or the number
+    # of indexer chunks its prefetch runs in (the overlap profile's "prefetch" / "prefetch2" layers)
     da_width: int = 256  # Attn1's table width (a multiple of 64 for FlashMLA)
     dba_split: float | Sequence[float] = 0.75  # chunk A's fraction of the batch (measured best), or every chunk's
     dba_attention: str = "whole"  # "whole": one attention over the batch (exact); "split": per half (hides more)
@@ -125,6 +128,22 @@ class StackOptions:
         if self.topk not in ("auto", "triton", "torch"):
             raise ValueError(f"topk must be 'auto', 'triton' or 'torch', got {self.topk!r}")
         self.prefetch_fractions = _fractions("prefetch_chunks", self.prefetch_chunks)
+        if self.prefetch_layers is None:
+            per_layer = [self.prefetch_fractions if self.prefetch else None] * len(self.modes)
+        else:
+            chunks = list(self.prefetch_layers)
+            if self.prefetch:
+                raise ValueError("prefetch (every layer) and prefetch_layers (per layer) are exclusive: give one")
+            if len(chunks) != len(self.modes):
+                raise ValueError(f"prefetch_layers: {len(chunks)} values for {len(self.modes)} layers")
+            bad_chunks = [c for c in chunks if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 0]
+            if bad_chunks:
+                raise ValueError(f"prefetch_layers: each layer's value must be 0 (no prefetch) or a chunk count >= 1, "
+                                 f"got {bad_chunks[0]!r}")
+            per_layer = [_fractions("prefetch_layers", int(c)) if c else None for c in chunks]
+        self.layer_prefetch_fractions: tuple[tuple[float, ...] | None, ...] = tuple(per_layer)
+        """Per layer: its prefetch's chunk fractions of the batch, or None where the layer does not prefetch."""
+        self.any_prefetch = any(f is not None for f in per_layer)
         if self.overlap_programs < 1:
             raise ValueError(f"overlap_programs must be >= 1, got {self.overlap_programs}")
 
@@ -346,12 +365,12 @@ class EssDecodeStack(_StackBase):
     def __init__(self, manager: HotPoolCacheManager, index_cache: torch.Tensor, max_len: int, options: StackOptions,
                  max_batch: int, prefetcher: EchoPrefetcher | None = None, score_hook: ScoreHook | None = None):
         super().__init__(manager.num_layers, index_cache, max_len, options, score_hook)
-        if options.prefetch and prefetcher is None:
-            raise ValueError("options.prefetch needs an EchoPrefetcher")
+        if options.any_prefetch and prefetcher is None:
+            raise ValueError("options.prefetch / prefetch_layers need an EchoPrefetcher")
         if manager.slots_per_layer % 64:
             raise ValueError("hot pools must hold a multiple of 64 slots (FlashMLA pages)")
         self.m = manager
-        self.prefetcher = prefetcher if options.prefetch else None
+        self.prefetcher = prefetcher if options.any_prefetch else None
         self._pending_thresholds: list = []
         self.streams = _Streams(manager.device)
         q_rows = max_batch * 2  # up to 2 query tokens per request (MTP)
@@ -359,8 +378,8 @@ class EssDecodeStack(_StackBase):
         self.fetch_early = manager.new_fetch_list(q_rows * options.top_k)
         if self.prefetcher is not None:
             self.prefetch_list = manager.new_fetch_list(max_batch * self.prefetcher.width)
-            self._prefetch_counts = torch.zeros(len(options.prefetch_fractions), dtype=torch.int64,
-                                                device=manager.device)
+            most_chunks = max(len(f) for f in options.layer_prefetch_fractions if f is not None)
+            self._prefetch_counts = torch.zeros(most_chunks, dtype=torch.int64, device=manager.device)
         manager.reserve_scratch(max(q_rows * options.top_k, max_batch * self.prefetcher.width if self.prefetcher
                                     else 0))
         self._side_inputs: list[torch.Tensor] = []  # tensors the side stream reads: alive until the layer joins it
@@ -420,7 +439,7 @@ class EssDecodeStack(_StackBase):
         """Count this layer's prefetches useful or wasted on the side stream, beside attention (it reads the maps the
         exact resolve just left; nothing changes them before the layer joins the side stream). In DBA, where each
         chunk's resolve already runs on the side stream, it follows that chunk's copy there."""
-        if self.prefetcher is not None:
+        if self.prefetcher is not None and self.options.layer_prefetch_fractions[layer] is not None:
             with self.streams.on_side():
                 self.m.settle_prefetch(layer)
 
@@ -429,14 +448,14 @@ class EssDecodeStack(_StackBase):
 
         With `prefetch_chunks` > 1 the indexer runs chunk by chunk over the batch into one logits tensor, and each
         chunk's prefetch (into its own slice of the prefetch list) starts as soon as the chunk's logits exist."""
-        pf = self.prefetcher
-        if pf is None:
+        pf, fractions = self.prefetcher, self.options.layer_prefetch_fractions[layer]
+        if pf is None or fractions is None:
             return self._select(layer, x, batch)
         B, W = batch.seq_lens.shape[0], pf.width
         logits = torch.empty((B, x.q_index.shape[1], self.max_len), dtype=torch.float32, device=x.q_index.device)
         self._side_inputs.append(logits)
         pl = self.prefetch_list
-        for i, (lo, hi) in enumerate(chunk_bounds(B, self.options.prefetch_fractions)):
+        for i, (lo, hi) in enumerate(chunk_bounds(B, fractions)):
             b, xi = _slice(batch, x, lo, hi)
             chunk_logits = self._scores(layer, xi, b, out=logits[lo:hi])
             with self.streams.on_side():

@@ -51,7 +51,7 @@ def build(modes, slots=512, prefetch=False, da_width=64, split_attention=False, 
     opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, da_width=da_width, indexer="torch",
                         dba_attention=dba_attention, dba_split=dba_split, **options)
     pf = EchoPrefetcher(LAYERS, table.req_to_token.shape[0], max(LENGTHS) + 64, cap_fraction=cap_fraction,
-                        cap_min_tokens=8) if prefetch else None
+                        cap_min_tokens=8) if prefetch or any(options.get("prefetch_layers") or ()) else None
     width = table.req_to_token.shape[1]
     ess = EssDecodeStack(m, index_cache.clone(), width, opts, max_batch=len(LENGTHS), prefetcher=pf)
     hbm = HbmDecodeStack(latents, index_cache.clone(), width,
@@ -161,6 +161,54 @@ def test_prefetch_chunks_are_a_positive_count_or_fractions_summing_to_one():
     for bad in (0, -1, True, 2.0, "2", (0.6, 0.6), (0.0, 1.0), (), (True, False)):
         with pytest.raises(ValueError, match=r"prefetch_chunks must be an integer >= 1 or fractions of the batch"):
             StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=bad)
+
+
+@pytest.mark.parametrize("modes,prefetch_layers", [(("sync", "sync"), (2, 0)), (("dba", "sync"), (1, 0)),
+                                                         (("dba", "sync"), (0, 1))])
+def test_prefetch_in_some_layers_only(modes, prefetch_layers):
+    # what an overlap profile with prefetch / prefetch2 layers runs: those layers prefetch (in their chunks), the
+    # others never do, and every output stays bit-identical to all-HBM
+    ess, hbm, table, rows, locs = build(modes, prefetch_layers=prefetch_layers, dba_attention="whole")
+    assert ess.options.layer_prefetch_fractions == tuple((1 / n,) * n if n else None for n in prefetch_layers)
+    calls = []
+    prefetch = ess.m.prefetch
+    ess.m.prefetch = lambda layer, locs_, record, calls=calls, prefetch=prefetch, **kw: (
+        calls.append(layer), prefetch(layer, locs_, record, **kw))[1]
+    for s, (batch, inputs) in enumerate(steps(10, table, rows, locs)):
+        got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
+        for layer in range(LAYERS):
+            assert torch.equal(got[layer], want[layer]), f"step {s} layer {layer}"
+    on = [layer for layer, n in enumerate(prefetch_layers) if n]
+    per_step = [layer for layer in on for _ in range(prefetch_layers[layer] * (2 if modes[layer] == "dba" else 1))]
+    assert calls == per_step * 10  # a DBA layer prefetches in each of its two halves
+    c = ess.m.counters
+    for layer, n in enumerate(prefetch_layers):
+        if n:
+            assert c[layer, Counter.PREFETCH_USEFUL] > 0
+            assert c[layer, Counter.PREFETCH_USEFUL] + c[layer, Counter.PREFETCH_WASTED] == c[layer, Counter.PREFETCHED]
+            assert bool(torch.isfinite(ess.prefetcher.threshold[layer, rows]).all())  # its EMA follows the k-th score
+        else:
+            assert c[layer, Counter.PREFETCHED] == 0 and c[layer, Counter.PREFETCH_WASTED] == 0
+            assert bool(torch.isinf(ess.prefetcher.threshold[layer, rows]).all())  # never updated
+    ess.m.check_invariants()
+
+
+def test_prefetch_layers_are_checked():
+    assert StackOptions(modes=["sync"] * 3, prefetch_layers=[0, 1, 2]).layer_prefetch_fractions == (
+        None, (1.0,), (0.5, 0.5))
+    assert not StackOptions(modes=["sync"], prefetch_layers=[0]).any_prefetch
+    assert StackOptions(modes=["sync"] * 2, prefetch=True, prefetch_chunks=2).layer_prefetch_fractions == (
+        (0.5, 0.5), (0.5, 0.5))
+    with pytest.raises(ValueError, match="prefetch_layers: 1 values for 2 layers"):
+        StackOptions(modes=["sync"] * 2, prefetch_layers=[1])
+    with pytest.raises(ValueError, match="are exclusive"):
+        StackOptions(modes=["sync"], prefetch=True, prefetch_layers=[1])
+    for bad in (-1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="prefetch_layers: each layer's value must be 0"):
+            StackOptions(modes=["sync"], prefetch_layers=[bad])
+    ess = build(("sync", "sync"), prefetch_layers=(1, 0))[0]
+    with pytest.raises(ValueError, match="need an EchoPrefetcher"):
+        EssDecodeStack(ess.m, ess.index_cache, ess.max_len, ess.options, max_batch=len(LENGTHS))
 
 
 def test_a_score_hook_of_the_wrong_shape_is_refused_with_chunks():
@@ -368,6 +416,13 @@ def test_prefetch_candidate_kernels_equal_the_torch_definition():
     per_tile = torch.nn.functional.pad(cand, (0, -T % BLOCK)).view(B, -1, BLOCK).sum(-1)
     assert bool(((per_tile > 0) & (per_tile <= KEEP)).any()) and bool((per_tile > KEEP).any()), per_tile
     assert int((want >= 0).sum()) > 0
+    # rows wider than one padding block (1,024 entries), padded by the tile-0 program in several stores (the output
+    # is allocated empty, so a padding entry left unwritten would show here)
+    wide = EchoPrefetcher(1, rows, T, cap_fraction=0.5, cap_min_tokens=7)
+    wide.threshold[0] = pf.threshold[0]
+    assert wide.width > 1024
+    want_wide = wide.candidates(*args, impl="torch")
+    assert torch.equal(wide.candidates(*args, impl="triton"), want_wide) and int((want_wide == -1).sum()) > 1024
     # request rows outside the table (past its end, or -1) are never read and give no candidates
     bad = (0, logits, req_to_token, torch.tensor([4, rows + 2, -1]), seq, loc_to_slot, 8000)
     want_bad = pf.candidates(*bad, impl="torch")

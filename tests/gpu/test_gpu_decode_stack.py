@@ -88,15 +88,16 @@ def _inputs(w, s, q_index=None):
     return out
 
 
-def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand", prefetch_chunks=1):
+def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand", prefetch_chunks=1,
+         prefetch_layers=None):
     slots = math.ceil(0.25 * B * CTX / 64) * 64
     m = HotPoolCacheManager(w["host"], slots, max_selected=B * TOPK)
     recent = slots // B - 64
     for layer in range(LAYERS):
         m.warm_up(layer, w["req_to_token"][:, CTX - recent:CTX].reshape(-1))
-    pf = EchoPrefetcher(LAYERS, B, w["width"], device="cuda") if prefetch else None
+    pf = EchoPrefetcher(LAYERS, B, w["width"], device="cuda") if prefetch or prefetch_layers else None
     opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, dba_attention=dba_attention,
-                        new_tokens=new_tokens, prefetch_chunks=prefetch_chunks)
+                        new_tokens=new_tokens, prefetch_chunks=prefetch_chunks, prefetch_layers=prefetch_layers)
     return EssDecodeStack(m, w["index_cache"], w["width"], opts, max_batch=B, prefetcher=pf)
 
 
@@ -148,7 +149,8 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
     ess.m.check_invariants()
 
 
-@pytest.mark.parametrize("modes,prefetch_chunks", [(["da", "dba"], 1), (["sync", "da"], 1), (["sync", "dba"], 2)])
+@pytest.mark.parametrize("modes,prefetch_chunks", [(["da", "dba"], 1), (["sync", "da"], 1), (["sync", "dba"], 2),
+                                                   (["sync", "sync"], (2, 0))])  # a tuple: per layer (a profile's)
 def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks):
     """Capture a step with prefetch and mixed modes; replaying it over later steps gives what the all-HBM stack and
     the same steps run eagerly give (exact layers bit-identical; DA within 1e-2 of single-pass attention: graph and
@@ -157,7 +159,9 @@ def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks):
     seq_lens = torch.zeros(B, dtype=torch.int64, device="cuda")
     new_locs = torch.zeros(B, dtype=torch.int64, device="cuda")
     q_index = [torch.zeros(B, 1, 64, 128, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
-    eager, graphed = (_ess(world, modes, prefetch=True, prefetch_chunks=prefetch_chunks) for _ in range(2))
+    per_layer = isinstance(prefetch_chunks, tuple)
+    eager, graphed = (_ess(world, modes, prefetch=not per_layer, prefetch_chunks=1 if per_layer else prefetch_chunks,
+                           prefetch_layers=prefetch_chunks if per_layer else None) for _ in range(2))
     for s in range(3):  # warm-up (Triton compiles) on both
         for st in (eager, graphed):
             st.step(_batch(world, s), _inputs(world, s))
@@ -182,6 +186,9 @@ def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks):
     c = graphed.m.counters.sum(0).cpu()
     assert int(c[Counter.PREFETCHED]) > 0 and int(c[Counter.PREFETCH_USEFUL]) > 0  # settled after the exact resolve
     assert int(c[Counter.PREFETCH_USEFUL]) + int(c[Counter.PREFETCH_WASTED]) == int(c[Counter.PREFETCHED])
+    if per_layer:  # only the profile's prefetch layers prefetched
+        per = graphed.m.counters[:, Counter.PREFETCHED].cpu()
+        assert all((int(per[layer]) > 0) == bool(n) for layer, n in enumerate(prefetch_chunks)), per
     graphed.m.check_invariants()
 
 
