@@ -12,9 +12,12 @@ ESS stack over hot pools filled by the cache manager from a pinned host pool, in
     da         dual attention (hits while misses copy; then misses; merged by LSE)
     dba        dual-batch (half A's resolve + copy behind half B's indexer, half B's behind half A's attention)
     layerwise  the policy: when every token of the batch fits the pools, the all-resident path (one lookup per
-               layer, new tokens into reserved slots); otherwise per layer the mode
-               `ess_sglang.overlap_policy.choose_modes` picks from the misses per layer the sync run of the same
-               configuration measured (the offline profile), without prefetch
+               layer, new tokens into reserved slots); otherwise an overlap profile is built from the misses per
+               layer the sync run of the same configuration measured (`ess_sglang.overlap_policy.build_profile`,
+               the offline profile), written as YAML, read back (`layer_settings`), and each layer runs the mode it
+               names: sync / da / dba from the analytic cost model, or, with `--calibration` (the JSON of an
+               earlier run of this benchmark), whichever of sync / da / dba / prefetch / prefetch2 that run
+               measured fastest at this batch, context and miss count (interpolated between its points)
 
 Every variant of a configuration runs the same inputs from the same state: the hot pools are emptied, warmed with
 each request's most recent tokens, then `--warm` untimed steps; the whole step (all layers) is captured in one CUDA
@@ -39,8 +42,10 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 
+import numpy as np
 import torch
 from timing import replay_us  # benchmarks/timing.py (run these files as scripts)
 
@@ -55,8 +60,9 @@ from ess_sglang.decode_stack import (
 )
 from ess_sglang.formats import INDEXER_ENTRY_BYTES, LATENT_ENTRY_BYTES, pack_indexer_key, pack_latent
 from ess_sglang.host_pool import HostTotalPool
-from ess_sglang.overlap_policy import DeviceTimings, choose_modes
+from ess_sglang.overlap_policy import DeviceTimings, ProfileHeader, build_profile, layer_settings, save_profile
 from ess_sglang.prefetch import EchoPrefetcher
+from ess_sglang.stack_calibration import calibration_from_decode_layers
 
 HEADS, IHEADS, TOP_K = 128, 64, 2048
 MODES = ["sync", "prefetch", "da", "dba", "layerwise"]
@@ -152,7 +158,8 @@ class Config:
 
 def build_ess(pools: Pools, cfg: Config, slots: int, modes, prefetch: bool, **options) -> EssDecodeStack:
     m = HotPoolCacheManager(pools.host, slots, max_selected=cfg.batch * TOP_K)
-    pf = EchoPrefetcher(cfg.layers, cfg.batch, cfg.width, device="cuda") if prefetch else None
+    per_layer = options.get("prefetch_layers")
+    pf = EchoPrefetcher(cfg.layers, cfg.batch, cfg.width, device="cuda") if prefetch or any(per_layer or ()) else None
     opts = StackOptions(modes=list(modes), top_k=TOP_K, prefetch=prefetch, **options)
     return EssDecodeStack(m, pools.index_cache, cfg.width, opts, max_batch=cfg.batch, prefetcher=pf)
 
@@ -289,6 +296,22 @@ def pool_slots(args, batch: int, context: int, steps: int) -> int:
     return max(slots, math.ceil(batch * (TOP_K + 2 * steps) * 1.25 / 64) * 64)
 
 
+def layerwise_settings(sync_misses, cfg: Config, slots: int, hit: float, timings: DeviceTimings,
+                       args) -> tuple[list[str], list[int]]:
+    """The layer-wise policy's per-layer (overlap modes, prefetch chunks): a profile of the sync run's misses per
+    layer, written as YAML and read back, as a deployment would run it."""
+    misses = np.asarray([sync_misses], dtype=np.float64)
+    header = ProfileHeader(command=f"benchmarks/decode_layers.py layerwise (context {cfg.context}, batch {cfg.batch}, "
+                                   f"hit {hit})", date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           source="synthetic", trace="the sync run's misses per layer and step", trace_batch=cfg.batch,
+                           trace_top_k=TOP_K, trace_context_mean=float(cfg.context), steps=1, slots_per_layer=slots,
+                           warmup="recent", batch=cfg.batch, context=cfg.context, top_k=TOP_K, miss_scale=1.0,
+                           chosen_by="mean")
+    profile = build_profile(misses, np.full_like(misses, cfg.batch * TOP_K), header, timings)
+    with tempfile.TemporaryDirectory() as d:
+        return layer_settings(save_profile(profile, os.path.join(d, "profile.yaml")), cfg.layers)
+
+
 def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
     cfg = Config(pools, layers, context, batch, args.warm + args.steps, seed=context + batch)
     slots = pool_slots(args, batch, context, cfg.steps)
@@ -305,9 +328,11 @@ def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
     options = dict(dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk)
     for mode in args.modes:
         resident = False
+        layer_prefetch = None
         if mode == "layerwise":  # the policy: all-resident lookups when everything fits, else the profile's modes
             resident = fits(cfg, slots)
-            modes, prefetch = choose_modes(sync_misses, batch, context, timings), False
+            modes, layer_prefetch = layerwise_settings(sync_misses, cfg, slots, hit, timings, args)
+            prefetch = False
         elif mode in EXTRA_MODES:
             modes, prefetch = [mode.split("_")[0]] * layers, False
         elif prefetch_chunks(mode):
@@ -319,7 +344,7 @@ def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
         try:
             ess = build_ess(pools, cfg, slots, modes, prefetch,
                             **dict(options, sync_copy="counted" if mode == "sync_counted" else "inline",
-                                   prefetch_chunks=max(1, prefetch_chunks(mode)),
+                                   prefetch_chunks=max(1, prefetch_chunks(mode)), prefetch_layers=layer_prefetch,
                                    dba_attention="split" if mode == "dba_split" else "whole",
                                    new_tokens="insert" if mode == "sync_insert" else "on_demand"))
             r = run_variant(ess, cfg, queries, args.warm, is_ess=True, all_resident=resident)
@@ -330,7 +355,9 @@ def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
         r["all_resident"] = resident
         if mode == "sync":
             sync_misses = r["misses_per_layer_step"]
-        rows.append(dict(base, variant=mode, layer_modes=list(modes), **r, ratio=r["step_us"] / t_hbm["step_us"]))
+        policy = {} if layer_prefetch is None else dict(layer_prefetch_chunks=list(layer_prefetch))
+        rows.append(dict(base, variant=mode, layer_modes=list(modes), **policy, **r,
+                         ratio=r["step_us"] / t_hbm["step_us"]))
         del ess
         torch.cuda.empty_cache()
     sync = next((r for r in rows if r["variant"] == "sync"), None)
@@ -339,6 +366,14 @@ def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
             exposed_sync = sync["step_us"] - t_hbm["step_us"]
             r["hidden_fraction"] = (1 - (r["step_us"] - t_hbm["step_us"]) / exposed_sync) if exposed_sync > 0 else None
     return rows
+
+
+def policy_modes(row) -> list[str]:
+    """A row's per-layer modes in the overlap profile's names: a sync layer that prefetches in N chunks is
+    "prefetch" (N = 1) or "prefetchN"."""
+    chunks = row.get("layer_prefetch_chunks") or [0] * len(row.get("layer_modes", []))
+    return [m if not n else "prefetch" if n == 1 else f"prefetch{n}"
+            for m, n in zip(row.get("layer_modes", []), chunks, strict=True)]
 
 
 def print_table(rows) -> None:
@@ -350,7 +385,7 @@ def print_table(rows) -> None:
             continue
         hid = r.get("hidden_fraction")
         pf = f"{r.get('prefetch_useful', 0)}/{r.get('prefetch_wasted', 0)}" if r.get("prefetched") else ""
-        modes = ",".join(sorted(set(r.get("layer_modes", [])))) if r["variant"] == "layerwise" else ""
+        modes = ",".join(sorted(set(policy_modes(r)))) if r["variant"] == "layerwise" else ""
         if r.get("all_resident"):
             modes = "all-resident lookup"
         print(f"{r['context'] // 1024:>5}K {r['batch']:>4} {r['target_hit']:>5.2f} {r['variant']:>9} "
@@ -400,6 +435,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="32K; hit 0.95; batches 2, 64 unless --batches says")
     p.add_argument("--max-tokens", type=int, default=0, help="skip configurations with more tokens than this")
+    p.add_argument("--calibration", metavar="JSON", help="layerwise: choose the modes from the exposed times this "
+                   "earlier run of the benchmark measured (sync / da / dba / prefetch / prefetch2) instead of the "
+                   "analytic cost model")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -424,6 +462,10 @@ def main(argv=None) -> int:
     tokens = max(b * (c + steps) for c, b, _ in configs)
     pools = Pools(args.layers, tokens)
     timings = DeviceTimings()
+    if args.calibration:
+        with open(args.calibration) as f:
+            timings = timings.model_copy(update={"measured": calibration_from_decode_layers(
+                json.load(f), args.calibration)})
     t0 = time.time()
     first = configs[0]
     cfg0 = Config(pools, args.layers, first[0], 16, steps, seed=7)
@@ -438,7 +480,8 @@ def main(argv=None) -> int:
                 date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), device=torch.cuda.get_device_name(),
                 wall_s=time.time() - t0, layers=args.layers, heads=HEADS, index_heads=IHEADS, top_k=TOP_K,
                 ratio=args.ratio, warm=args.warm, steps=args.steps, pool_batch=args.pool_batch,
-                dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk)
+                dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk,
+                calibration=timings.measured.source if timings.measured is not None else None)
     for c, b, h in configs:
         rows += run_config(pools, args.layers, c, b, h, args, timings)
         print_table([r for r in rows if (r["context"], r["batch"], r["target_hit"]) == (c, b, h)])

@@ -1,7 +1,7 @@
 """Per-layer overlap policy: which way each decode layer hides its miss fetch, chosen offline from a profile.
 
 Every decode layer resolves the indexer's exact top-k selection against its hot pool, and fetches the distinct
-misses over PCIe before attention reads them. Three modes, chosen per layer:
+misses over PCIe before attention reads them. Five modes, chosen per layer:
 
     sync  resolve + fetch, then attention: nothing overlaps.
     da    dual attention: attention over the hits runs while the misses are in flight on a copy stream, then a
@@ -11,10 +11,26 @@ misses over PCIe before attention reads them. Three modes, chosen per layer:
           then ONE attention over the whole batch once both halves are resident (`dba_attention="whole"` in
           ess_sglang/decode_stack.py, the runtime's default, exact). The optional "split" attention variant (half A
           attends while half B's fetch runs) is not modelled.
+    prefetch   sync, plus ECHO prefetch: candidates scoring above the EMA of the k-th best score are fetched on a side
+               stream beside the top-k; the exact resolve then fetches what is still missing.
+    prefetch2  prefetch with the indexer run in two batch chunks: the first chunk's prefetch also overlaps the
+               second chunk's indexer.
+
+Where the policy gets the modes' costs: from a measured calibration of the device (`DeviceTimings.measured`, built
+by `ess profile --calibration` from a `benchmarks/decode_layers.py` run: every mode's exposed time at a grid of
+batch x context x hit rate, interpolated; `ess_sglang.stack_calibration`) wherever its grid covers the profile's
+batch and context; elsewhere, and always without a calibration, from the analytic cost model below, which covers
+sync / da / dba only (prefetch's gain depends on how long the top-k and the second chunk's indexer run beside its
+candidate kernels, and on how much of what it fetches the top-k then selects: a three-constant term fitted to one
+run predicted the better of sync and prefetch in 10 of 18 configurations, benchmarks/NOTES.md, so it is not
+modelled).
 
 `ess profile` (ess_sglang/profile_cmd.py) replays top-k traces through the cache manager to count every layer's
-misses per step, applies the cost model below and writes an overlap profile (YAML, `OverlapProfile`); the runtime
-reads it with `modes_for_layers(path, num_layers)` through `ess_config.overlap_profile`.
+misses per step, applies the costs above and writes an overlap profile (YAML, `OverlapProfile`). The decode stack
+takes its per-layer options from it with `layer_settings(path, num_layers, level)` (overlap mode and prefetch chunks
+of each layer; `benchmarks/decode_layers.py`'s layerwise mode writes one profile per configuration and runs what it
+reads back). The SGLang plugin's decode path runs sync without prefetch so far: it does not read profiles, and
+`ess_config.overlap_profile` is only checked to be a path.
 
 Cost model (one layer, one decode step; all times in microseconds, constants in `DeviceTimings`)::
 
@@ -67,10 +83,8 @@ misses per layer, the model picks the fastest measured of sync / da / dba at 15 
 misses are sync where dba was faster, at 32K: batch 128 hit 0.90 (+4.4%) and 0.95 (+4.9%), batch 64 hit 0.90
 (+0.3%); the measured DBA hides more than the linear window I((1 - f) B, C) allows (half B's torch.topk is
 latency-bound, ~120 us at any row count; dba - sync measured -63 us at 32K, batch 128, hit 0.90, predicted +10).
-ECHO prefetch (`StackOptions.prefetch`, every layer) is not one of the modes: it was the fastest measured mode in 6
-of those 18 configurations (batch 16, and 64 at 32K), by 0.4-6.6%, and a three-constant term fitted to them
-(fixed cost, cost per token of B x C, hidden share of I(B, C)) predicted the better of sync and prefetch in only 10
-of 18, so the policy does not choose it yet (benchmarks/NOTES.md).
+In that run ECHO prefetch (then in one chunk only) was the fastest measured mode in 6 of those 18 configurations
+(batch 16, and 64 at 32K), by 0.4-6.6%; the analytic model does not offer it (above), a calibration does.
 With the previous constants (da_overhead_us 45, dba_split 0.5) the same check gave 12 of 18 and a worst loss of 26.4%
 (da at 32K, batch 128, hit 0.95).
 
@@ -80,7 +94,8 @@ File layout (`save_profile` writes it, `load_profile` validates it)::
     header:  {command, date, source, trace, slots_per_layer, ratio, batch, context, top_k, steps, ...}
     device:  {entry_bytes, h2d_gbps, attention_us, indexer_topk_us, ..., note}
     layers:
-    - {layer: 0, misses_mean, misses_p95, lookups_mean, hit_rate, model_misses, mode, exposed_us: {sync, da, dba}}
+    - {layer: 0, misses_mean, misses_p95, lookups_mean, hit_rate, model_misses, mode,
+       exposed_us: {sync, da, dba, prefetch, prefetch2}}     (null: the mode is not offered there)
 
 Every error is an `OverlapProfileError` naming the file, the YAML key (``layers[3].mode``) and the layer.
 This module imports pydantic, numpy and pyyaml only (no torch): the runtime reads profiles before allocating.
@@ -107,12 +122,18 @@ from pydantic import (
     model_validator,
 )
 
-MODES = ("sync", "da", "dba")
+from ess_sglang.stack_calibration import StackCalibration
+
+MODES = ("sync", "da", "dba", "prefetch", "prefetch2")
+"""What a layer may run, in the policy's order (ties go to the earlier). prefetch / prefetch2 are sync with ECHO
+prefetch (the indexer in one launch / in two batch chunks); only a measured calibration offers them."""
+PREFETCH_CHUNKS = {"prefetch": 1, "prefetch2": 2}
 FORMAT_VERSION = 1
 OVERLAP_LEVELS = ("none", "da", "full")
 """`ess_config.prefetch_overlap_level` values that `restrict_modes` understands."""
 
-_LINE = "ESS per-layer overlap profile: sync / da (dual attention) / dba (dual-batch) per decode layer."
+_LINE = ("ESS per-layer overlap profile: sync / da (dual attention) / dba (dual-batch) / prefetch / prefetch2 (ECHO) "
+         "per decode layer.")
 
 
 class OverlapProfileError(ValueError):
@@ -191,6 +212,11 @@ class DeviceTimings(BaseModel):
     puts more of the fetch on the side stream, and half B's window shrinks less than linearly (its torch.topk is
     latency-bound). The model's linear window I((1 - f) B, C) does not see that, so it under-predicts DBA at 0.75."""
 
+    measured: StackCalibration | None = None
+    """Measured exposed time of each mode on this device (`ess_sglang.stack_calibration`, from a decode-stack
+    benchmark run): inside its grid of batches x contexts it replaces the analytic model, and it is the only source
+    of the prefetch modes' costs. None: the analytic model only."""
+
     @field_validator("attention_us")
     @classmethod
     def _two_points(cls, v: dict[int, float]) -> dict[int, float]:
@@ -219,13 +245,16 @@ class DeviceTimings(BaseModel):
 
 
 class ModeTimes(BaseModel):
-    """Predicted exposed time of each mode for one layer, microseconds (dba None: not possible at batch 1)."""
+    """Predicted exposed time of each mode for one layer, microseconds; None where the mode is not offered (dba at
+    batch 1; prefetch modes without a measured calibration; modes a calibration did not measure)."""
 
     model_config = ConfigDict(extra="forbid")
 
     sync: NonNegFloat
-    da: NonNegFloat
+    da: NonNegFloat | None
     dba: NonNegFloat | None
+    prefetch: NonNegFloat | None = None
+    prefetch2: NonNegFloat | None = None
 
     def as_dict(self) -> dict[str, float | None]:
         return {m: getattr(self, m) for m in MODES}
@@ -320,12 +349,17 @@ class OverlapProfile(BaseModel):
 # ------------------------------------------------------------------------------------------------ cost model
 
 def exposed_times(misses: float, batch: int, context: float, device: DeviceTimings | None = None) -> ModeTimes:
-    """Predicted exposed time of each mode for one layer with `misses` distinct misses per step (module docstring)."""
+    """Predicted exposed time of each mode for one layer with `misses` distinct misses per step (module docstring):
+    from the device's measured calibration where its grid covers (batch, context), else from the analytic model."""
     d = device or DeviceTimings()
     if misses < 0 or not math.isfinite(misses):
         raise OverlapProfileError(f"misses: must be a finite number >= 0, got {misses}")
     if batch < 1 or context <= 0:
         raise OverlapProfileError(f"batch and context must be positive, got batch={batch}, context={context}")
+    if d.measured is not None:
+        measured = d.measured.exposed(misses, batch, context)
+        if measured is not None:
+            return ModeTimes(**{m: measured.get(m) for m in MODES})
     T, R, f = d.fetch_us(misses), d.resolve_us, d.dba_split
     sync = R + T
     da = R + T - d.da_hidden_fraction * min(T, d.attention_time_us(batch)) + d.da_overhead_us
@@ -351,14 +385,24 @@ def choose_modes(misses_per_step: Sequence[float], batch: int, context: float,
 
 
 def restrict_modes(modes: Sequence[str], level: str) -> list[str]:
-    """Apply `ess_config.prefetch_overlap_level`: "none" -> all sync, "da" -> dba layers use da, "full" -> as is."""
+    """Apply `ess_config.prefetch_overlap_level`: "none" -> all sync; "da" -> dba layers use da, prefetch layers
+    sync; "full" -> as is."""
     if level not in OVERLAP_LEVELS:
         raise OverlapProfileError(f"prefetch_overlap_level: {level!r} is not one of {', '.join(OVERLAP_LEVELS)}")
     if level == "none":
         return ["sync"] * len(modes)
     if level == "da":
-        return ["da" if m == "dba" else m for m in modes]
+        return ["da" if m == "dba" else "sync" if m in PREFETCH_CHUNKS else m for m in modes]
     return list(modes)
+
+
+def stack_settings(modes: Sequence[str]) -> tuple[list[str], list[int]]:
+    """The decode stack's per-layer settings of policy modes: (overlap mode of each layer, "sync" / "da" / "dba";
+    prefetch chunks of each layer, 0 = no prefetch) for `StackOptions(modes=..., prefetch_layers=...)`."""
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise OverlapProfileError(f"mode {bad[0]!r} is not one of {', '.join(MODES)}")
+    return (["sync" if m in PREFETCH_CHUNKS else m for m in modes], [PREFETCH_CHUNKS.get(m, 0) for m in modes])
 
 
 def build_profile(misses: np.ndarray, lookups: np.ndarray, header: ProfileHeader,
@@ -483,8 +527,8 @@ def dump_profile(profile: OverlapProfile) -> str:
 
     data = profile.model_dump(mode="python")
     lines = [f"# {_LINE}",
-             "# Written by `ess profile` (ess_sglang/profile_cmd.py); regenerate with header.command. The runtime",
-             "# reads `mode` of every layer (ess_config.overlap_profile); the other numbers explain the choice.",
+             "# Written by `ess profile` (ess_sglang/profile_cmd.py); regenerate with header.command. The decode",
+             "# stack runs the `mode` of every layer (overlap_policy.layer_settings); the other numbers explain it.",
              block({"format_version": data["format_version"]}).rstrip("\n"),
              block({"header": data["header"]}).rstrip("\n"),
              block({"device": data["device"]}).rstrip("\n"),
@@ -524,7 +568,8 @@ def load_profile(path: str | Path, num_layers: int | None = None) -> OverlapProf
 
 
 def modes_for_layers(path_or_profile: str | Path | OverlapProfile, num_layers: int) -> list[str]:
-    """The mode ("sync", "da" or "dba") of each of the model's `num_layers` decode layers, in layer order."""
+    """The mode (one of MODES) of each of the model's `num_layers` decode layers, in layer order
+    (`stack_settings` turns them into the decode stack's options)."""
     _check_num_layers(num_layers)
     if isinstance(path_or_profile, OverlapProfile):
         return _check_count(path_or_profile, num_layers, "overlap profile").modes()
@@ -532,3 +577,10 @@ def modes_for_layers(path_or_profile: str | Path | OverlapProfile, num_layers: i
         raise OverlapProfileError(f"overlap profile: expected a path or an OverlapProfile, got "
                                   f"{type(path_or_profile).__name__}")
     return load_profile(path_or_profile, num_layers).modes()
+
+
+def layer_settings(path_or_profile: str | Path | OverlapProfile, num_layers: int,
+                   level: str = "full") -> tuple[list[str], list[int]]:
+    """What the decode stack runs in each layer, from a profile: `stack_settings` of its modes after
+    `restrict_modes(..., level)`; pass them as `StackOptions(modes=..., prefetch_layers=...)`."""
+    return stack_settings(restrict_modes(modes_for_layers(path_or_profile, num_layers), level))

@@ -4,11 +4,13 @@ The trace (a recorded ``.npz``, a synthetic one, or the demo model's own) is rep
 `HotPoolCacheManager` (plain-torch resolve, no entry bytes moved) exactly as `ess_sglang.traces.replay_ess` does:
 warm-up, then per step `begin_step`, and per layer `write_new_tokens` and `resolve`. The manager's device counters are
 snapshotted after every step, which gives the distinct misses and the lookups of every layer in every step. The cost
-model of `ess_sglang.overlap_policy` then picks sync / da / dba per layer, and the profile is written as YAML::
+model of `ess_sglang.overlap_policy` then picks sync / da / dba per layer (and prefetch / prefetch2 too, with a
+measured `--calibration`), and the profile is written as YAML::
 
     ess profile --trace benchmarks/traces/smollm2-135m_sample.npz --ratio 0.2 --out configs/overlap/x.yaml
     ess profile --synthetic --gen-layers 16 --batch 64 --context 32768 --top-k 2048
     ess profile --demo --slots-per-layer 4096
+    ess profile --synthetic --batch 64 --context 32768 --top-k 2048 --calibration benchmarks/results/decode_layers.json
 
 The cost model runs at --batch / --context / --top-k (default: the trace's own); when they differ from the trace's,
 the measured misses are scaled by (batch / trace batch) x (top_k / trace top-k), i.e. the measured miss rate per
@@ -27,6 +29,7 @@ import numpy as np
 
 from ess_sglang.config import DEFAULT_SPARSE_MEMORY_RATIO, EssConfig, round_up
 from ess_sglang.overlap_policy import (
+    MODES,
     DeviceTimings,
     OverlapProfile,
     OverlapProfileError,
@@ -49,7 +52,7 @@ _FLAGS = [("trace", "--trace"), ("synthetic", "--synthetic"), ("demo", "--demo")
           ("gen_top_k", "--gen-top-k"), ("seed", "--seed"), ("overlap", "--overlap"), ("burst_prob", "--burst-prob"),
           ("ratio", "--ratio"), ("slots_per_layer", "--slots-per-layer"), ("warmup", "--warmup"),
           ("batch", "--batch"), ("context", "--context"), ("top_k", "--top-k"), ("by", "--by"),
-          ("device_timings", "--device-timings"), ("out", "--out")]
+          ("device_timings", "--device-timings"), ("calibration", "--calibration"), ("out", "--out")]
 _GEN_DESTS = ("gen_batch", "gen_context", "gen_layers", "gen_steps", "gen_top_k", "seed", "overlap", "burst_prob")
 
 
@@ -110,6 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "(default mean)")
     cost.add_argument("--device-timings", metavar="YAML", help="override the H200 timing constants: a mapping of "
                       "DeviceTimings keys, or a profile's device: section")
+    cost.add_argument("--calibration", metavar="JSON", help="measured exposed time of every mode on this device: the "
+                      "JSON of a benchmarks/decode_layers.py run (with its sync, prefetch, prefetch2, ... modes); "
+                      "where its grid of batches x contexts covers --batch / --context it replaces the analytic model "
+                      "and adds the prefetch modes")
     p.add_argument("--out", metavar="PATH.yaml", help="write the profile here (default: print the YAML to stdout, "
                    "the table to stderr)")
 
@@ -245,10 +252,32 @@ def _slots(args: argparse.Namespace, trace) -> tuple[int, float | None]:
 
 
 def _device(args: argparse.Namespace) -> DeviceTimings:
-    if args.device_timings is None:
-        return DeviceTimings()
-    where = f"--device-timings {args.device_timings}"
-    return device_timings_from_mapping(read_yaml(args.device_timings, "--device-timings"), where)
+    device = DeviceTimings()
+    if args.device_timings is not None:
+        where = f"--device-timings {args.device_timings}"
+        device = device_timings_from_mapping(read_yaml(args.device_timings, "--device-timings"), where)
+    if getattr(args, "calibration", None) is not None:
+        device = device.model_copy(update={"measured": _calibration(args.calibration)})
+    return device
+
+
+def _calibration(path: str):
+    import json
+    from pathlib import Path
+
+    from ess_sglang.stack_calibration import CalibrationError, calibration_from_decode_layers
+
+    where = f"--calibration {path}"
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _FlagError(f"{where}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _FlagError(f"{where}: cannot read JSON: {exc}") from None
+    try:
+        return calibration_from_decode_layers(data, where)
+    except CalibrationError as exc:
+        raise _FlagError(str(exc)) from None
 
 
 def make_profile(args: argparse.Namespace) -> OverlapProfile:
@@ -273,26 +302,38 @@ def make_profile(args: argparse.Namespace) -> OverlapProfile:
 # ------------------------------------------------------------------------------------------------ output
 
 def print_table(profile: OverlapProfile, stderr: bool = False) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     h = profile.header
     console = Console(stderr=stderr)
+    console.width = max(console.width, 104)  # every column whole (numbers are never cut), even in a narrow terminal
     ratio = f" (ratio {h.ratio:g})" if h.ratio is not None else ""
     scale = f", misses x {h.miss_scale:g}" if h.miss_scale != 1 else ""
     t = Table(title=f"overlap profile: {h.source}, {h.steps} steps, {h.slots_per_layer} hot slots/layer{ratio}; "
                     f"cost model at batch {h.batch}, context {h.context}, top-k {h.top_k}{scale}")
-    for name in ("layer", "misses/step", "p95", "hit rate", "sync us", "da us", "dba us", "mode"):
-        t.add_column(name, justify="left" if name == "mode" else "right")
+    # the modes offered somewhere (prefetch ones only with a calibration); exposed microseconds per layer
+    shown = [m for m in MODES if any(lp.exposed_us.as_dict()[m] is not None for lp in profile.layers)]
+    t.box, t.caption = box.SIMPLE_HEAD, "exposed us per layer of each mode; the chosen one in bold"
+    for name in ("layer", "misses/step", "p95", "hit rate", *shown):
+        t.add_column(name, justify="right")
+    t.add_column("mode", no_wrap=True)
     for lp in profile.layers:
-        times = lp.exposed_us.as_dict()
+        times = {m: lp.exposed_us.as_dict()[m] for m in shown}
         cells = [("-" if v is None else f"{v:.1f}") for v in times.values()]
         cells = [f"[bold]{c}[/]" if m == lp.mode else c for c, m in zip(cells, times, strict=True)]
         t.add_row(str(lp.layer), f"{lp.misses_mean:.1f}", f"{lp.misses_p95:.1f}", f"{lp.hit_rate:.4f}", *cells,
                   lp.mode)
     console.print(t)
-    counts = {m: profile.modes().count(m) for m in ("sync", "da", "dba")}
-    console.print("modes: " + ", ".join(f"{n} {m}" for m, n in counts.items()), highlight=False)
+    counts = {m: profile.modes().count(m) for m in MODES}
+    console.print("modes: " + ", ".join(f"{n} {m}" for m, n in counts.items() if n or m in ("sync", "da", "dba")),
+                  highlight=False)
+    if profile.device.measured is not None:
+        where = "inside" if profile.device.measured.covers(h.batch, h.context) else "outside (analytic model used)"
+        console.print(f"calibration: batch {h.batch} / context {h.context} is {where} its grid of batches "
+                      f"{profile.device.measured.batches} x contexts {profile.device.measured.contexts}",
+                      highlight=False)
 
 
 def run(args: argparse.Namespace) -> int:

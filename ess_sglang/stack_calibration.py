@@ -1,0 +1,207 @@
+"""Measured exposed time of each overlap mode, from a decode-stack benchmark run, for the layer-wise policy.
+
+The analytic cost model in `ess_sglang.overlap_policy` predicts sync / da / dba from a few device constants. ECHO
+prefetch (one indexer launch, or the indexer in two batch chunks) is harder to model: what it hides depends on how
+long the top-k and the second chunk's indexer take beside its candidate kernels, and on how many of its fetches the
+top-k then selects. So the policy can also read the modes' costs from a measurement of the device itself: the JSON
+that `benchmarks/decode_layers.py` writes (`ess profile --calibration FILE`).
+
+A calibration is a grid of measured configurations (batch x context), each measured at two or more miss counts (the
+benchmark's hit rates). One point holds, for one configuration and hit rate::
+
+    misses      distinct misses per layer and step of the sync run (whole batch)
+    exposed_us  per mode: the mode's time per layer minus the all-HBM stack's, same run, microseconds
+
+The exposed time of a mode for a layer with M misses per step at batch B and context C (`StackCalibration.exposed`):
+
+    1. the grid's batches b0 <= B <= b1 and contexts c0 <= C <= c1 that bracket the query (a query outside the grid
+       gets None: the caller falls back to the analytic model);
+    2. at each of those (up to four) corners (b, c): the corner's points, ordered by misses, interpolated linearly
+       at M x b / B (the same misses per request), beyond the first or last point along the end segment's slope,
+       and never below zero;
+    3. the corners combined bilinearly in log batch and log context.
+
+At a measured configuration this returns the measured exposed times exactly. Modes missing from any point are left
+out of the whole calibration (a mode is offered only where every point measured it).
+
+This module imports pydantic only (no torch): profiles are read before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
+
+CALIBRATED_MODES = ("sync", "da", "dba", "prefetch", "prefetch2")
+"""Modes a calibration may hold, in the policy's order (ties go to the earlier)."""
+
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+PosInt = Annotated[int, Field(gt=0, strict=True)]
+
+
+class CalibrationError(ValueError):
+    """A calibration that cannot be built or used; the message names the file or key."""
+
+
+class MeasuredPoint(BaseModel):
+    """One configuration at one hit rate: the sync run's misses and each mode's exposed time per layer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch: PosInt
+    context: PosInt
+    misses: NonNegFloat
+    """Distinct misses per layer and step, whole batch, of the sync run."""
+    exposed_us: dict[str, Finite]
+    """Mode -> its time per layer minus the all-HBM stack's (may be negative: measurement noise at tiny costs)."""
+
+    @model_validator(mode="after")
+    def _modes(self) -> MeasuredPoint:
+        unknown = sorted(set(self.exposed_us) - set(CALIBRATED_MODES))
+        if unknown:
+            raise ValueError(f"exposed_us: unknown mode {unknown[0]!r}; expected some of {', '.join(CALIBRATED_MODES)}")
+        if "sync" not in self.exposed_us:
+            raise ValueError("exposed_us: needs the sync mode (the baseline every point is measured with)")
+        return self
+
+
+class StackCalibration(BaseModel):
+    """A grid of measured points (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: StrictStr
+    """Where the numbers come from: file, command, date and device of the benchmark run."""
+    points: list[MeasuredPoint]
+
+    @model_validator(mode="after")
+    def _full_grid(self) -> StackCalibration:
+        if not self.points:
+            raise ValueError("points: the calibration holds no points")
+        cells = self._cells()
+        batches = sorted({b for b, _ in cells})
+        contexts = sorted({c for _, c in cells})
+        for b in batches:
+            for c in contexts:
+                pts = cells.get((b, c))
+                if pts is None:
+                    raise ValueError(f"points: batch {b} at context {c} is missing (the points must form a full "
+                                     f"grid of batches {batches} x contexts {contexts})")
+                misses = [p.misses for p in pts]
+                if len(misses) < 2 or len(set(misses)) != len(misses):
+                    raise ValueError(f"points: batch {b} at context {c} needs two or more points with distinct miss "
+                                     f"counts, got misses {misses}")
+        return self
+
+    def _cells(self) -> dict[tuple[int, int], list[MeasuredPoint]]:
+        cells: dict[tuple[int, int], list[MeasuredPoint]] = {}
+        for p in self.points:
+            cells.setdefault((p.batch, p.context), []).append(p)
+        return {k: sorted(v, key=lambda p: p.misses) for k, v in cells.items()}
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes every point measured, in CALIBRATED_MODES order."""
+        return tuple(m for m in CALIBRATED_MODES if all(m in p.exposed_us for p in self.points))
+
+    @property
+    def batches(self) -> list[int]:
+        return sorted({p.batch for p in self.points})
+
+    @property
+    def contexts(self) -> list[int]:
+        return sorted({p.context for p in self.points})
+
+    def covers(self, batch: float, context: float) -> bool:
+        """True when (batch, context) lies inside the measured grid."""
+        b, c = self.batches, self.contexts
+        return b[0] <= batch <= b[-1] and c[0] <= context <= c[-1]
+
+    def exposed(self, misses: float, batch: float, context: float) -> dict[str, float] | None:
+        """Each calibrated mode's exposed time (us per layer) at `misses` per step, or None outside the grid."""
+        if misses < 0 or not math.isfinite(misses):
+            raise CalibrationError(f"misses: must be a finite number >= 0, got {misses}")
+        if batch <= 0 or context <= 0:
+            raise CalibrationError(f"batch and context must be positive, got batch={batch}, context={context}")
+        if not self.covers(batch, context):
+            return None
+        cells = self._cells()
+        corners = [(b, wb * wc, c) for b, wb in _bracket(self.batches, batch) for c, wc in _bracket(self.contexts,
+                                                                                                   context)]
+        out = {}
+        for mode in self.modes:
+            out[mode] = max(sum(w * _along_misses(cells[(b, c)], mode, misses * b / batch)
+                                for b, w, c in corners if w > 0), 0.0)
+        return out
+
+
+def _bracket(values: Sequence[int], x: float) -> list[tuple[int, float]]:
+    """The grid values around x with their weights, linear in log x (one value with weight 1 on a grid point)."""
+    i = bisect.bisect_left(values, x)
+    if i < len(values) and values[i] == x:
+        return [(values[i], 1.0)]
+    lo, hi = values[i - 1], values[i]
+    w = (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    return [(lo, 1.0 - w), (hi, w)]
+
+
+def _along_misses(points: Sequence[MeasuredPoint], mode: str, misses: float) -> float:
+    """A corner's exposed time at `misses`: linear between its points, the end segments' slopes beyond them."""
+    xs = [p.misses for p in points]
+    i = min(max(bisect.bisect_right(xs, misses) - 1, 0), len(xs) - 2)
+    x0, x1 = xs[i], xs[i + 1]
+    y0, y1 = points[i].exposed_us[mode], points[i + 1].exposed_us[mode]
+    return y0 + (y1 - y0) * (misses - x0) / (x1 - x0)
+
+
+def calibration_from_decode_layers(data: Any, where: str = "decode-stack results") -> StackCalibration:
+    """A calibration from the parsed JSON of `benchmarks/decode_layers.py` (`{"meta": ..., "rows": [...]}`).
+
+    Every configuration (context, batch, hit) with an all-HBM row and a sync row with misses becomes a point; the
+    configurations whose batch was measured at a single miss count (the small batches, whose tokens all fit) are left
+    out, and so is every mode not measured at every remaining point."""
+    if not isinstance(data, Mapping) or not isinstance(data.get("rows"), list):
+        raise CalibrationError(f"{where}: expected the JSON of benchmarks/decode_layers.py, a mapping with a 'rows' "
+                               f"list")
+    by_config: dict[tuple, dict[str, Mapping]] = {}
+    for i, row in enumerate(data["rows"]):
+        try:
+            key = (int(row["context"]), int(row["batch"]), float(row["target_hit"]))
+            by_config.setdefault(key, {})[str(row["variant"])] = row
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CalibrationError(f"{where}: rows[{i}]: not a decode-stack row ({exc!r})") from None
+    raw = []
+    for (context, batch, _hit), rows in sorted(by_config.items()):
+        if "hbm" not in rows or "sync" not in rows:
+            continue
+        sync = rows["sync"]
+        per_layer = sync.get("misses_per_layer_step") or []
+        if not per_layer:
+            continue
+        hbm_us = float(rows["hbm"]["layer_us"])
+        exposed = {m: round(float(rows[m]["layer_us"]) - hbm_us, 3) for m in CALIBRATED_MODES if m in rows}
+        raw.append(dict(batch=batch, context=context, misses=round(sum(per_layer) / len(per_layer), 3),
+                        exposed_us=exposed))
+    # batches measured at one miss count only cannot be interpolated along misses: leave their whole batch out
+    counts: dict[tuple[int, int], set] = {}
+    for p in raw:
+        counts.setdefault((p["batch"], p["context"]), set()).add(p["misses"])
+    thin = {b for (b, _), m in counts.items() if len(m) < 2}
+    raw = [p for p in raw if p["batch"] not in thin]
+    if not raw:
+        raise CalibrationError(f"{where}: no configuration was measured at two or more hit rates with misses")
+    common = [m for m in CALIBRATED_MODES if all(m in p["exposed_us"] for p in raw)]
+    for p in raw:
+        p["exposed_us"] = {m: p["exposed_us"][m] for m in common}
+    meta = data.get("meta") or {}
+    source = (f"{where}: {meta.get('command', '?')} ({meta.get('date', '?')}, {meta.get('device', '?')}); "
+              f"time per layer minus the all-HBM stack's, misses per layer of the sync run")
+    try:
+        return StackCalibration(source=source, points=[MeasuredPoint(**p) for p in raw])
+    except ValueError as exc:
+        raise CalibrationError(f"{where}: {exc}") from None

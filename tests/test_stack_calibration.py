@@ -1,0 +1,197 @@
+"""Measured decode-stack calibration: building it from benchmark JSON, interpolating it, and the policy reading it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ess_sglang.cli import main
+from ess_sglang.overlap_policy import (
+    MODES,
+    DeviceTimings,
+    ProfileHeader,
+    build_profile,
+    choose_modes,
+    exposed_times,
+    layer_settings,
+    load_profile,
+    restrict_modes,
+    save_profile,
+    stack_settings,
+)
+from ess_sglang.stack_calibration import (
+    CalibrationError,
+    MeasuredPoint,
+    StackCalibration,
+    calibration_from_decode_layers,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_1819 = ROOT / "benchmarks" / "results" / "decode_layers_1819.json"
+
+
+def _rows(context, batch, hit, misses, layer_us):
+    """decode_layers.py rows of one configuration: hbm plus each mode's time per layer (4 layers)."""
+    base = dict(context=context, batch=batch, target_hit=hit, layers=4)
+    rows = [dict(base, variant="hbm", layer_us=100.0, ratio=1.0)]
+    for mode, us in layer_us.items():
+        rows.append(dict(base, variant=mode, layer_us=us, misses_per_layer_step=[misses] * 4))
+    return rows
+
+
+def _run():
+    """A small grid: batches 16 and 64 at contexts 32K and 128K, two hit rates each."""
+    rows = []
+    for context in (32768, 131072):
+        for batch in (16, 64):
+            k = batch / 16 * (2 if context == 131072 else 1)
+            rows += _rows(context, batch, 0.9, 400.0 * batch / 16,
+                          dict(sync=100 + 40 * k, prefetch=100 + 30 * k, prefetch2=100 + 35 * k, dba=300.0))
+            rows += _rows(context, batch, 0.99, 40.0 * batch / 16,
+                          dict(sync=100 + 10 * k, prefetch=100 + 15 * k, prefetch2=100 + 25 * k, dba=290.0))
+    # a small batch measured at one hit rate only (all resident): left out of the grid
+    rows += _rows(32768, 1, 0.95, 0.0, dict(sync=120.0, prefetch=125.0, prefetch2=126.0))
+    return dict(meta=dict(command="python benchmarks/decode_layers.py", date="2026-11-29", device="test"), rows=rows)
+
+
+def test_points_from_benchmark_rows_and_exact_at_measured_points():
+    cal = calibration_from_decode_layers(_run(), "run.json")
+    assert cal.batches == [16, 64] and cal.contexts == [32768, 131072]  # batch 1 has one miss count only
+    assert cal.modes == ("sync", "dba", "prefetch", "prefetch2")  # da was not measured
+    assert "run.json" in cal.source and "python benchmarks/decode_layers.py" in cal.source
+    p = next(p for p in cal.points if (p.batch, p.context, p.misses) == (64, 131072, 1600.0))
+    assert p.exposed_us == dict(sync=320.0, dba=200.0, prefetch=240.0, prefetch2=280.0)
+    for q in cal.points:  # at a measured point: the measured values, exactly
+        assert cal.exposed(q.misses, q.batch, q.context) == pytest.approx(q.exposed_us)
+
+
+def test_interpolation_in_misses_batch_and_context():
+    cal = calibration_from_decode_layers(_run())
+    # along misses at one grid point: linear between the points, the end slopes beyond them, never below zero
+    mid = cal.exposed(220.0, 16, 32768)
+    assert mid["sync"] == pytest.approx(25.0) and mid["prefetch"] == pytest.approx(22.5)
+    beyond = cal.exposed(760.0, 16, 32768)
+    assert beyond["sync"] == pytest.approx(40 + 30 * 360 / 360)
+    assert cal.exposed(0.0, 16, 32768)["sync"] == pytest.approx(10 - 30 * 40 / 360)
+    assert cal.exposed(0.0, 16, 32768)["prefetch2"] == pytest.approx(25 - 10 * 40 / 360)
+    # between batches: each corner at the same misses per request, weights linear in log batch
+    b32 = cal.exposed(800.0, 32, 32768)  # 25 misses per request: the 0.9 point of both batches
+    assert b32["sync"] == pytest.approx(0.5 * 40 + 0.5 * 160)
+    # between contexts: linear in log context (64K is half-way between 32K and 128K)
+    c64 = cal.exposed(400.0, 16, 65536)
+    assert c64["sync"] == pytest.approx(0.5 * 40 + 0.5 * 80)
+    # outside the grid: None (the policy falls back to the analytic model)
+    assert cal.exposed(400.0, 8, 32768) is None and cal.exposed(400.0, 16, 262144) is None
+    assert cal.covers(64, 131072) and not cal.covers(128, 32768)
+    with pytest.raises(CalibrationError, match="misses: must be a finite number >= 0"):
+        cal.exposed(math.nan, 16, 32768)
+
+
+@pytest.mark.parametrize("points,expected", [
+    ([], "holds no points"),
+    ([dict(batch=16, context=32768, misses=1.0, exposed_us=dict(sync=1.0)),
+      dict(batch=16, context=32768, misses=2.0, exposed_us=dict(sync=2.0)),
+      dict(batch=64, context=131072, misses=1.0, exposed_us=dict(sync=1.0)),
+      dict(batch=64, context=131072, misses=2.0, exposed_us=dict(sync=1.0))], "batch 16 at context 131072 is missing"),
+    ([dict(batch=16, context=32768, misses=1.0, exposed_us=dict(sync=1.0))], "two or more points with distinct"),
+    ([dict(batch=16, context=32768, misses=1.0, exposed_us=dict(sync=1.0, fast=0.0))], "unknown mode 'fast'"),
+    ([dict(batch=16, context=32768, misses=1.0, exposed_us=dict(prefetch=1.0))], "needs the sync mode"),
+])
+def test_bad_calibrations_name_what_is_wrong(points, expected):
+    with pytest.raises(ValueError, match=expected):
+        StackCalibration(source="t", points=[MeasuredPoint(**p) if not isinstance(p, MeasuredPoint) else p
+                                             for p in points])
+
+
+def test_bad_benchmark_json_is_refused():
+    with pytest.raises(CalibrationError, match="x.json: expected the JSON of benchmarks/decode_layers.py"):
+        calibration_from_decode_layers([], "x.json")
+    with pytest.raises(CalibrationError, match=r"x.json: rows\[0\]: not a decode-stack row"):
+        calibration_from_decode_layers(dict(rows=[dict(variant="sync")]), "x.json")
+    one_hit = dict(rows=_rows(32768, 64, 0.95, 100.0, dict(sync=150.0)))
+    with pytest.raises(CalibrationError, match="no configuration was measured at two or more hit rates"):
+        calibration_from_decode_layers(one_hit, "x.json")
+
+
+# ------------------------------------------------------------------------------------------------ the policy
+
+def test_policy_takes_prefetch_modes_from_a_calibration_inside_its_grid_only():
+    d = DeviceTimings(measured=calibration_from_decode_layers(_run()))
+    t = exposed_times(1600.0, 64, 32768, d)  # the measured 0.9 point at batch 64: prefetch hides most
+    assert (t.sync, t.prefetch, t.prefetch2, t.dba, t.da) == (160.0, 120.0, 140.0, 200.0, None)
+    assert choose_modes([1600.0, 160.0], 64, 32768, d) == ["prefetch", "sync"]
+    # outside the grid: the analytic model, which offers no prefetch mode
+    t = exposed_times(1600.0, 128, 32768, d)
+    assert t == exposed_times(1600.0, 128, 32768, DeviceTimings()) and t.prefetch is None and t.prefetch2 is None
+    assert set(choose_modes([0, 1000, 20000], 128, 32768, d)) <= {"sync", "da", "dba"}
+
+
+def test_restrict_and_stack_settings_of_prefetch_modes():
+    modes = ["sync", "da", "dba", "prefetch", "prefetch2"]
+    assert tuple(modes) == MODES
+    assert restrict_modes(modes, "full") == modes
+    assert restrict_modes(modes, "da") == ["sync", "da", "da", "sync", "sync"]  # prefetch is part of "full"
+    assert restrict_modes(modes, "none") == ["sync"] * 5
+    assert stack_settings(modes) == (["sync", "da", "dba", "sync", "sync"], [0, 0, 0, 1, 2])
+    with pytest.raises(ValueError, match="mode 'prefetch3' is not one of"):
+        stack_settings(["prefetch3"])
+
+
+def test_calibrated_profile_round_trip_and_layer_settings(tmp_path):
+    d = DeviceTimings(measured=calibration_from_decode_layers(_run()))
+    header = ProfileHeader(command="t", date="2026-11-29T00:00:00Z", source="synthetic", trace="t", trace_batch=64,
+                           trace_top_k=2048, trace_context_mean=32768.0, steps=1, slots_per_layer=4096, warmup="recent",
+                           batch=64, context=32768, top_k=2048, miss_scale=1.0, chosen_by="mean")
+    misses = np.array([[1600.0, 160.0, 0.0]])
+    prof = build_profile(misses, np.full_like(misses, 64 * 2048), header, d)
+    assert prof.modes() == ["prefetch", "sync", "sync"]
+    path = save_profile(prof, tmp_path / "p.yaml")
+    again = load_profile(path, num_layers=3)
+    assert again == prof and again.device.measured == d.measured
+    assert layer_settings(path, 3) == (["sync"] * 3, [1, 0, 0])
+    assert layer_settings(path, 3, "da") == (["sync"] * 3, [0, 0, 0])
+
+
+def test_the_1819_run_picks_its_fastest_mode_at_every_measured_point():
+    # the committed decode-stack run of 18:19 UTC (H200): prefetch2 at batch 64 / 32K / hit 0.95, and at every
+    # configuration it measured the policy picks the mode that run measured fastest
+    data = json.loads(RUN_1819.read_text())
+    d = DeviceTimings(measured=calibration_from_decode_layers(data, str(RUN_1819)))
+    assert d.measured.batches == [16, 64, 128] and d.measured.contexts == [32768, 131072]
+    assert d.measured.modes == MODES and len(d.measured.points) == 18
+    for p in d.measured.points:
+        best = min(p.exposed_us, key=lambda m: (p.exposed_us[m], MODES.index(m)))
+        assert choose_modes([p.misses], p.batch, p.context, d) == [best]
+    p = next(p for p in d.measured.points if (p.batch, p.context) == (64, 32768) and 5000 < p.misses < 6000)
+    assert choose_modes([p.misses], 64, 32768, d) == ["prefetch2"]
+
+
+def test_ess_profile_with_a_calibration(tmp_path, capsys):
+    out = tmp_path / "p.yaml"
+    argv = ["profile", "--synthetic", "--gen-layers", "3", "--gen-steps", "8", "--batch", "64", "--context", "32768",
+            "--top-k", "2048", "--calibration", str(RUN_1819), "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "prefetch2" in printed and "is inside its grid" in printed
+    prof = load_profile(out, num_layers=3)
+    assert prof.device.measured is not None and "--calibration" in prof.header.command
+    for lp in prof.layers:  # every mode's time came from the calibration; the choice is the fastest of them
+        assert lp.exposed_us.prefetch is not None and lp.exposed_us.prefetch2 is not None
+        times = {m: v for m, v in lp.exposed_us.as_dict().items() if v is not None}
+        assert lp.mode == min(times, key=lambda m: (times[m], MODES.index(m))) or lp.model_misses == 0
+
+
+@pytest.mark.parametrize("content,expected", [
+    (None, "no such file"), ("{not json", "cannot read JSON"), ("[]", "expected the JSON of benchmarks/decode_layers"),
+])
+def test_ess_profile_bad_calibration_file(tmp_path, capsys, content, expected):
+    path = tmp_path / "cal.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["profile", "--synthetic", "--calibration", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--calibration {path}" in err and expected in err
