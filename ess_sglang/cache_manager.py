@@ -327,9 +327,12 @@ class HotPoolCacheManager:
         each batch chunk as soon as its indexer logits exist), each into a list of its own (slices of one list are
         fine if they do not overlap); a prefetch of another layer, or one into a list still unsettled, is refused.
         `fetch_list` (at least len(locs) entries) receives what was fetched; by default a scratch list. `programs`:
-        the copy's persistent programs (see `fetch`). Returns slots.
+        the copy's persistent programs (see `fetch`). Returns the int32 slot of each location (-1: skipped, or not
+        fetched for want of an evictable slot).
         """
-        flat = self._valid_locations(locs)
+        # the fused lookup bounds-checks every location itself (never reading outside the maps), so on that path the
+        # decode stack's side stream skips the four small kernels of the torch check
+        flat = self._valid_locations(locs) if self._fused is None else locs.reshape(-1).to(self.device, torch.int64)
         if fetch_list is not None:
             fetch_list.check_holds(flat.numel(), "prefetch", "candidates")
         record = fetch_list if fetch_list is not None else self._prefetch_scratch(flat.numel())
@@ -344,9 +347,10 @@ class HotPoolCacheManager:
         if self._fused is not None:
             slots = self._fused_run(layer, flat, MODE_LOCATIONS, count=False,
                                     fetch=(Counter.PREFETCHED, Counter.H2D_ENTRIES),
-                                    copy_from=None, fetch_list=record, protect=False).long()
+                                    copy_from=None, fetch_list=record, protect=False)
         else:
             slots, _, fetched = self._make_resident(layer, flat, copy=False, record=record, protect=False)
+            slots = slots.int()
             self.counters[layer, Counter.PREFETCHED] += fetched
             self.counters[layer, Counter.H2D_ENTRIES] += fetched
         self.fetch(layer, record, programs)

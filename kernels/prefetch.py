@@ -10,7 +10,8 @@ first, at most cap[b] per request, in a [B, width] table of KV locations (-1 pad
     K2 write   each program sums the counts of the later tiles of its request and writes its tile's candidates at
                that offset + rank from the tile's end, below the request's cap: read from `kept`, or, for a tile
                with more than KEEP candidates, recomputed (re-reading the logits, the request table and the slot
-               map, which `kept` saves the other tiles)
+               map, which `kept` saves the other tiles); the tile-0 program also writes the -1 padding after the
+               request's last candidate (the output is never filled by a launch of its own)
 
 The torch definition is `ess_sglang.prefetch.EchoPrefetcher.candidates` (impl="torch"); the tests check the two are
 equal under TRITON_INTERPRET.
@@ -68,7 +69,8 @@ def _count_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, rpi_ptr, se
 @triton.jit
 def _write_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, rpi_ptr, seq_ptr, r2t_ptr, r2t_stride,
                   r2t_rows, r2t_width, l2s_ptr, num_locations, counts_ptr, kept_ptr, tiles, cap_fraction_ptr, cap_min,
-                  out_ptr, width, BLOCK: tl.constexpr, TILES: tl.constexpr, KEEP: tl.constexpr):
+                  out_ptr, width, BLOCK: tl.constexpr, TILES: tl.constexpr, KEEP: tl.constexpr,
+                  WBLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     later = tl.arange(0, TILES)
@@ -78,6 +80,11 @@ def _write_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, rpi_ptr, se
     # Python float argument would arrive as float32, whose rounding moves some caps by one)
     seq = tl.load(seq_ptr + b).to(tl.float64)
     cap = tl.minimum(tl.maximum(tl.math.ceil(seq * tl.load(cap_fraction_ptr)).to(tl.int64), cap_min), width)
+    if tile == 0:  # the request's row past its last candidate is padding (-1): no separate fill launch
+        total = tl.minimum(tl.sum(later_counts) + n, cap)
+        for r0 in range(0, width, WBLOCK):
+            r = r0 + tl.arange(0, WBLOCK)
+            tl.store(out_ptr + b * width + r, tl.full((WBLOCK,), -1, tl.int64), mask=(r >= total) & (r < width))
     if n <= KEEP:  # K1 kept all of the tile's candidates: the j-th has n - 1 - j candidates after it in the tile
         j = tl.arange(0, KEEP)
         kept = tl.load(kept_ptr + (b * tiles + tile) * KEEP + j, mask=j < n, other=-1)
@@ -105,9 +112,9 @@ def prefetch_candidates_triton(logits: torch.Tensor, thresholds: torch.Tensor, r
     B, Q, T = logits.shape
     if logits.stride(-1) != 1 or req_to_token.stride(1) != 1:
         raise ValueError("prefetch_candidates_triton wants logits and req_to_token rows contiguous")
-    out = torch.full((B, width), -1, dtype=torch.int64, device=logits.device)
     if B == 0 or T == 0:
-        return out.view(-1)
+        return torch.full((B * width,), -1, dtype=torch.int64, device=logits.device)
+    out = torch.empty((B, width), dtype=torch.int64, device=logits.device)  # K2 writes every element
     if cap_fraction.dtype != torch.float64 or cap_fraction.numel() != 1:
         raise ValueError("prefetch_candidates_triton wants cap_fraction as a float64 tensor of one element")
     tiles = triton.cdiv(T, BLOCK)
@@ -117,7 +124,8 @@ def prefetch_candidates_triton(logits: torch.Tensor, thresholds: torch.Tensor, r
             req_to_token.stride(0), req_to_token.shape[0], req_to_token.shape[1], loc_to_slot, num_locations)
     _count_kernel[(B, tiles)](*args, counts, kept, tiles, BLOCK=BLOCK, KEEP=KEEP)
     _write_kernel[(B, tiles)](*args, counts, kept, tiles, cap_fraction, int(cap_min_tokens), out, width, BLOCK=BLOCK,
-                              TILES=triton.next_power_of_2(tiles), KEEP=KEEP)
+                              TILES=triton.next_power_of_2(tiles), KEEP=KEEP,
+                              WBLOCK=min(triton.next_power_of_2(max(width, 1)), 1024))
     return out.view(-1)
 
 

@@ -76,7 +76,7 @@ common = dict(logits_ptr=PF, l_stride_b=I64, l_stride_q=I64, Q=I32, T=I64, thr_p
               r2t_ptr=P32, r2t_stride=I64, r2t_rows=I64, r2t_width=I64, l2s_ptr=P32, num_locations=I64, tiles=I32)
 check(kp._count_kernel, dict(common, counts_ptr=P64, kept_ptr=P64), dict(BLOCK=1024, KEEP=128))
 check(kp._write_kernel, dict(common, counts_ptr=P64, kept_ptr=P64, cap_fraction_ptr="*fp64", cap_min=I64, out_ptr=P64,
-                             width=I64), dict(BLOCK=1024, TILES=32, KEEP=128))
+                             width=I64), dict(BLOCK=1024, TILES=32, KEEP=128, WBLOCK=512))
 check(kp._ema_kernel, dict(kth_ptr=PF, kth_stride=I64, Q=I32, rpi_ptr=P64, thr_ptr=PF, num_rows=I64, B=I32,
                            alpha="fp32", keep="fp32"), dict(BLOCK=128))
 check(kp._settle_kernel, dict(src_ptr=P64, dst_ptr=P64, count_ptr=P64, n=I64, s2l_ptr=P32, stamp_ptr=P64,
