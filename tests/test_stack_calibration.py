@@ -195,3 +195,21 @@ def test_ess_profile_bad_calibration_file(tmp_path, capsys, content, expected):
     assert main(["profile", "--synthetic", "--calibration", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"--calibration {path}" in err and expected in err
+
+
+def test_committed_calibrated_example_is_valid_and_reproducible():
+    import shlex
+
+    from ess_sglang.cli import build_parser
+    from ess_sglang.profile_cmd import make_profile
+
+    path = ROOT / "configs" / "overlap" / "smollm2-135m_ratio0.2_h200-measured.yaml"
+    prof = load_profile(path, num_layers=30)
+    assert prof.device.measured is not None and "decode_layers_1819.json" in prof.device.measured.source
+    assert prof.modes().count("prefetch") == 2 and prof.modes().count("prefetch2") == 28
+    argv = shlex.split(prof.header.command)
+    assert "--calibration" in argv and argv[-2:] == ["--out", "configs/overlap/smollm2-135m_ratio0.2_h200-measured.yaml"]
+    args = build_parser().parse_args(argv[1:])
+    args.trace, args.calibration = str(ROOT / args.trace), str(ROOT / args.calibration)
+    again = make_profile(args)
+    assert again.layers == prof.layers
