@@ -296,8 +296,8 @@ def pool_slots(args, batch: int, context: int, steps: int) -> int:
     return max(slots, math.ceil(batch * (TOP_K + 2 * steps) * 1.25 / 64) * 64)
 
 
-def layerwise_settings(sync_misses, cfg: Config, slots: int, hit: float, timings: DeviceTimings,
-                       args) -> tuple[list[str], list[int]]:
+def layerwise_settings(sync_misses, cfg: Config, slots: int, hit: float,
+                       timings: DeviceTimings) -> tuple[list[str], list[int]]:
     """The layer-wise policy's per-layer (overlap modes, prefetch chunks): a profile of the sync run's misses per
     layer, written as YAML and read back, as a deployment would run it."""
     misses = np.asarray([sync_misses], dtype=np.float64)
@@ -331,7 +331,7 @@ def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
         layer_prefetch = None
         if mode == "layerwise":  # the policy: all-resident lookups when everything fits, else the profile's modes
             resident = fits(cfg, slots)
-            modes, layer_prefetch = layerwise_settings(sync_misses, cfg, slots, hit, timings, args)
+            modes, layer_prefetch = layerwise_settings(sync_misses, cfg, slots, hit, timings)
             prefetch = False
         elif mode in EXTRA_MODES:
             modes, prefetch = [mode.split("_")[0]] * layers, False

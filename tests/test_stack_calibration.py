@@ -208,7 +208,8 @@ def test_committed_calibrated_example_is_valid_and_reproducible():
     assert prof.device.measured is not None and "decode_layers_1819.json" in prof.device.measured.source
     assert prof.modes().count("prefetch") == 2 and prof.modes().count("prefetch2") == 28
     argv = shlex.split(prof.header.command)
-    assert "--calibration" in argv and argv[-2:] == ["--out", "configs/overlap/smollm2-135m_ratio0.2_h200-measured.yaml"]
+    assert "--calibration" in argv
+    assert argv[-2:] == ["--out", "configs/overlap/smollm2-135m_ratio0.2_h200-measured.yaml"]
     args = build_parser().parse_args(argv[1:])
     args.trace, args.calibration = str(ROOT / args.trace), str(ROOT / args.calibration)
     again = make_profile(args)
