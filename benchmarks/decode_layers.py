@@ -62,7 +62,7 @@ from ess_sglang.formats import INDEXER_ENTRY_BYTES, LATENT_ENTRY_BYTES, pack_ind
 from ess_sglang.host_pool import HostTotalPool
 from ess_sglang.overlap_policy import DeviceTimings, ProfileHeader, build_profile, layer_settings, save_profile
 from ess_sglang.prefetch import EchoPrefetcher
-from ess_sglang.stack_calibration import calibration_from_decode_layers
+from ess_sglang.stack_calibration import load_calibration
 
 HEADS, IHEADS, TOP_K = 128, 64, 2048
 MODES = ["sync", "prefetch", "da", "dba", "layerwise"]
@@ -463,9 +463,7 @@ def main(argv=None) -> int:
     pools = Pools(args.layers, tokens)
     timings = DeviceTimings()
     if args.calibration:
-        with open(args.calibration) as f:
-            timings = timings.model_copy(update={"measured": calibration_from_decode_layers(
-                json.load(f), args.calibration)})
+        timings = timings.model_copy(update={"measured": load_calibration(args.calibration)})
     t0 = time.time()
     first = configs[0]
     cfg0 = Config(pools, args.layers, first[0], 16, steps, seed=7)

@@ -439,7 +439,7 @@ class EssDecodeStack(_StackBase):
         """Count this layer's prefetches useful or wasted on the side stream, beside attention (it reads the maps the
         exact resolve just left; nothing changes them before the layer joins the side stream). In DBA, where each
         chunk's resolve already runs on the side stream, it follows that chunk's copy there."""
-        if self.prefetcher is not None and self.options.layer_prefetch_fractions[layer] is not None:
+        if self.options.layer_prefetch_fractions[layer] is not None:  # (then the stack has a prefetcher)
             with self.streams.on_side():
                 self.m.settle_prefetch(layer)
 
@@ -449,7 +449,7 @@ class EssDecodeStack(_StackBase):
         With `prefetch_chunks` > 1 the indexer runs chunk by chunk over the batch into one logits tensor, and each
         chunk's prefetch (into its own slice of the prefetch list) starts as soon as the chunk's logits exist."""
         pf, fractions = self.prefetcher, self.options.layer_prefetch_fractions[layer]
-        if pf is None or fractions is None:
+        if fractions is None:  # a layer that prefetches implies a prefetcher (checked in __init__)
             return self._select(layer, x, batch)
         B, W = batch.seq_lens.shape[0], pf.width
         logits = torch.empty((B, x.q_index.shape[1], self.max_len), dtype=torch.float32, device=x.q_index.device)

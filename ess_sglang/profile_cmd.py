@@ -262,20 +262,10 @@ def _device(args: argparse.Namespace) -> DeviceTimings:
 
 
 def _calibration(path: str):
-    import json
-    from pathlib import Path
+    from ess_sglang.stack_calibration import CalibrationError, load_calibration
 
-    from ess_sglang.stack_calibration import CalibrationError, calibration_from_decode_layers
-
-    where = f"--calibration {path}"
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise _FlagError(f"{where}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _FlagError(f"{where}: cannot read JSON: {exc}") from None
-    try:
-        return calibration_from_decode_layers(data, where)
+        return load_calibration(path, f"--calibration {path}")
     except CalibrationError as exc:
         raise _FlagError(str(exc)) from None
 

@@ -30,8 +30,10 @@ This module imports pydantic only (no torch): profiles are read before anything 
 from __future__ import annotations
 
 import bisect
+import json
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
@@ -157,6 +159,19 @@ def _along_misses(points: Sequence[MeasuredPoint], mode: str, misses: float) -> 
     x0, x1 = xs[i], xs[i + 1]
     y0, y1 = points[i].exposed_us[mode], points[i + 1].exposed_us[mode]
     return y0 + (y1 - y0) * (misses - x0) / (x1 - x0)
+
+
+def load_calibration(path: str | Path, where: str | None = None) -> StackCalibration:
+    """`calibration_from_decode_layers` of a JSON file; every error is a CalibrationError starting with `where`
+    (default: the path)."""
+    where = where or str(path)
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CalibrationError(f"{where}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CalibrationError(f"{where}: cannot read JSON: {exc}") from None
+    return calibration_from_decode_layers(data, where)
 
 
 def calibration_from_decode_layers(data: Any, where: str = "decode-stack results") -> StackCalibration:

@@ -75,20 +75,21 @@ def _write_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, rpi_ptr, se
     tile = tl.program_id(1)
     later = tl.arange(0, TILES)
     later_counts = tl.load(counts_ptr + b * tiles + later, mask=(later > tile) & (later < tiles), other=0)
+    after = tl.sum(later_counts)  # the request's candidates in later tiles (ranked before this tile's)
     n = tl.load(counts_ptr + b * tiles + tile)
     # the request's cap, as EchoPrefetcher.caps: clamp(ceil(seq_len * cap_fraction), cap_min, width), in float64 (a
     # Python float argument would arrive as float32, whose rounding moves some caps by one)
     seq = tl.load(seq_ptr + b).to(tl.float64)
     cap = tl.minimum(tl.maximum(tl.math.ceil(seq * tl.load(cap_fraction_ptr)).to(tl.int64), cap_min), width)
     if tile == 0:  # the request's row past its last candidate is padding (-1): no separate fill launch
-        total = tl.minimum(tl.sum(later_counts) + n, cap)
+        total = tl.minimum(after + n, cap)
         for r0 in range(0, width, WBLOCK):
             r = r0 + tl.arange(0, WBLOCK)
             tl.store(out_ptr + b * width + r, tl.full((WBLOCK,), -1, tl.int64), mask=(r >= total) & (r < width))
     if n <= KEEP:  # K1 kept all of the tile's candidates: the j-th has n - 1 - j candidates after it in the tile
         j = tl.arange(0, KEEP)
         kept = tl.load(kept_ptr + (b * tiles + tile) * KEEP + j, mask=j < n, other=-1)
-        kept_rank = tl.sum(later_counts) + n - 1 - j
+        kept_rank = after + n - 1 - j
         tl.store(out_ptr + b * width + kept_rank, kept, mask=(j < n) & (kept_rank < cap))
     else:  # a tile with more candidates than K1 kept: recompute it
         t = tile * BLOCK + tl.arange(0, BLOCK)
@@ -96,7 +97,7 @@ def _write_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, rpi_ptr, se
                                 r2t_stride, r2t_rows, r2t_width, T, l2s_ptr, num_locations, b, t, BLOCK)
         c = cand.to(tl.int64)
         from_end = tl.sum(c) - tl.cumsum(c, 0)  # candidates after this one within the tile
-        rank = tl.sum(later_counts) + from_end
+        rank = after + from_end
         tl.store(out_ptr + b * width + rank, loc, mask=cand & (rank < cap))
 
 
