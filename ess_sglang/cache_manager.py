@@ -8,6 +8,8 @@ synchronisation):
     slot_to_loc[layer, slot]      slot -> token map, -1 when the slot is free
     slot_stamp[layer, slot]       recency: the step in which the slot was last selected or filled (FREE_STAMP if free)
     clock                         the current decode step (a 0-dim device tensor, advanced by `begin_step`)
+    spare[layer, :]               spare slots (`spare_slots` per layer, default none): free slots set aside by
+    spare_taken[layer]            `refill_spares`; those from spare_taken on are still free to take
     counters[layer, Counter]      hits, misses, bytes, ... (int64; read back asynchronously by the metrics code)
 
 Every map has one extra "sink" element at the end (index `slots_per_layer` / `num_locations`): writes that a mask
@@ -18,10 +20,18 @@ The data path of one layer, in order (see `resolve`):
        to KV locations through the request table;
     2. lookup: slot = loc_to_slot[loc]; hits are stamped with the current step, which protects them from eviction;
     3. deduplicate the misses (the same location may be selected by several query tokens or requests);
-    4. evict the least-recently-used unprotected slots, as many as there are distinct misses, and assign them;
+    4. give the distinct misses the layer's spare slots first, then evict the least-recently-used unprotected slots
+       for the rest, and assign them;
     5. fetch the missing entries from the host pool with FlashTrans (H2D gather);
     6. return the slot table, same shape as the selection, -1 where the selection was padding.
 Attention then reads only hot-pool slots, the exact entries the selection named: the output is unchanged.
+
+Spare slots move step 4's pool scans off the critical path: `refill_spares(layer)`, run once per layer and step
+where nothing waits for it (the decode stack queues it beside attention), evicts the least-recently-used slots ahead
+of time, as many as the resolves took since the last refill, and keeps them free (stamped in the future:
+`SPARE_STAMP`, so no LRU scan takes them). A resolve whose misses the spare slots cover then needs no scan at all.
+The pool keeps `spare_slots` fewer entries resident in exchange, and the least-recently-used entries are evicted up
+to a step earlier than they would be otherwise.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ import torch
 from ess_sglang.host_pool import HostTotalPool
 from ess_sglang.kernels.flashtrans import copy_rows, copy_rows_counted, copy_rows_reference
 from ess_sglang.kernels.new_tokens import store_reserved_triton
-from ess_sglang.kernels.resolve import MODE_LOCATIONS, MODE_POSITIONS, FusedResolver
+from ess_sglang.kernels.resolve import MODE_LOCATIONS, MODE_POSITIONS, SPARE_STAMP, FusedResolver
 
 FREE_STAMP = -(1 << 40)
 AGE_BUCKETS = 256  # LRU order is exact per step for the last 255 steps; older slots tie (evicted first, by slot index)
@@ -139,7 +149,7 @@ def _check_hot_entries(hot: torch.Tensor | Sequence[torch.Tensor], layers: int, 
 class HotPoolCacheManager:
     def __init__(self, host_pool: HostTotalPool, slots_per_layer: int, device: torch.device | str | None = None,
                  max_selected: int = 0, copy_impl: str = "auto", resolve_impl: str = "auto",
-                 hot_entries: torch.Tensor | Sequence[torch.Tensor] | None = None):
+                 hot_entries: torch.Tensor | Sequence[torch.Tensor] | None = None, spare_slots: int = 0):
         """`max_selected` sizes scratch tensors for the largest selection (batch x q_tokens x top_k) one call sees.
 
         `resolve_impl`: "triton" (the fused kernels of ess_sglang.kernels.resolve), "torch" (plain torch ops, the
@@ -149,9 +159,15 @@ class HotPoolCacheManager:
         `hot_entries`: storage for the hot pools, when the engine owns it (the SGLang plugin places them in regions of
         its device KV pool): one contiguous uint8 [slots_per_layer, entry_bytes] tensor per layer, or one
         [layers, slots_per_layer, entry_bytes] tensor. By default the manager allocates its own.
+        `spare_slots`: free slots per layer that `refill_spares` keeps set aside for the resolves (0: none, every
+        miss evicts at its resolve). Size it to the misses of one step of a layer: more holds fewer entries resident,
+        fewer leaves the excess to an LRU scan at resolve time.
         """
         if slots_per_layer <= 0:
             raise ValueError(f"slots_per_layer must be > 0, got {slots_per_layer}")
+        if isinstance(spare_slots, bool) or not isinstance(spare_slots, int) or not 0 <= spare_slots < slots_per_layer:
+            raise ValueError(f"spare_slots must be an integer in [0, slots_per_layer = {slots_per_layer}), "
+                             f"got {spare_slots!r}")
         self.host = host_pool
         self.copy_impl = copy_impl
         self.device = torch.device(device) if device is not None else host_pool.device
@@ -169,6 +185,11 @@ class HotPoolCacheManager:
         self.slot_stamp = torch.full((L, S + 1), FREE_STAMP, dtype=torch.int64, device=dev)
         self.clock = torch.zeros((), dtype=torch.int64, device=dev)
         self.counters = torch.zeros((L, len(Counter)), dtype=torch.int64, device=dev)
+        self.num_spare = spare_slots
+        # spare[layer, spare_taken[layer]:num_spare] are free slots to take (all taken, i.e. none, until a refill);
+        # one sink element at the end, like the maps
+        self.spare = torch.full((L, spare_slots + 1), -1, dtype=torch.int32, device=dev)
+        self.spare_taken = torch.full((L,), spare_slots, dtype=torch.int64, device=dev)
         # the prefetches not yet settled, all of one layer (layer, their fetch lists): each list's pairs say what was
         # prefetched where
         self._unsettled_prefetch: tuple[int, list[FetchList]] | None = None
@@ -181,7 +202,7 @@ class HotPoolCacheManager:
         if resolve_impl not in ("triton", "torch"):
             raise ValueError(f"resolve_impl must be 'auto', 'triton' or 'torch', got {resolve_impl!r}")
         self.resolve_impl = resolve_impl
-        self._fused = FusedResolver(S, max_selected, dev) if resolve_impl == "triton" else None
+        self._fused = FusedResolver(S, max_selected, dev, num_spare=spare_slots) if resolve_impl == "triton" else None
         # persistent programs of a deferred fetch when the caller names none: enough to fill the GPU
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
         self.copy_programs = 4 * sms if sms else 2
@@ -195,6 +216,8 @@ class HotPoolCacheManager:
         self.loc_to_slot.fill_(-1)
         self.slot_to_loc.fill_(-1)
         self.slot_stamp.fill_(FREE_STAMP)
+        self.spare.fill_(-1)
+        self.spare_taken.fill_(self.num_spare)
         self._unsettled_prefetch = None
         self.clock.zero_()
         self.counters.zero_()
@@ -489,7 +512,7 @@ class HotPoolCacheManager:
             fetch_counters=(int(fetch[0]), int(fetch[1])), counter_ids=_COUNTER_IDS,
             copy_from=copy_from if self.copy_impl != "none" else None, hot=self.hot_entries[layer],
             fetch_list=(fetch_list.src, fetch_list.dst, fetch_list.count) if fetch_list is not None else None,
-            protect=protect, **tables)
+            protect=protect, spare=self.spare[layer], spare_taken=self.spare_taken[layer:layer + 1], **tables)
         if fetch_list is not None:  # the assign kernel writes the first n pairs only
             fetch_list.clear_from(src.numel())
         return slots
@@ -562,7 +585,8 @@ class HotPoolCacheManager:
         return slot, hit.sum(), (new_slot >= 0).sum()
 
     def _insert(self, layer: int, flat: torch.Tensor, stamp_back: int = 0) -> torch.Tensor:
-        """Give each location in `flat` (distinct, not resident; -1 skipped) a slot, evicting LRU entries.
+        """Give each location in `flat` (distinct, not resident; -1 skipped) a slot: the layer's spare slots first,
+        in order, then LRU victims (evicted).
 
         Returns the slot of each (int64, -1 where skipped or where no slot was left: counted as overflow).
         """
@@ -570,8 +594,12 @@ class HotPoolCacheManager:
         need = flat >= 0
         n_need = need.sum()
         rank = (need.cumsum(0) - 1).clamp(min=0)
-        victims = self._take_victims(layer, n_need, n)
-        slot = torch.where(need, victims[rank], -1)
+        taken = self.spare_taken[layer]
+        avail = self.num_spare - taken
+        spare = self.spare[layer][(taken + rank).clamp(max=self.num_spare)].long()
+        victims = self._take_victims(layer, (n_need - avail).clamp(min=0), n)
+        slot = torch.where(need, torch.where(rank < avail, spare, victims[(rank - avail).clamp(min=0)]), -1)
+        self.spare_taken[layer] = (taken + n_need).clamp(max=self.num_spare)
         got = slot >= 0
         cnt = self.counters[layer]
         cnt[Counter.OVERFLOW] += (need & ~got).sum()
@@ -585,12 +613,40 @@ class HotPoolCacheManager:
         self.slot_stamp[layer].scatter_(0, slot_at, (self.clock - stamp_back).expand(n))
         return slot
 
+    def refill_spares(self, layer: int) -> None:
+        """Replace the layer's spare slots taken since the last refill with its least-recently-used unprotected
+        slots, evicted (fewer when fewer are evictable; the next refill tries again). Nothing is copied; no host
+        synchronisation. Entries selected in this step (and new tokens' reserved slots) are protected, so it may run
+        while attention reads this step's slots."""
+        if self.num_spare == 0:
+            return
+        if self._fused is not None:
+            self._fused.refill(l2s=self.loc_to_slot[layer], s2l=self.slot_to_loc[layer], stamp=self.slot_stamp[layer],
+                               clock=self.clock, counters=self.counters[layer], counter_ids=_COUNTER_IDS,
+                               spare=self.spare[layer], spare_taken=self.spare_taken[layer:layer + 1])
+            return
+        R, S, T = self.num_spare, self.slots_per_layer, self.num_locations
+        taken = self.spare_taken[layer]
+        victims = self._take_victims(layer, taken, R)  # in the order the resolve's scan would take them
+        got = victims >= 0
+        found = got.sum()
+        at = torch.where(got, victims, S)
+        old = torch.where(got, self.slot_to_loc[layer][at].long(), -1)
+        self.loc_to_slot[layer].scatter_(0, torch.where(old >= 0, old, T), -1)
+        self.counters[layer, Counter.EVICTIONS] += (old >= 0).sum()
+        self.slot_to_loc[layer].scatter_(0, at, -1)
+        self.slot_stamp[layer].scatter_(0, at, SPARE_STAMP)
+        # victim j becomes spare slot taken - found + j: the free ones stay one run, [taken, R)
+        place = torch.where(got, taken - found + torch.arange(R, device=self.device), R)
+        self.spare[layer].scatter_(0, place, victims.to(torch.int32))
+        self.spare_taken[layer] = taken - found
+
     def _take_victims(self, layer: int, n_need: torch.Tensor, max_need: int) -> torch.Tensor:
         """The `n_need` least-recently-used unprotected slots, as a list of `max_need` (int64, -1 padded).
 
         Ages (clock - stamp, clamped to AGE_BUCKETS - 1) are histogrammed; the threshold age T is the largest one with
         at least n_need slots at or above it. All slots older than T are taken, then slots of age exactly T by slot
-        index until n_need are taken. Age 0 means "selected this step": never taken.
+        index until n_need are taken. Age 0 means "selected this step" (or spare): never taken.
         """
         A = AGE_BUCKETS
         age = (self.clock - self.slot_stamp[layer, : self.slots_per_layer]).clamp(0, A - 1)
@@ -632,8 +688,16 @@ class HotPoolCacheManager:
             assert torch.equal(s2l[l2s[resident]], torch.nonzero(resident).view(-1)), (
                 f"layer {layer}: token->slot != slot->token")
             assert bool((l2s >= -1).all()), f"layer {layer}: a dedup claim was left in the token map"
-            assert bool((stamp[~used] == FREE_STAMP).all()), f"layer {layer}: a free slot has a stamp"
-            assert bool((stamp[used] > FREE_STAMP).all()), f"layer {layer}: a used slot has the free stamp"
+            spare = self.spare[layer, int(self.spare_taken[layer]): self.num_spare].long().cpu()
+            assert spare.unique().numel() == spare.numel(), f"layer {layer}: a spare slot is listed twice"
+            assert bool((spare >= 0).all() & (spare < S).all()), f"layer {layer}: a spare slot out of range"
+            is_spare = torch.zeros(S, dtype=torch.bool)
+            is_spare[spare] = True
+            assert not bool((is_spare & used).any()), f"layer {layer}: a spare slot holds a token"
+            assert torch.equal(stamp == SPARE_STAMP, is_spare), f"layer {layer}: spare stamps != spare list"
+            assert bool((stamp[~used & ~is_spare] == FREE_STAMP).all()), f"layer {layer}: a free slot has a stamp"
+            assert bool(((stamp[used] > FREE_STAMP) & (stamp[used] < SPARE_STAMP)).all()), (
+                f"layer {layer}: a used slot has the free or spare stamp")
             if live_locs is not None:
                 live = torch.zeros(T, dtype=torch.bool)
                 live[live_locs.long().cpu()] = True

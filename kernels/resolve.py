@@ -1,25 +1,45 @@
-"""Fused Triton kernels for one layer's resolve: lookup, protect, dedup, evict LRU, assign, fetch, slot table.
+"""Fused Triton kernels for one layer's resolve: lookup, protect, dedup, take spare or LRU slots, fetch, slot table.
 
 The plain-torch definition is `HotPoolCacheManager` with `resolve_impl="torch"` (ess_sglang/cache_manager.py): these
-kernels compute the same maps, counters and slot table. Five launches, each over the selection
-(n entries) or the layer's slots (S), with every count kept on the device:
+kernels compute the same maps, counters and slot table. A resolve is five launches over the selection (n entries)
+or the layer's slots (S), with every count kept on the device:
 
     K1 lookup     entry -> KV location (bounds-checked through the request's own row), slot = loc_to_slot[loc];
-                  a hit stamps its slot with the clock (protected this step); a miss claims its location with
-                  atomic_max(S + n - i), so the first entry naming a location wins
-    K2 misses     the winners are compacted into a miss list (block counts reserved with one atomic each);
-      + ages      other programs of the same launch histogram the slots' ages (clock - stamp, clamped)
+                  a hit stamps its slot with the clock (protected this step); a miss claims its absent location
+                  (compare-and-swap -1 -> num_slots + its index: the first entry naming a location wins, the others
+                  read the winner's slot in K5); the winners are ranked (one atomic per block); the first `avail`
+                  ranks take the layer's spare slots (free slots set aside beforehand, `refill` below): slot -> token,
+                  the slot table (as -2 - slot until K5), and the (location, slot) pair for K4's copy; later winners
+                  go to the overflow list. The token ->
+                  slot map keeps the claim until K5, so that a later block sees the duplicate as a miss, as the
+                  torch definition does, and a spare slot keeps its stamp (age 0) until K5, so that K3 never takes
+                  it
+    K2 ages       only when the overflow list is not empty: the slots' ages (clock - stamp, clamped) histogrammed
     K3 victims    from the histogram: the age threshold T below which nothing is taken; every slot older than T,
-                  then slots of age exactly T, are written to the victim list (age 0 = protected, never taken)
-    K4 assign     victim j gets miss j: evict its old token, map both ways, stamp, write the slot table entry,
-                  and copy the entry host -> hot slot (the FlashTrans gather, fused); a fixed grid of persistent
-                  programs walks the misses only (their count is on the device)
-    K5 finish     entries that named a location another entry won read the winner's slot
+                  then slots of age exactly T, are written to the victim list (age 0 = protected, never taken; spare
+                  slots are stamped in the future, so they have age 0 too)
+    K4 assign     overflow winner j gets victim j: evict its old token, map both ways, stamp, slot table; and every
+                  winner, in rank order, is copied host -> hot slot (the FlashTrans gather, fused) or listed in the
+                  fetch list of a deferred copy; a fixed grid of persistent programs walks the winners only (their
+                  count is on the device)
+    K5 finish     spare-slot winners: token -> slot, stamp, slot table; entries that named a location another entry
+                  won read the winner's slot (from the map, or through the claim from the winner's table entry);
+                  the spare count moves
 
-Under TRITON_INTERPRET programs run in order, so the miss and victim lists come out in the same order as the torch
-version and the whole state is bit-identical to it (the CPU tests check this). On a GPU, blocks reserve list ranges
-in whatever order they reach the atomics: which of several equally old slots are evicted, and which slot a miss
-gets, may differ between runs; the set of resident entries and the slot table's contents (the entries named) do not.
+With no spare slots (the default) every winner overflows and the resolve is the plain LRU one. With enough of them,
+K2-K4 find nothing to do and return at once: the two pool scans run instead in `refill`, once per layer and step,
+off the critical path (the decode stack queues it beside attention):
+
+    R2 ages, R3 victims (as K2, K3, for the number of spare slots taken since the last refill), R4: evict each victim
+    (its token's map entry cleared, the eviction counted), mark it spare, put it back in the spare list; R5 the
+    counts (K5 with no entries).
+
+Under TRITON_INTERPRET programs run in order (and a compare-and-swap over a block in element order), so the miss,
+spare and victim lists come out in the same order as the torch version and the whole state is bit-identical to it
+(the CPU tests check this). On a GPU, blocks reserve list ranges in whatever order they reach the atomics: which of
+several equally old slots are evicted, which slot a miss gets, and which of several entries naming one location
+claims it, may differ between runs; the set of resident entries and the slot table's contents (the entries named)
+do not.
 """
 
 from __future__ import annotations
@@ -32,36 +52,83 @@ from ess_sglang.kernels.translate import block_for, position_to_location
 
 ROWS = ROWS_PER_PROGRAM  # misses assigned (and copied) per program of the assign kernel
 AGE_BUCKETS = 256
-SCR_MISS, SCR_ABOVE, SCR_AT, SCR_HIST = 0, 1, 2, 8
+# scratch words: winners (misses) of the call, victims found older than T and at T, the age histogram
+SCR_MISS, SCR_ABOVE, SCR_AT, SCR_HIST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(8)
 SCR_SIZE = 512  # a power of two >= SCR_HIST + AGE_BUCKETS, so that K5 can clear it with one block
 MODE_POSITIONS, MODE_LOCATIONS = 0, 1
+SPARE_STAMP = 1 << 40  # the stamp of a spare slot: in the future, so its age clamps to 0 (never an LRU victim)
+_SPARE_STAMP = tl.constexpr(SPARE_STAMP)
+# a compare value no map entry holds: the compare-and-swap of a lane that claims nothing fails
+_NEVER = tl.constexpr(-(1 << 31))
+
+
+@triton.jit
+def _victims_needed(scr_ptr, taken_ptr, num_spare, REFILL: tl.constexpr):
+    """Victims the LRU scan must find: a refill replaces the spare slots taken; a resolve needs one per winner the
+    spare slots left did not cover."""
+    taken = tl.load(taken_ptr)
+    if REFILL:
+        return taken
+    return tl.maximum(tl.load(scr_ptr + SCR_MISS).to(tl.int64) - (num_spare - taken), 0)
 
 
 @triton.jit
 def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, width, n, per_batch,
-                   l2s_ptr, stamp_ptr, clock_ptr, out_ptr, loc_ptr, cnt_ptr, num_locations, num_slots,
-                   MODE: tl.constexpr, COUNT: tl.constexpr, PROTECT: tl.constexpr, C_LOOKUPS: tl.constexpr,
-                   C_HITS: tl.constexpr, C_BAD: tl.constexpr, BLOCK: tl.constexpr):
+                   l2s_ptr, s2l_ptr, stamp_ptr, clock_ptr, out_ptr, loc_ptr, cnt_ptr, scr_ptr, over_loc_ptr,
+                   over_idx_ptr, spare_ptr, taken_ptr, num_spare, took_loc_ptr, took_slot_ptr, num_locations,
+                   num_slots, MODE: tl.constexpr, COUNT: tl.constexpr, PROTECT: tl.constexpr, LIST: tl.constexpr,
+                   C_LOOKUPS: tl.constexpr, C_HITS: tl.constexpr, C_BAD: tl.constexpr, C_FETCH_A: tl.constexpr,
+                   C_FETCH_B: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     if MODE == 0:  # positions within each request, translated through its own row of the request table
         pos, loc, valid, ok = position_to_location(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, width,
                                                    per_batch, num_locations, i, m)
         bad = m & (((pos != -1) & ~valid) | (valid & ~ok))
-    else:  # KV locations given directly (new tokens, warm-up)
+    else:  # KV locations given directly (new tokens, warm-up, prefetch)
         loc = tl.load(src_ptr + i, mask=m, other=-1).to(tl.int64)
         ok = m & (loc >= 0) & (loc < num_locations)
         bad = m & (loc != -1) & ~ok
     cur = tl.load(l2s_ptr + loc, mask=ok, other=-1)
     hit = ok & (cur >= 0) & (cur < num_slots)
+    clock = tl.load(clock_ptr)
     if PROTECT:  # a prefetch (PROTECT false) leaves the recency of what it finds resident alone
-        clock = tl.load(clock_ptr)
         tl.store(stamp_ptr + cur, tl.zeros_like(cur).to(tl.int64) + clock, mask=hit)
     miss = ok & ~hit
-    claim = (num_slots + n - i).to(tl.int32)
-    tl.atomic_max(l2s_ptr + loc, claim, mask=miss, sem="relaxed")
-    tl.store(out_ptr + i, tl.where(hit, cur, -1), mask=m)
     tl.store(loc_ptr + i, tl.where(ok, loc, -1), mask=m)
+    slot = tl.where(hit, cur, -1).to(tl.int64)
+    if tl.sum(miss.to(tl.int32)) > 0:
+        # claim: compare-and-swap absent (-1) -> num_slots + i (which no reader takes for a slot); it has no mask, so
+        # a lane that claims nothing compares its own slot-table entry (written below) against a value no entry
+        # holds: distinct addresses, nothing changed
+        own = out_ptr + tl.where(m, i, 0)
+        old = tl.atomic_cas(tl.where(miss, l2s_ptr + loc, own), tl.where(miss, -1, _NEVER).to(tl.int32),
+                            (num_slots + i).to(tl.int32), sem="relaxed")
+        win = miss & (old == -1)
+        win32 = win.to(tl.int32)
+        n_win = tl.sum(win32)
+        if n_win > 0:
+            base = tl.atomic_add(scr_ptr + SCR_MISS, n_win, sem="relaxed")
+            r = (base + tl.cumsum(win32, 0) - 1).to(tl.int64)  # the winner's rank among this call's misses
+            taken = tl.load(taken_ptr)
+            avail = num_spare - taken
+            spare = win & (r < avail)  # a prefix of the block's winners (ranks grow along the block)
+            v = tl.load(spare_ptr + taken + r, mask=spare, other=0).to(tl.int64)
+            tl.store(s2l_ptr + v, loc.to(tl.int32), mask=spare)
+            slot = tl.where(spare, -2 - v, slot)  # K5: the map, the stamp, the slot
+            over = win & ~spare
+            tl.store(over_loc_ptr + (r - avail), loc, mask=over)
+            tl.store(over_idx_ptr + (r - avail), i.to(tl.int32), mask=over)
+            if LIST:  # K4 copies (or lists for a deferred copy) every winner in rank order
+                tl.store(took_loc_ptr + r, loc, mask=spare)
+                tl.store(took_slot_ptr + r, v, mask=spare)
+            n_spare = tl.sum(spare.to(tl.int64))
+            if n_spare > 0:
+                if C_FETCH_A >= 0:
+                    tl.atomic_add(cnt_ptr + C_FETCH_A, n_spare, sem="relaxed")
+                if C_FETCH_B >= 0:
+                    tl.atomic_add(cnt_ptr + C_FETCH_B, n_spare, sem="relaxed")
+    tl.store(out_ptr + i, slot.to(tl.int32), mask=m)
     if COUNT:
         tl.atomic_add(cnt_ptr + C_LOOKUPS, tl.sum(ok.to(tl.int64)), sem="relaxed")
         tl.atomic_add(cnt_ptr + C_HITS, tl.sum(hit.to(tl.int64)), sem="relaxed")
@@ -75,137 +142,185 @@ def _age(stamp_ptr, s, ms, clock, A: tl.constexpr):
 
 
 @triton.jit
-def _misses_and_ages_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr_ptr, miss_loc_ptr, miss_idx_ptr,
-                            n, num_slots, entry_blocks, A: tl.constexpr, BLOCK: tl.constexpr,
-                            SBLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    if pid < entry_blocks:
-        i = pid * BLOCK + tl.arange(0, BLOCK)
-        m = i < n
-        loc = tl.load(loc_ptr + i, mask=m, other=-1)
-        out = tl.load(out_ptr + i, mask=m, other=0)
-        miss = m & (loc >= 0) & (out < 0)
-        cur = tl.load(l2s_ptr + loc, mask=miss, other=0)
-        rep = miss & (cur == (num_slots + n - i).to(tl.int32))
-        rep32 = rep.to(tl.int32)
-        base = tl.atomic_add(scr_ptr + 0, tl.sum(rep32), sem="relaxed")
-        at = base + tl.cumsum(rep32, 0) - 1
-        tl.store(miss_loc_ptr + at, loc, mask=rep)
-        tl.store(miss_idx_ptr + at, i.to(tl.int32), mask=rep)
-    else:
-        s = (pid - entry_blocks) * SBLOCK + tl.arange(0, SBLOCK)
+def _ages_kernel(stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, num_slots, REFILL: tl.constexpr,
+                 A: tl.constexpr, SBLOCK: tl.constexpr):
+    if _victims_needed(scr_ptr, taken_ptr, num_spare, REFILL) > 0:  # else every program returns at once
+        s = tl.program_id(0) * SBLOCK + tl.arange(0, SBLOCK)
         ms = s < num_slots
         age = _age(stamp_ptr, s, ms, tl.load(clock_ptr), A)
         hist = tl.histogram(age, A, mask=ms)
         # only the ages this block holds: every program adding all 256 bins queues thousands of atomics per bin
-        tl.atomic_add(scr_ptr + 8 + tl.arange(0, A), hist, mask=hist > 0, sem="relaxed")
+        tl.atomic_add(scr_ptr + SCR_HIST + tl.arange(0, A), hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
-def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, num_slots, A: tl.constexpr, BLOCK: tl.constexpr):
-    a = tl.arange(0, A)
-    hist = tl.load(scr_ptr + 8 + a)
-    n_miss = tl.load(scr_ptr + 0)
-    at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
-    eligible = (at_or_above >= n_miss) & (a >= 1)
-    T = tl.maximum(tl.max(tl.where(eligible, a, 0)), 1)
-    n_above = tl.sum(tl.where(a == T + 1, at_or_above, 0))
-    s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ms = (s < num_slots) & (n_miss > 0)  # no misses: no victims, and no stamp is read
-    age = _age(stamp_ptr, s, ms, tl.load(clock_ptr), A)
-    # most blocks hold no victim: they skip the list counters, on which every program would otherwise queue
-    above = ms & (age > T)
-    above32 = above.to(tl.int32)
-    n_a = tl.sum(above32)
-    if n_a > 0:
-        ra = tl.atomic_add(scr_ptr + 1, n_a, sem="relaxed") + tl.cumsum(above32, 0) - 1
-        tl.store(victims_ptr + ra, s + 1, mask=above & (ra < n_miss))
-    at_t = ms & (age == T)
-    at32 = at_t.to(tl.int32)
-    n_t = tl.sum(at32)
-    if n_t > 0:
-        rt = tl.atomic_add(scr_ptr + 2, n_t, sem="relaxed") + tl.cumsum(at32, 0) - 1
-        tl.store(victims_ptr + n_above + rt, s + 1, mask=at_t & (rt < n_miss - n_above))
+def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, taken_ptr, num_spare, num_slots,
+                    REFILL: tl.constexpr, A: tl.constexpr, BLOCK: tl.constexpr):
+    need = _victims_needed(scr_ptr, taken_ptr, num_spare, REFILL)
+    if need > 0:  # none needed: no victims, and no stamp is read
+        a = tl.arange(0, A)
+        hist = tl.load(scr_ptr + SCR_HIST + a)
+        at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
+        eligible = (at_or_above >= need) & (a >= 1)
+        T = tl.maximum(tl.max(tl.where(eligible, a, 0)), 1)
+        n_above = tl.sum(tl.where(a == T + 1, at_or_above, 0))
+        s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ms = s < num_slots
+        age = _age(stamp_ptr, s, ms, tl.load(clock_ptr), A)
+        # most blocks hold no victim: they skip the list counters, on which every program would otherwise queue
+        above = ms & (age > T)
+        above32 = above.to(tl.int32)
+        n_a = tl.sum(above32)
+        if n_a > 0:
+            ra = tl.atomic_add(scr_ptr + SCR_ABOVE, n_a, sem="relaxed") + tl.cumsum(above32, 0) - 1
+            tl.store(victims_ptr + ra, s + 1, mask=above & (ra < need))
+        at_t = ms & (age == T)
+        at32 = at_t.to(tl.int32)
+        n_t = tl.sum(at32)
+        if n_t > 0:
+            rt = tl.atomic_add(scr_ptr + SCR_AT, n_t, sem="relaxed") + tl.cumsum(at32, 0) - 1
+            tl.store(victims_ptr + n_above + rt, s + 1, mask=at_t & (rt < need - n_above))
 
 
 @triton.jit
-def _assign_kernel(scr_ptr, victims_ptr, miss_loc_ptr, miss_idx_ptr, l2s_ptr, s2l_ptr, stamp_ptr, clock_ptr,
-                   out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr, pend_count_ptr, n,
-                   COPY: tl.constexpr, PEND: tl.constexpr, WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr,
-                   C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr, C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr,
-                   STAMP_BACK: tl.constexpr, ROWS: tl.constexpr, CLEAR: tl.constexpr):
-    # Persistent: a fixed grid walks the n_miss misses ROWS at a time (the grid no longer grows with the selection,
-    # of which the misses are a few percent)
+def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr, l2s_ptr, s2l_ptr,
+                   stamp_ptr, clock_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr,
+                   pend_count_ptr, taken_ptr, num_spare, n, COPY: tl.constexpr, PEND: tl.constexpr, WORDS: tl.constexpr,
+                   BLOCK_WORDS: tl.constexpr, C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr,
+                   C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr, STAMP_BACK: tl.constexpr, ROWS: tl.constexpr,
+                   CLEAR: tl.constexpr):
+    # Persistent: a fixed grid walks the overflow ROWS at a time (the grid does not grow with the selection, of
+    # which the misses are a few percent)
     pid, programs = tl.program_id(0), tl.num_programs(0)
-    n_miss = tl.load(scr_ptr + 0)
-    # victims written by K3: every slot older than T (scr[1] of them), then up to n_miss - scr[1] of age T (scr[2])
-    n_victims = tl.minimum(n_miss, tl.load(scr_ptr + 1) + tl.load(scr_ptr + 2))
-    n_assign = tl.minimum(n_miss, n)
+    n_miss = tl.minimum(tl.load(scr_ptr + SCR_MISS).to(tl.int64), n)
+    avail = num_spare - tl.load(taken_ptr)
+    n_over = tl.maximum(n_miss - avail, 0)
+    first = n_miss - n_over  # the rank of the first overflow winner: ranks below it took spare slots in K1
+    # victims written by K3: every slot older than T (scr[1] of them), then up to n_over - scr[1] of age T (scr[2])
+    n_victims = tl.minimum(n_over, tl.load(scr_ptr + SCR_ABOVE) + tl.load(scr_ptr + SCR_AT))
     if PEND:  # the fetch list of a deferred copy: (host location, slot) of each miss that got a slot, -1 elsewhere
         if pid == 0:
-            tl.store(pend_count_ptr, n_assign.to(tl.int64))
+            tl.store(pend_count_ptr, n_miss)
         for c0 in range(pid * CLEAR, n, programs * CLEAR):
             c = c0 + tl.arange(0, CLEAR)
-            rest = (c >= n_assign) & (c < n)
+            rest = (c >= n_miss) & (c < n)
             tl.store(pend_src_ptr + c, tl.full(c.shape, -1, tl.int64), mask=rest)
             tl.store(pend_dst_ptr + c, tl.full(c.shape, -1, tl.int64), mask=rest)
     clock = tl.load(clock_ptr) - STAMP_BACK  # 1 for a prefetch: the newest, yet evictable in this step
     n_got = tl.zeros((), tl.int64)
     n_evict = tl.zeros((), tl.int64)
-    n_over = tl.zeros((), tl.int64)
-    for j0 in range(pid * ROWS, n_assign, programs * ROWS):
-        j = j0 + tl.arange(0, ROWS)
-        mj = j < n_assign
-        v = tl.where(j < n_victims, tl.load(victims_ptr + j, mask=mj, other=0) - 1, -1).to(tl.int64)
-        loc = tl.load(miss_loc_ptr + j, mask=mj, other=-1)
-        i = tl.load(miss_idx_ptr + j, mask=mj, other=0)
-        got = mj & (v >= 0)
+    n_over_left = tl.zeros((), tl.int64)
+    # ranks [lo, n_miss): the overflow (ranks from `first`) is assigned victims; with a copy or a fetch list, the
+    # spare-slot winners before it are walked too, for their (location, slot) pairs from K1
+    lo = first
+    if COPY or PEND:
+        lo = tl.zeros_like(first)
+    for r0 in range(lo + pid * ROWS, n_miss, programs * ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        mr = r < n_miss
+        sp = mr & (r < first)
+        ov = mr & (r >= first)
+        j = r - first  # the overflow's own index (victim j, overflow list entry j)
+        v = tl.where(j < n_victims, tl.load(victims_ptr + j, mask=ov, other=0) - 1, -1).to(tl.int64)
+        v = tl.where(sp, tl.load(took_slot_ptr + r, mask=sp, other=-1), v)
+        loc = tl.load(over_loc_ptr + j, mask=ov, other=-1)
+        loc = tl.where(sp, tl.load(took_loc_ptr + r, mask=sp, other=-1), loc)
+        i = tl.load(over_idx_ptr + j, mask=ov, other=0)
+        got = ov & (v >= 0)
         old = tl.load(s2l_ptr + v, mask=got, other=-1).to(tl.int64)
         evict = got & (old >= 0)
         tl.store(l2s_ptr + old, tl.full(old.shape, -1, tl.int32), mask=evict)
         tl.store(s2l_ptr + v, loc.to(tl.int32), mask=got)
-        tl.store(l2s_ptr + loc, tl.where(got, v, -1).to(tl.int32), mask=mj)  # overflow: the claim goes back to absent
+        tl.store(l2s_ptr + loc, tl.where(got, v, -1).to(tl.int32), mask=ov)  # no slot: the claim goes back to absent
         tl.store(stamp_ptr + v, tl.zeros_like(v) + clock, mask=got)
-        tl.store(out_ptr + i, tl.where(got, v, -1).to(tl.int32), mask=mj)
+        tl.store(out_ptr + i, tl.where(got, v, -1).to(tl.int32), mask=ov)
+        live = sp | got  # a slot to fill
         if PEND:
-            tl.store(pend_src_ptr + j, tl.where(got, loc, -1), mask=mj)
-            tl.store(pend_dst_ptr + j, tl.where(got, v, -1), mask=mj)
+            tl.store(pend_src_ptr + r, tl.where(live, loc, -1), mask=mr)
+            tl.store(pend_dst_ptr + r, tl.where(live, v, -1), mask=mr)
         n_got += tl.sum(got.to(tl.int64))
         n_evict += tl.sum(evict.to(tl.int64))
-        n_over += tl.sum((mj & ~got).to(tl.int64))
+        n_over_left += tl.sum((ov & ~got).to(tl.int64))
         if COPY:  # the FlashTrans gather, fused: host entry of `loc` -> hot slot `v`
-            _copy_masked(src_ptr, dst_ptr, loc, v, got, WORDS, WORDS, WORDS, BLOCK_WORDS)
-    if n_got + n_over > 0:  # programs with no misses add nothing (and do not queue on the counters' atomics)
+            _copy_masked(src_ptr, dst_ptr, loc, v, live, WORDS, WORDS, WORDS, BLOCK_WORDS)
+    if n_got + n_over_left > 0:  # programs with no misses add nothing (and do not queue on the counters' atomics)
         if C_FETCH_A >= 0:
             tl.atomic_add(cnt_ptr + C_FETCH_A, n_got, sem="relaxed")
         if C_FETCH_B >= 0:
             tl.atomic_add(cnt_ptr + C_FETCH_B, n_got, sem="relaxed")
         tl.atomic_add(cnt_ptr + C_EVICT, n_evict, sem="relaxed")
-        tl.atomic_add(cnt_ptr + C_OVERFLOW, n_over, sem="relaxed")
+        tl.atomic_add(cnt_ptr + C_OVERFLOW, n_over_left, sem="relaxed")
 
 
 @triton.jit
-def _finish_kernel(loc_ptr, out_ptr, l2s_ptr, scr_ptr, n, num_slots, SCR: tl.constexpr, BLOCK: tl.constexpr):
-    if tl.program_id(0) == 0:  # the scratch counters and histogram are read for the last time in K4: clear them
+def _refill_kernel(scr_ptr, victims_ptr, l2s_ptr, s2l_ptr, stamp_ptr, spare_ptr, taken_ptr, cnt_ptr,
+                   C_EVICT: tl.constexpr, ROWS: tl.constexpr):
+    # Persistent, like K4: victim j is evicted and becomes spare slot (taken - found + j), so that the spare list
+    # stays one contiguous run [taken, num_spare)
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    need = tl.load(taken_ptr)
+    found = tl.minimum(need, tl.load(scr_ptr + SCR_ABOVE) + tl.load(scr_ptr + SCR_AT))
+    n_evict = tl.zeros((), tl.int64)
+    for j0 in range(pid * ROWS, found, programs * ROWS):
+        j = j0 + tl.arange(0, ROWS)
+        mj = j < found
+        v = (tl.load(victims_ptr + j, mask=mj, other=1) - 1).to(tl.int64)
+        old = tl.load(s2l_ptr + v, mask=mj, other=-1).to(tl.int64)
+        evict = mj & (old >= 0)
+        tl.store(l2s_ptr + old, tl.full(old.shape, -1, tl.int32), mask=evict)
+        tl.store(s2l_ptr + v, tl.full(v.shape, -1, tl.int32), mask=mj)
+        tl.store(stamp_ptr + v, tl.full(v.shape, _SPARE_STAMP, tl.int64), mask=mj)
+        tl.store(spare_ptr + need - found + j, v.to(tl.int32), mask=mj)
+        n_evict += tl.sum(evict.to(tl.int64))
+    if n_evict > 0:
+        tl.atomic_add(cnt_ptr + C_EVICT, n_evict, sem="relaxed")
+
+
+@triton.jit
+def _finish_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, n, num_slots,
+                   REFILL: tl.constexpr, STAMP_BACK: tl.constexpr, SCR: tl.constexpr, BLOCK: tl.constexpr):
+    if tl.program_id(0) == 0:  # the scratch counts are read for the last time in K4 / R4: move the spare count, clear
+        taken = tl.load(taken_ptr)
+        if REFILL:
+            found = tl.minimum(taken, (tl.load(scr_ptr + SCR_ABOVE) + tl.load(scr_ptr + SCR_AT)).to(tl.int64))
+            tl.store(taken_ptr, taken - found)
+        else:
+            tl.store(taken_ptr, tl.minimum(taken + tl.load(scr_ptr + SCR_MISS), num_spare))
         tl.store(scr_ptr + tl.arange(0, SCR), tl.zeros((SCR,), tl.int32))
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     loc = tl.load(loc_ptr + i, mask=m, other=-1)
     out = tl.load(out_ptr + i, mask=m, other=0)
-    need = m & (loc >= 0) & (out < 0)
-    cur = tl.load(l2s_ptr + loc, mask=need, other=-1)
-    tl.store(out_ptr + i, tl.where((cur >= 0) & (cur < num_slots), cur, -1), mask=need)
+    # a winner that took a spare slot v (its table entry -2 - v): map, stamp (now that K3 has run), slot
+    won = m & (out <= -2)
+    v = (-2 - out).to(tl.int64)
+    tl.store(l2s_ptr + loc, v.to(tl.int32), mask=won)
+    tl.store(stamp_ptr + v, tl.zeros_like(v) + (tl.load(clock_ptr) - STAMP_BACK), mask=won)
+    tl.store(out_ptr + i, v.to(tl.int32), mask=won)
+    # an entry whose location another entry won: the winner's slot, from the map (a hit's or K4's slot, or a spare
+    # slot another program of this launch has just mapped), else through the claim from the winner's table entry
+    lost = m & (loc >= 0) & (out == -1)
+    cur = tl.load(l2s_ptr + loc, mask=lost, other=-1)
+    claimed = lost & (cur >= num_slots)
+    w = tl.load(out_ptr + (cur - num_slots), mask=claimed, other=-1)
+    w = tl.where(w <= -2, -2 - w, w)
+    slot = tl.where((cur >= 0) & (cur < num_slots), cur, tl.where(claimed, w, -1))
+    tl.store(out_ptr + i, slot, mask=lost)
 
 
 class FusedResolver:
-    """Scratch buffers and launches of the fused path for selections of up to `max_entries` entries."""
+    """Scratch buffers and launches of the fused path for selections of up to `max_entries` entries and up to
+    `num_spare` spare slots."""
 
     def __init__(self, num_slots: int, max_entries: int, device: torch.device,
-                 assign_programs: tuple[int, int] | None = None):
+                 assign_programs: tuple[int, int] | None = None, num_spare: int = 0):
         self.num_slots = num_slots
+        self.num_spare = num_spare
         # persistent programs of the assign kernel (without, with the inline copy): 4 and 1 per SM, the best measured
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
         self.assign_programs = assign_programs or (4 * sms, sms)
+        # programs of the refill's evictions: few, since it runs beside attention (which wants the SMs)
+        self.refill_programs = 16 if device.type == "cuda" else 2
         # Slots per program and warps of the two launches over the pool (age histogram, victim scan), the best of a
         # sweep over pools of 164K-3.4M slots at batch 64 (benchmarks/NOTES.md): small blocks, now that blocks
         # without ages or victims of their own skip the shared atomics
@@ -214,6 +329,7 @@ class FusedResolver:
         self.lookup_block = 256  # entries per program of the lookup (256: 5.2 us at batch 64, 1024: 6.5)
         self.max_entries = 0
         self.device = device
+        self.scratch = torch.zeros(SCR_SIZE, dtype=torch.int32, device=device)
         self._grow(max(max_entries, 1))
 
     def _grow(self, n: int) -> None:
@@ -222,16 +338,28 @@ class FusedResolver:
             return
         d = self.device
         self.max_entries = n
-        # counters and age histogram; zero between calls (K5 clears them after K4's last read)
-        self.scratch = torch.zeros(SCR_SIZE, dtype=torch.int32, device=d)
-        self.victims = torch.zeros(n, dtype=torch.int32, device=d)  # slot + 1, valid below the victim count
-        self.miss_loc = torch.empty(n, dtype=torch.int64, device=d)
-        self.miss_idx = torch.empty(n, dtype=torch.int32, device=d)
+        # counters and age histogram (self.scratch): zero between calls, K5 clears them after K4's last read
+        self.victims = torch.zeros(max(n, self.num_spare), dtype=torch.int32, device=d)  # slot + 1
+        self.over_loc = torch.empty(n, dtype=torch.int64, device=d)
+        self.over_idx = torch.empty(n, dtype=torch.int32, device=d)
+        self.took_loc = torch.empty(n, dtype=torch.int64, device=d)
+        self.took_slot = torch.empty(n, dtype=torch.int64, device=d)
         self.locs = torch.empty(n, dtype=torch.int64, device=d)
+
+    def _scans(self, stamp: torch.Tensor, clock: torch.Tensor, spare_taken: torch.Tensor, refill: bool) -> None:
+        """K2 + K3 (R2 + R3): the LRU victims, when any are needed (otherwise both launches return at once)."""
+        S = self.num_slots
+        _ages_kernel[(triton.cdiv(S, self.age_block),)](stamp, clock, self.scratch, spare_taken, self.num_spare, S,
+                                                        REFILL=refill, A=AGE_BUCKETS, SBLOCK=self.age_block,
+                                                        num_warps=self.age_warps)
+        _victims_kernel[(triton.cdiv(S, self.victim_block),)](stamp, clock, self.scratch, self.victims, spare_taken,
+                                                              self.num_spare, S, REFILL=refill, A=AGE_BUCKETS,
+                                                              BLOCK=self.victim_block, num_warps=self.victim_warps)
 
     def run(self, *, src: torch.Tensor, mode: int, l2s: torch.Tensor, s2l: torch.Tensor, stamp: torch.Tensor,
             clock: torch.Tensor, counters: torch.Tensor, count: bool, fetch_counters: tuple[int, int],
             counter_ids: dict[str, int], copy_from: torch.Tensor | None, hot: torch.Tensor | None,
+            spare: torch.Tensor, spare_taken: torch.Tensor,
             seq_lens: torch.Tensor | None = None, req_pool_indices: torch.Tensor | None = None,
             req_to_token: torch.Tensor | None = None, per_batch: int = 1,
             fetch_list: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -239,9 +367,10 @@ class FusedResolver:
         """Resolve the flat list `src` (positions in MODE_POSITIONS, KV locations in MODE_LOCATIONS); returns the
         int32 slot of each entry (-1 where padding, bad, or overflowed).
 
-        `fetch_list`: (src, dst, count) int64 tensors, src and dst of at least n elements; when given, the assign
-        kernel records (host location, slot) of every newly assigned miss in their first n elements (-1 elsewhere),
-        misses first, and their number in count[0], whether or not it copies."""
+        `spare` (int32, the layer's spare slots; those from `spare_taken[0]` (int64) on are free to take): misses
+        take these first, in rank order, then LRU victims. `fetch_list`: (src, dst, count) int64 tensors, src and
+        dst of at least n elements; when given, the misses' (host location, slot) pairs are recorded in their first
+        n elements (-1 elsewhere), misses first, and their number in count[0], and nothing is copied."""
         n = src.numel()
         self._grow(n)
         S = self.num_slots
@@ -254,34 +383,46 @@ class FusedResolver:
             seq, rpi = seq_lens, req_pool_indices
         else:
             r2t, r2t_stride, r2t_rows, width, seq, rpi = src, 0, 0, 0, src, src
-        # entries per program: 256 at batch 1-16, up to 1024 at batch 64-128 (the best measured)
-        block = block_for(n, 256, 1024, 128)
-        entry_blocks = triton.cdiv(n, block)
-        _lookup_kernel[(triton.cdiv(n, self.lookup_block),)](
-            src, seq, rpi, r2t, r2t_stride, r2t_rows, width, n, per_batch, l2s, stamp, clock, out, self.locs, counters,
-            l2s.shape[0] - 1, S, MODE=mode, COUNT=count, PROTECT=protect, C_LOOKUPS=counter_ids["LOOKUPS"],
-            C_HITS=counter_ids["HITS"], C_BAD=counter_ids["BAD_INDICES"], BLOCK=self.lookup_block)
-        _misses_and_ages_kernel[(entry_blocks + triton.cdiv(S, self.age_block),)](
-            self.locs, out, l2s, stamp, clock, self.scratch, self.miss_loc, self.miss_idx, n, S, entry_blocks,
-            A=AGE_BUCKETS, BLOCK=block, SBLOCK=self.age_block, num_warps=self.age_warps)
-        _victims_kernel[(triton.cdiv(S, self.victim_block),)](stamp, clock, self.scratch, self.victims, S,
-                                                              A=AGE_BUCKETS, BLOCK=self.victim_block,
-                                                              num_warps=self.victim_warps)
         copy = copy_from is not None
         words = (copy_from.shape[1] // 4) if copy else 4
         src_w = copy_from.view(torch.int32) if copy else self.scratch
         dst_w = hot.view(torch.int32) if copy else self.scratch
         pend = fetch_list is not None
-        pend_src, pend_dst, pend_count = fetch_list if pend else (self.miss_loc, self.miss_loc, self.miss_loc)
+        pend_src, pend_dst, pend_count = fetch_list if pend else (self.over_loc, self.over_loc, self.over_loc)
+        fa, fb = fetch_counters
+        _lookup_kernel[(triton.cdiv(n, self.lookup_block),)](
+            src, seq, rpi, r2t, r2t_stride, r2t_rows, width, n, per_batch, l2s, s2l, stamp, clock, out, self.locs,
+            counters, self.scratch, self.over_loc, self.over_idx, spare, spare_taken, self.num_spare, self.took_loc,
+            self.took_slot, l2s.shape[0] - 1, S, MODE=mode, COUNT=count, PROTECT=protect, LIST=copy or pend,
+            C_LOOKUPS=counter_ids["LOOKUPS"], C_HITS=counter_ids["HITS"], C_BAD=counter_ids["BAD_INDICES"],
+            C_FETCH_A=fa, C_FETCH_B=fb, BLOCK=self.lookup_block)
+        self._scans(stamp, clock, spare_taken, refill=False)
+        # entries per program of the finish and of the fetch list's clearing: 256 at batch 1-16, up to 1024 at 64-128
+        block = block_for(n, 256, 1024, 128)
         # the inline copy is fastest with one program per SM, the bookkeeping alone with four (benchmarks/NOTES.md)
         programs = self.assign_programs[1 if copy else 0]
         _assign_kernel[(min(triton.cdiv(n, ROWS), programs),)](
-            self.scratch, self.victims, self.miss_loc, self.miss_idx, l2s, s2l, stamp, clock, out, counters,
-            src_w, dst_w, pend_src, pend_dst, pend_count, n, COPY=copy, PEND=pend, WORDS=words,
-            BLOCK_WORDS=triton.next_power_of_2(words),
-            C_FETCH_A=fetch_counters[0], C_FETCH_B=fetch_counters[1], C_EVICT=counter_ids["EVICTIONS"],
-            C_OVERFLOW=counter_ids["OVERFLOW"], STAMP_BACK=0 if protect else 1, ROWS=ROWS, CLEAR=block,
-            num_warps=NUM_WARPS)
-        _finish_kernel[(entry_blocks,)](self.locs, out, l2s, self.scratch, n, S, SCR=SCR_SIZE,
-                                        BLOCK=block)
+            self.scratch, self.victims, self.over_loc, self.over_idx, self.took_loc, self.took_slot, l2s, s2l, stamp,
+            clock, out, counters,
+            src_w, dst_w, pend_src, pend_dst, pend_count, spare_taken, self.num_spare, n, COPY=copy, PEND=pend,
+            WORDS=words, BLOCK_WORDS=triton.next_power_of_2(words), C_FETCH_A=fa, C_FETCH_B=fb,
+            C_EVICT=counter_ids["EVICTIONS"], C_OVERFLOW=counter_ids["OVERFLOW"], STAMP_BACK=0 if protect else 1,
+            ROWS=ROWS, CLEAR=block, num_warps=NUM_WARPS)
+        _finish_kernel[(triton.cdiv(n, block),)](self.locs, out, l2s, stamp, clock, self.scratch, spare_taken,
+                                                 self.num_spare, n, S, REFILL=False, STAMP_BACK=0 if protect else 1,
+                                                 SCR=SCR_SIZE, BLOCK=block)
         return out
+
+    def refill(self, *, l2s: torch.Tensor, s2l: torch.Tensor, stamp: torch.Tensor, clock: torch.Tensor,
+               counters: torch.Tensor, counter_ids: dict[str, int], spare: torch.Tensor,
+               spare_taken: torch.Tensor) -> None:
+        """Replace the spare slots taken since the last refill with the least-recently-used unprotected slots
+        (evicted; fewer when fewer are evictable). Four launches, no host synchronisation."""
+        if self.num_spare == 0:
+            return
+        self._scans(stamp, clock, spare_taken, refill=True)
+        _refill_kernel[(self.refill_programs,)](self.scratch, self.victims, l2s, s2l, stamp, spare, spare_taken,
+                                                counters, C_EVICT=counter_ids["EVICTIONS"], ROWS=ROWS * 8,
+                                                num_warps=NUM_WARPS)
+        _finish_kernel[(1,)](self.locs, self.took_slot, l2s, stamp, clock, self.scratch, spare_taken, self.num_spare,
+                             0, self.num_slots, REFILL=True, STAMP_BACK=0, SCR=SCR_SIZE, BLOCK=16)

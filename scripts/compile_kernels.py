@@ -33,7 +33,7 @@ def check(fn, sig, consts):
         triton.compile(src, target=target)
         print("ok  ", fn.__name__, consts)
     except Exception as e:  # noqa: BLE001
-        print("FAIL", fn.__name__, consts, type(e).__name__, str(e)[:600])
+        print("FAIL", fn.__name__, consts, type(e).__name__, str(e)[:2000])
         FAILED.append(fn.__name__)
 
 
@@ -47,16 +47,20 @@ check(ktr._translate_kernel, dict(pos_ptr=P32, seq_ptr=P64, rpi_ptr=P64, r2t_ptr
                                   num_slots=I64, cnt_ptr=P32),
       dict(THROUGH_SLOTS=False, C_LOOKUPS=0, C_HITS=1, C_NOT_RESIDENT=13, BLOCK=1024))
 for mode in (0, 1):
-    for protect in (True, False):
+    for protect, listed in ((True, True), (False, True), (True, False)):
         check(kr._lookup_kernel, dict(src_ptr=P32 if mode == 0 else P64, seq_ptr=P64, rpi_ptr=P64, r2t_ptr=P32,
                                       r2t_stride=I64, r2t_rows=I64, width=I64, n=I64, per_batch=I64, l2s_ptr=P32,
-                                      stamp_ptr=P64, clock_ptr=P64, out_ptr=P32, loc_ptr=P64, cnt_ptr=P64,
-                                      num_locations=I64, num_slots=I64),
-              dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, C_LOOKUPS=0, C_HITS=1, C_BAD=5, BLOCK=1024))
+                                      s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64, out_ptr=P32, loc_ptr=P64, cnt_ptr=P64,
+                                      scr_ptr=P32, over_loc_ptr=P64, over_idx_ptr=P32, spare_ptr=P32, taken_ptr=P64,
+                                      num_spare=I64, took_loc_ptr=P64, took_slot_ptr=P64, num_locations=I64,
+                                      num_slots=I64),
+              dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, LIST=listed, C_LOOKUPS=0, C_HITS=1, C_BAD=5,
+                   C_FETCH_A=2, C_FETCH_B=3, BLOCK=256))
 for copy, pend in ((True, False), (False, True), (True, True), (False, False)):
-    check(kr._assign_kernel, dict(scr_ptr=P32, victims_ptr=P32, miss_loc_ptr=P64, miss_idx_ptr=P32, l2s_ptr=P32,
-                                  s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64, out_ptr=P32, cnt_ptr=P64, src_ptr=P32,
-                                  dst_ptr=P32, pend_src_ptr=P64, pend_dst_ptr=P64, pend_count_ptr=P64, n=I64),
+    check(kr._assign_kernel, dict(scr_ptr=P32, victims_ptr=P32, over_loc_ptr=P64, over_idx_ptr=P32, took_loc_ptr=P64,
+                                  took_slot_ptr=P64, l2s_ptr=P32, s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64,
+                                  out_ptr=P32, cnt_ptr=P64, src_ptr=P32, dst_ptr=P32, pend_src_ptr=P64,
+                                  pend_dst_ptr=P64, pend_count_ptr=P64, taken_ptr=P64, num_spare=I64, n=I64),
           dict(COPY=copy, PEND=pend, WORDS=164, BLOCK_WORDS=256, C_FETCH_A=2, C_FETCH_B=3, C_EVICT=8, C_OVERFLOW=6,
                STAMP_BACK=0 if copy else 1, ROWS=4, CLEAR=1024))
 check(kf._copy_rows_counted_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64,
@@ -81,13 +85,16 @@ check(kp._ema_kernel, dict(kth_ptr=PF, kth_stride=I64, Q=I32, rpi_ptr=P64, thr_p
                            alpha="fp32", keep="fp32"), dict(BLOCK=128))
 check(kp._settle_kernel, dict(src_ptr=P64, dst_ptr=P64, count_ptr=P64, n=I64, s2l_ptr=P32, stamp_ptr=P64,
                               clock_ptr=P64, cnt_ptr=P64), dict(C_USEFUL=11, C_WASTED=12, BLOCK=1024))
-check(kr._misses_and_ages_kernel, dict(loc_ptr=P64, out_ptr=P32, l2s_ptr=P32, stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32,
-                                      miss_loc_ptr=P64, miss_idx_ptr=P32, n=I64, num_slots=I64, entry_blocks=I32),
-      dict(A=256, BLOCK=1024, SBLOCK=1024))
-check(kr._victims_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, victims_ptr=P32, num_slots=I64),
-      dict(A=256, BLOCK=512))
-check(kr._finish_kernel, dict(loc_ptr=P64, out_ptr=P32, l2s_ptr=P32, scr_ptr=P32, n=I64, num_slots=I64),
-      dict(SCR=512, BLOCK=1024))
+for refill in (False, True):
+    check(kr._ages_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, taken_ptr=P64, num_spare=I64,
+                                num_slots=I64), dict(REFILL=refill, A=256, SBLOCK=1024))
+    check(kr._victims_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, victims_ptr=P32, taken_ptr=P64,
+                                   num_spare=I64, num_slots=I64), dict(REFILL=refill, A=256, BLOCK=512))
+    check(kr._finish_kernel, dict(loc_ptr=P64, out_ptr=P64 if refill else P32, l2s_ptr=P32, stamp_ptr=P64,
+                                  clock_ptr=P64, scr_ptr=P32, taken_ptr=P64, num_spare=I64, n=I64, num_slots=I64),
+          dict(REFILL=refill, STAMP_BACK=0, SCR=512, BLOCK=16 if refill else 1024))
+check(kr._refill_kernel, dict(scr_ptr=P32, victims_ptr=P32, l2s_ptr=P32, s2l_ptr=P32, stamp_ptr=P64, spare_ptr=P32,
+                              taken_ptr=P64, cnt_ptr=P64), dict(C_EVICT=8, ROWS=32))
 check(kf._copy_rows_masked_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64, n_rows=I64),
       dict(WORDS=164, SRC_STRIDE=164, DST_STRIDE=164, BLOCK_WORDS=256, ROWS=4))
 for dot, q_type, q_fp8 in ((ki.DOT_BF16, "*u8", True), (ki.DOT_BF16, "*bf16", False)):

@@ -16,11 +16,12 @@ def impl(request):
     return request.param
 
 
-def make(layers=2, tokens=2048, slots=256, lengths=(300, 500), seed=0, copy_impl="auto", impl="torch"):
+def make(layers=2, tokens=2048, slots=256, lengths=(300, 500), seed=0, copy_impl="auto", impl="torch", spare=0):
     host = HostTotalPool(layers, tokens, device="cpu")
     host.entries.copy_(torch.randint(0, 256, host.entries.shape, dtype=torch.uint8,
                                      generator=torch.Generator().manual_seed(seed)))
-    m = HotPoolCacheManager(host, slots, device="cpu", max_selected=1024, copy_impl=copy_impl, resolve_impl=impl)
+    m = HotPoolCacheManager(host, slots, device="cpu", max_selected=1024, copy_impl=copy_impl, resolve_impl=impl,
+                            spare_slots=spare)
     table = RequestTable(8, 1024)
     rows = []
     for n in lengths:
@@ -216,20 +217,21 @@ def test_shapes_are_checked(impl):
         m.resolve(0, torch.zeros(2, 1, 8, dtype=torch.int32), table.req_to_token, rpi, sl[:1])
 
 
-@pytest.mark.parametrize("small_blocks", [False, True])
-def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks):
+@pytest.mark.parametrize("small_blocks,spare", [(False, 0), (True, 0), (False, 24), (True, 24), (True, 120)])
+def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, spare):
     """A random mix of every operation on both paths: every map, stamp, counter and hot entry equal, every step.
 
     (Triton's interpreter runs programs in order, so even the order of the miss and victim lists matches.)
     `small_blocks`: the pool scans and the lookup in many programs, as over a large pool on the GPU (blocks without
-    ages or victims of their own skip the shared atomics).
+    ages or victims of their own skip the shared atomics). `spare`: spare slots per layer, refilled after each
+    layer's resolve (24: fewer than the misses of most resolves, so the rest take LRU victims; 120: most covered).
     """
     g = torch.Generator().manual_seed(7)
-    pair = [make(slots=320, lengths=(300, 500, 250), seed=5, impl=impl) for impl in ("torch", "triton")]
+    pair = [make(slots=320, lengths=(300, 500, 250), seed=5, impl=impl, spare=spare) for impl in ("torch", "triton")]
     if small_blocks:
         f = pair[1][0]._fused
         f.age_block, f.victim_block, f.lookup_block = 64, 32, 16
-    state = ("hot_entries", "loc_to_slot", "slot_to_loc", "slot_stamp", "clock", "counters")
+    state = ("hot_entries", "loc_to_slot", "slot_to_loc", "slot_stamp", "clock", "counters", "spare_taken")
     for step in range(12):
         q = 1 + step % 2
         pos = torch.randint(-2, 520, (3, q, 40), generator=g).int()
@@ -246,6 +248,8 @@ def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks):
                 o.append(m.prefetch(1, table.req_to_token[step % 3, ahead]))
             for layer in range(2):
                 o.append(m.resolve(layer, pos, table.req_to_token, rpi, sl, settle_prefetch=True))
+                if step % 5 != 4:  # some steps without a refill: the next resolves start short of spare slots
+                    m.refill_spares(layer)
             if step == 6:
                 m.release(table.req_to_token[2, :250])
             outs.append(o)
@@ -256,6 +260,10 @@ def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks):
             if name in ("loc_to_slot", "slot_to_loc", "slot_stamp"):
                 a, b = a[:, :-1], b[:, :-1]
             assert torch.equal(a, b), f"step {step}: {name} differs"
+        for layer in range(2):  # the free spare slots, in order (the taken ones are stale)
+            taken = int(pair[0][0].spare_taken[layer])
+            assert torch.equal(pair[0][0].spare[layer, taken:spare], pair[1][0].spare[layer, taken:spare])
+        pair[0][0].check_invariants()
         pair[1][0].check_invariants()
 
 
@@ -541,3 +549,86 @@ def test_a_selection_larger_than_the_pool_overflows_the_same_on_both_paths(small
         overflow_before, evictions_before = int(c[Counter.OVERFLOW]), int(c[Counter.EVICTIONS])
         # an entry and its duplicate (the other query token) get the same answer, slot or -1
         assert torch.equal(outs[1][:, 0], outs[1][:, 1]) and int((outs[1] >= 0).sum()) > 0
+
+
+def _positions(row_pos, B=2, row=1):
+    """A [B, 1, k] selection naming `row_pos` in request `row` and padding elsewhere."""
+    pos = torch.full((B, 1, len(row_pos)), -1, dtype=torch.int32)
+    pos[row, 0] = torch.as_tensor(row_pos, dtype=torch.int32)
+    return pos
+
+
+def test_spare_slots_take_misses_first_and_the_refill_evicts_the_lru(impl):
+    """Misses take the spare slots in list order before any LRU scan; a refill replaces the spare slots taken with
+    the least-recently-used ones (free slots first), evicting and counting them; nothing is evicted at a resolve
+    while spare slots cover its misses."""
+    m, host, table, rpi, sl = make(slots=128, impl=impl, spare=16)
+    locs = table.req_to_token[rpi[1]].long()
+
+    def step(first, last):
+        m.begin_step()
+        slots = m.resolve(0, _positions(range(first, last)), table.req_to_token, rpi, sl)
+        check_slots(m, host, 0, slots[1, 0], locs[first:last])
+        m.check_invariants()
+        return slots[1, 0].long()
+
+    assert int(m.spare_taken[0]) == 16  # none until the first refill
+    assert torch.equal(step(0, 64), torch.arange(64))  # cold: the first free slots, by index
+    m.refill_spares(0)  # the 16 oldest are free slots
+    assert int(m.spare_taken[0]) == 0 and torch.equal(m.spare[0, :16].long(), torch.arange(64, 80))
+    # 48 misses: the 16 spare slots in list order, then the LRU scan (the free slots 80..111)
+    assert torch.equal(step(64, 112), torch.arange(64, 112))
+    m.refill_spares(0)
+    assert torch.equal(m.spare[0, :16].long(), torch.arange(112, 128))
+    assert torch.equal(step(112, 128), torch.arange(112, 128))  # covered by spare slots
+    assert int(m.counters[0, Counter.EVICTIONS]) == 0
+    m.refill_spares(0)  # the pool is full: the 16 least recently used (positions 0..15, selected two steps ago)
+    assert int(m.counters[0, Counter.EVICTIONS]) == 16
+    assert torch.equal(m.spare[0, :16].long(), torch.arange(16))
+    assert bool((m.loc_to_slot[0, locs[:16]] == -1).all()) and bool((m.loc_to_slot[0, locs[16:128]] >= 0).all())
+    assert torch.equal(step(0, 8), torch.arange(8))  # misses again: spare slots 0..7, no eviction at the resolve
+    assert int(m.counters[0, Counter.EVICTIONS]) == 16 and int(m.spare_taken[0]) == 8
+
+
+def test_a_refill_never_evicts_the_current_selection(impl):
+    """A refill that finds fewer evictable slots than it wants takes what there is (this step's selection is
+    protected) and takes the rest at the next refill."""
+    m, host, table, rpi, sl = make(slots=128, impl=impl, spare=64)
+    locs = table.req_to_token[rpi[1]].long()
+    m.begin_step()
+    slots = m.resolve(0, _positions(range(100)), table.req_to_token, rpi, sl)
+    m.refill_spares(0)  # wants 64; only the 28 free slots are evictable
+    assert int(m.spare_taken[0]) == 64 - 28 and int(m.counters[0, Counter.EVICTIONS]) == 0
+    check_slots(m, host, 0, slots[1, 0], locs[:100])
+    m.check_invariants()
+    m.begin_step()
+    m.refill_spares(0)  # the selection is a step old now: 36 of it evicted
+    assert int(m.spare_taken[0]) == 0 and int(m.counters[0, Counter.EVICTIONS]) == 36
+    assert m.resident_count(0) == 128 - 64
+    m.check_invariants()
+
+
+def test_spare_slots_run_out_and_the_resolve_scans_for_the_rest(impl):
+    """More misses than spare slots: the spare slots, then LRU victims evicted at the resolve; every entry
+    resident and exact, duplicates across query tokens share one slot."""
+    m, host, table, rpi, sl = make(slots=128, impl=impl, spare=8)
+    locs = table.req_to_token[rpi[1]].long()
+    m.begin_step()
+    m.resolve(0, _positions(range(120)), table.req_to_token, rpi, sl)
+    m.refill_spares(0)
+    m.begin_step()
+    pos = _positions(range(200, 240)).expand(2, 2, 40).contiguous()  # both query tokens name the same 40
+    pos[0] = -1
+    slots = m.resolve(0, pos, table.req_to_token, rpi, sl)
+    check_slots(m, host, 0, slots[1, 0], locs[200:240])
+    assert torch.equal(slots[1, 0], slots[1, 1])
+    c = m.counters[0]
+    assert int(c[Counter.MISSES]) == 120 + 40 and int(c[Counter.EVICTIONS]) == 40 - 8 and int(c[Counter.OVERFLOW]) == 0
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [-1, 256, 300, True, 2.5, "8"])
+def test_bad_spare_slots_fail_before_any_allocation(bad):
+    host = HostTotalPool(1, 64, device="cpu")
+    with pytest.raises(ValueError, match="spare_slots"):
+        HotPoolCacheManager(host, 256, device="cpu", spare_slots=bad)
