@@ -28,7 +28,11 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
              hides more, but FlashMLA's split-KV schedule depends on the batch size, so half-batch attention can
              differ from whole-batch attention by rounding; the all-HBM stack given the same split is
              bit-identical).
-    6. the main stream waits for the side stream before the layer ends.
+    6. [spare slots] the layer's spare slots taken in this step are refilled (`HotPoolCacheManager.refill_spares`:
+       the LRU scans a resolve would otherwise run, evicting ahead), queued last on the side stream, beside
+       attention;
+    7. the main stream waits for the side stream before the layer ends (for all of it but the refill, which nothing
+       before the layer's next step reads; the step's end waits for everything).
 
 Copies that overlap compute (DA's misses, DBA's halves, prefetches) run with `overlap_programs` persistent programs,
 leaving the other SMs to the kernels they overlap. When the caller knows that every live token of the batch is
@@ -383,13 +387,16 @@ class EssDecodeStack(_StackBase):
         manager.reserve_scratch(max(q_rows * options.top_k, max_batch * self.prefetcher.width if self.prefetcher
                                     else 0))
         self._side_inputs: list[torch.Tensor] = []  # tensors the side stream reads: alive until the layer joins it
+        self._before_refill = None  # the side stream's mark before this layer's refill, if one was queued
 
     def step(self, batch: DecodeBatch, inputs: Sequence[LayerInputs], all_resident: bool = False) -> list[torch.Tensor]:
         """One decode step of every layer. `all_resident`: the caller knows every live token of the batch is in
         every layer's hot pool (all of them fit and were loaded), so each layer only looks its selection up."""
         self.m.begin_step()
         self.schedules = {}
-        return [self.forward_layer(layer, batch, inputs[layer], all_resident) for layer in range(self.num_layers)]
+        out = [self.forward_layer(layer, batch, inputs[layer], all_resident) for layer in range(self.num_layers)]
+        self.streams.wait()  # the last refills (the next step's clock must not move under them)
+        return out
 
     def forward_layer(self, layer: int, batch: DecodeBatch, x: LayerInputs, all_resident: bool = False) -> torch.Tensor:
         m, st = self.m, self.streams
@@ -412,10 +419,13 @@ class EssDecodeStack(_StackBase):
             st.wait()  # the new token is in its slot, prefetches have landed: the exact resolve may start
             # 5. resolve + fetch + attention
             if self.options.modes[layer] == "sync":
-                out = self._attend(x.q, m.layer_entries(layer), self._resolve_and_fetch(layer, batch, pos))[0]
+                slots = self._resolve_and_fetch(layer, batch, pos)
+                self._refill_beside(layer)  # 6.
+                out = self._attend(x.q, m.layer_entries(layer), slots)[0]
             else:
                 out = self._dual_attention(layer, batch, x, pos)
-        st.wait()  # 6.
+        st.wait(self._before_refill)  # 7. (everything, where no refill was queued)
+        self._before_refill = None
         self._side_inputs.clear()  # the side stream is done with them: the allocator may reuse their memory now
         for kth, rows in self._pending_thresholds:  # ECHO: fold this step's k-th best scores into the thresholds
             self.prefetcher.update(layer, kth, rows)
@@ -442,6 +452,15 @@ class EssDecodeStack(_StackBase):
         if self.options.layer_prefetch_fractions[layer] is not None:  # (then the stack has a prefetcher)
             with self.streams.on_side():
                 self.m.settle_prefetch(layer)
+
+    def _refill_beside(self, layer: int) -> None:
+        """Queue the refill of the layer's spare slots last on the side stream (beside attention), and remember what
+        the layer's end waits for: the side stream up to the refill. The next user of the side stream (the next
+        layer) queues behind it, and every main-stream wait of the next layer covers it."""
+        if self.m.num_spare:
+            self._before_refill = self.streams.mark()
+            with self.streams.on_side():
+                self.m.refill_spares(layer)
 
     def _select_and_prefetch(self, layer: int, x: LayerInputs, batch: DecodeBatch) -> torch.Tensor:
         """Steps 2-4: indexer logits; prefetch above the threshold on the side stream; top-k on the main stream.
@@ -504,6 +523,7 @@ class EssDecodeStack(_StackBase):
         out0, lse0 = self._attend(x.q, entries, table0)
         st.wait()  # the misses have landed
         self._settle_beside(layer)  # beside Attn1 (queued after the copy, it would hold Attn1 back)
+        self._refill_beside(layer)  # 6.
         out1, lse1 = self._attend(x.q, entries, table1)
         return merge_attention(out0, lse0, out1, lse1)
 
@@ -520,7 +540,9 @@ class EssDecodeStack(_StackBase):
             marks.append(st.mark())
         if self.options.dba_attention == "whole":
             st.wait()
+            self._refill_beside(layer)  # 6.
             return self._attend(x.q, m.layer_entries(layer), torch.cat(slot_tables))[0]
+        self._refill_beside(layer)  # 6. (after the last half's copy; the halves wait for their own marks)
         outs = []
         for (_, xi), mark, slots in zip(halves, marks, slot_tables, strict=True):
             st.wait(mark)  # this half's entries are resident (half B's copy overlaps half A's attention)

@@ -25,7 +25,7 @@ LENGTHS = (700, 450, 900)
 
 
 def build(modes, slots=512, prefetch=False, da_width=64, split_attention=False, cap_fraction=0.1, seed=0,
-          resolve_impl="torch", dba_attention="split", dba_split=0.5, **options):
+          resolve_impl="torch", dba_attention="split", dba_split=0.5, spare=0, **options):
     g = torch.Generator().manual_seed(seed)
     T = sum(LENGTHS) + 64 * len(LENGTHS)
     host = HostTotalPool(LAYERS, T, device="cpu")
@@ -47,7 +47,7 @@ def build(modes, slots=512, prefetch=False, da_width=64, split_attention=False, 
         latents[layer, :T] = ent
         index_cache[layer] = pack_indexer_key(torch.randn(T, 128, generator=g))
     m = HotPoolCacheManager(host, slots, device="cpu", max_selected=len(LENGTHS) * TOPK, resolve_impl=resolve_impl,
-                            copy_impl="triton" if resolve_impl == "triton" else "auto")
+                            copy_impl="triton" if resolve_impl == "triton" else "auto", spare_slots=spare)
     opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, da_width=da_width, indexer="torch",
                         dba_attention=dba_attention, dba_split=dba_split, **options)
     pf = EchoPrefetcher(LAYERS, table.req_to_token.shape[0], max(LENGTHS) + 64, cap_fraction=cap_fraction,
@@ -85,7 +85,9 @@ def steps(n, table, rows, locs, seed=1):
     (("dba", "sync"), True, "split"), (("dba", "dba"), True, "whole"), (("dba", "dba"), False, "three chunks"),
     (("dba", "sync"), True, "fused kernels"), (("sync", "dba"), False, "fused kernels, counted copy"),
     (("sync", "sync"), True, "new tokens inserted"), (("dba", "sync"), False, "fused kernels, new tokens inserted"),
-    (("dba", "sync"), True, "prefetch in chunks"), (("sync", "dba"), True, "fused kernels, prefetch in chunks")])
+    (("dba", "sync"), True, "prefetch in chunks"), (("sync", "dba"), True, "fused kernels, prefetch in chunks"),
+    (("sync", "dba"), True, "spare slots"), (("dba", "sync"), True, "fused kernels, spare slots"),
+    (("sync", "sync"), False, "fused kernels, spare slots, counted copy")])
 def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attention):
     # "fused kernels": the Triton resolve, prefetch candidates and counted copy (interpreted), as on the GPU
     split = (0.4, 0.3, 0.3) if dba_attention == "three chunks" else 0.5
@@ -95,10 +97,13 @@ def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attent
         options["new_tokens"] = "insert"
     if "prefetch in chunks" in dba_attention:  # the indexer in 3 chunks of one request, each prefetched at once
         options["prefetch_chunks"] = 3
-    dba_attention = "whole" if dba_attention in ("three chunks", "new tokens inserted", "prefetch in chunks") \
-        or impl == "triton" else dba_attention
+    # "spare slots": 48 per layer, refilled beside attention (fewer than some steps' misses: both paths run)
+    spare = 48 if "spare slots" in dba_attention else 0
+    dba_attention = "whole" if dba_attention in ("three chunks", "new tokens inserted", "prefetch in chunks",
+                                                 "spare slots") or impl == "triton" else dba_attention
     ess, hbm, table, rows, locs = build(modes, prefetch=prefetch, split_attention=dba_attention == "split",
-                                        dba_attention=dba_attention, dba_split=split, resolve_impl=impl, **options)
+                                        dba_attention=dba_attention, dba_split=split, resolve_impl=impl, spare=spare,
+                                        **options)
     if impl == "triton" and prefetch:
         ess.prefetcher.impl = "triton"  # the kernels the GPU runs
     for s, (batch, inputs) in enumerate(steps(12 if impl == "torch" else 5, table, rows, locs)):
@@ -117,6 +122,8 @@ def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attent
         assert c[Counter.NEW_TOKENS] > 0
     else:  # written back only (the default): every new token selected later was fetched as a miss
         assert c[Counter.NEW_TOKENS] == 0 and c[Counter.D2H_ENTRIES] > 0
+    if spare:  # every layer's spare slots were taken and refilled (the last refill left some free)
+        assert bool((ess.m.spare_taken < spare).all())
     ess.m.check_invariants()
 
 
@@ -219,10 +226,11 @@ def test_a_score_hook_of_the_wrong_shape_is_refused_with_chunks():
         ess.step(batch, inputs)
 
 
-@pytest.mark.parametrize("da_width", [64, 128])
-def test_dual_attention_equals_single_pass_up_to_rounding(da_width):
-    # da_width 64 is narrower than many rows' misses: their excess is copied before Attn0
-    ess, hbm, table, rows, locs = build(("da", "da"), da_width=da_width, slots=448)
+@pytest.mark.parametrize("da_width,spare", [(64, 0), (128, 0), (128, 40)])
+def test_dual_attention_equals_single_pass_up_to_rounding(da_width, spare):
+    # da_width 64 is narrower than many rows' misses: their excess is copied before Attn0; `spare`: the deferred
+    # resolve takes spare slots (their fetch-list pairs come from the lookup kernel's definition)
+    ess, hbm, table, rows, locs = build(("da", "da"), da_width=da_width, slots=448, spare=spare)
     worst = 0.0
     for batch, inputs in steps(10, table, rows, locs):
         got, want = ess.step(batch, inputs), hbm.step(batch, inputs)

@@ -5,6 +5,7 @@
 - dba: bit-identical to the all-HBM stack (whole-batch attention, the default), or to the all-HBM stack with its
   attention split the same way ("split");
 - da: within bf16 rounding of single-pass attention (max relative error <= 1e-2);
+- with spare slots (refilled beside attention, outside the layer's join): the same, in every mode and in one graph;
 - the whole step (all layers, side streams, prefetch) captured in one CUDA graph and replayed gives the eager outputs
   (bit for bit, except DA layers: their hit / miss split depends on which equally old entries the GPU evicted, so two
   runs can round differently).
@@ -89,9 +90,9 @@ def _inputs(w, s, q_index=None):
 
 
 def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand", prefetch_chunks=1,
-         prefetch_layers=None):
+         prefetch_layers=None, spare=0):
     slots = math.ceil(0.25 * B * CTX / 64) * 64
-    m = HotPoolCacheManager(w["host"], slots, max_selected=B * TOPK)
+    m = HotPoolCacheManager(w["host"], slots, max_selected=B * TOPK, spare_slots=spare)
     recent = slots // B - 64
     for layer in range(LAYERS):
         m.warm_up(layer, w["req_to_token"][:, CTX - recent:CTX].reshape(-1))
@@ -123,9 +124,15 @@ def reference(world):
     # new tokens written back on the side stream, then read back from the host by the resolve when selected
     ("sync", False, "whole", "on_demand"), ("dba", True, "whole", "on_demand"), ("da", False, "whole", "on_demand"),
     # the indexer in 3 batch chunks, each chunk prefetched beside the next one's indexer
-    ("sync", 3, "whole", "on_demand")])
+    ("sync", 3, "whole", "on_demand"),
+    # spare slots (1,024 per layer: about a step's misses here), refilled beside attention
+    ("sync", False, "whole", "spare"), ("sync", 2, "whole", "spare"), ("dba", True, "whole", "spare"),
+    ("dba", False, "split", "spare"), ("da", False, "whole", "spare")])
 def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attention, new_tokens):
-    ess = _ess(world, [mode] * LAYERS, bool(prefetch), dba_attention, new_tokens, prefetch_chunks=max(1, int(prefetch)))
+    spare = 1024 if new_tokens == "spare" else 0
+    new_tokens = "on_demand" if spare else new_tokens
+    ess = _ess(world, [mode] * LAYERS, bool(prefetch), dba_attention, new_tokens, prefetch_chunks=max(1, int(prefetch)),
+               spare=spare)
     worst = 0.0
     for s in range(STEPS):
         got = ess.step(_batch(world, s), _inputs(world, s))
@@ -137,21 +144,26 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
                 assert torch.equal(got[layer], want), f"{mode} prefetch={prefetch}: step {s} layer {layer}"
     c = ess.m.counters.sum(0).cpu()
     hit = int(c[Counter.HITS]) / int(c[Counter.LOOKUPS])
-    print(f"\n{mode} prefetch={prefetch} new_tokens={new_tokens}: hit {hit:.3f}, misses {int(c[Counter.MISSES])}, "
+    print(f"\n{mode} prefetch={prefetch} new_tokens={new_tokens} spare={spare}: hit {hit:.3f}, "
+          f"misses {int(c[Counter.MISSES])}, evictions {int(c[Counter.EVICTIONS])}, "
           f"prefetched {int(c[Counter.PREFETCHED])} (useful {int(c[Counter.PREFETCH_USEFUL])}), "
           f"da max rel err {worst:.2e}")
     assert int(c[Counter.MISSES]) > 0 and int(c[Counter.OVERFLOW]) == 0
     if mode == "da":
         assert worst <= 1e-2
+    if spare:
+        assert bool((ess.m.spare_taken < spare).all())
     if prefetch:  # useful > 0: the settle ran after the exact resolve stamped this step's selection
         assert int(c[Counter.PREFETCHED]) > 0 and int(c[Counter.PREFETCH_USEFUL]) > 0
         assert int(c[Counter.PREFETCH_USEFUL]) + int(c[Counter.PREFETCH_WASTED]) == int(c[Counter.PREFETCHED])
     ess.m.check_invariants()
 
 
-@pytest.mark.parametrize("modes,prefetch_chunks", [(["da", "dba"], 1), (["sync", "da"], 1), (["sync", "dba"], 2),
-                                                   (["sync", "sync"], (2, 0))])  # a tuple: per layer (a profile's)
-def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks):
+@pytest.mark.parametrize("modes,prefetch_chunks,spare", [
+    (["da", "dba"], 1, 0), (["sync", "da"], 1, 0), (["sync", "dba"], 2, 0),
+    (["sync", "sync"], (2, 0), 0),  # a tuple: per layer (a profile's)
+    (["sync", "dba"], 2, 1024), (["da", "sync"], (0, 2), 1024)])
+def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, spare):
     """Capture a step with prefetch and mixed modes; replaying it over later steps gives what the all-HBM stack and
     the same steps run eagerly give (exact layers bit-identical; DA within 1e-2 of single-pass attention: graph and
     eager may split a layer's misses differently: equally old victims are taken in the order blocks reach the
@@ -161,7 +173,7 @@ def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks):
     q_index = [torch.zeros(B, 1, 64, 128, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
     per_layer = isinstance(prefetch_chunks, tuple)
     eager, graphed = (_ess(world, modes, prefetch=not per_layer, prefetch_chunks=1 if per_layer else prefetch_chunks,
-                           prefetch_layers=prefetch_chunks if per_layer else None) for _ in range(2))
+                           prefetch_layers=prefetch_chunks if per_layer else None, spare=spare) for _ in range(2))
     for s in range(3):  # warm-up (Triton compiles) on both
         for st in (eager, graphed):
             st.step(_batch(world, s), _inputs(world, s))
@@ -189,6 +201,8 @@ def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks):
     if per_layer:  # only the profile's prefetch layers prefetched
         per = graphed.m.counters[:, Counter.PREFETCHED].cpu()
         assert all((int(per[layer]) > 0) == bool(n) for layer, n in enumerate(prefetch_chunks)), per
+    if spare:  # the replays took spare slots and refilled them
+        assert bool((graphed.m.spare_taken < spare).all()) and int(c[Counter.EVICTIONS]) > 0
     graphed.m.check_invariants()
 
 
