@@ -19,6 +19,11 @@ ESS stack over hot pools filled by the cache manager from a pinned host pool, in
                earlier run of this benchmark), whichever of sync / da / dba / prefetch / prefetch2 that run
                measured fastest at this batch, context and miss count (interpolated between its points)
 
+With `--spare S[,S...]` every ESS mode also runs with spare slots per layer (variant "mode+spare"): free slots that
+`HotPoolCacheManager.refill_spares` evicts ahead of time, beside attention, so that a resolve whose misses they cover
+skips its pool scans. They come out of the same hot pool (same memory). S is a fraction of batch x top-k, or "auto":
+1.25 x the most misses per step of any layer in the configuration's sync run (what an overlap profile records).
+
 Every variant of a configuration runs the same inputs from the same state: the hot pools are emptied, warmed with
 each request's most recent tokens, then `--warm` untimed steps; the whole step (all layers) is captured in one CUDA
 graph; each of `--steps` timed steps copies its inputs into the graph's buffers, then is timed alone with CUDA
@@ -156,8 +161,16 @@ class Config:
             self.q_index[layer].copy_(queries[s][layer])
 
 
-def build_ess(pools: Pools, cfg: Config, slots: int, modes, prefetch: bool, **options) -> EssDecodeStack:
-    m = HotPoolCacheManager(pools.host, slots, max_selected=cfg.batch * TOP_K)
+def spare_slots(size: float | str, batch: int, slots: int, sync_misses=None) -> int:
+    """Spare slots per layer, in whole pages, below the pool: a fraction of one step's selections (batch x top-k), or
+    "auto": 1.25 x the most misses per step of any layer in the sync run."""
+    want = 1.25 * max(sync_misses) if size == "auto" else size * batch * TOP_K
+    return min(math.ceil(want / 64) * 64, slots - 64)
+
+
+def build_ess(pools: Pools, cfg: Config, slots: int, modes, prefetch: bool, spare: int = 0,
+              **options) -> EssDecodeStack:
+    m = HotPoolCacheManager(pools.host, slots, max_selected=cfg.batch * TOP_K, spare_slots=spare)
     per_layer = options.get("prefetch_layers")
     pf = EchoPrefetcher(cfg.layers, cfg.batch, cfg.width, device="cuda") if prefetch or any(per_layer or ()) else None
     opts = StackOptions(modes=list(modes), top_k=TOP_K, prefetch=prefetch, **options)
@@ -255,7 +268,7 @@ def calibrate_rho(pools, cfg, slots, target, warm, iters=7, topk="torch") -> tup
     return best
 
 
-def check_correctness(pools, cfg, slots, queries, warm) -> dict:
+def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 0.0) -> dict:
     """Eager steps from the same state: ESS modes against the all-HBM stack (whole-batch and split attention)."""
     res = {}
     hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
@@ -267,10 +280,14 @@ def check_correctness(pools, cfg, slots, queries, warm) -> dict:
         cfg.load_step(s, queries)
         want.append([o.clone() for o in hbm.step(cfg.batch_tables, cfg.inputs)])
         want_split.append([o.clone() for o in hbm_split.step(cfg.batch_tables, cfg.inputs)])
-    for name, modes, prefetch in (("sync", "sync", False), ("prefetch", "sync", True), ("prefetch2", "sync", True),
-                                  ("da", "da", False), ("dba", "dba", False)):
+    variants = [("sync", "sync", False), ("prefetch", "sync", True), ("prefetch2", "sync", True),
+                ("da", "da", False), ("dba", "dba", False)]
+    if spare_fraction:  # the same modes with spare slots (refilled beside attention)
+        variants += [(f"{n}+spare", m, p) for n, m, p in variants if n != "prefetch"]
+    for name, modes, prefetch in variants:
         ess = build_ess(pools, cfg, slots, [modes] * cfg.layers, prefetch,
-                        prefetch_chunks=max(1, prefetch_chunks(name)))
+                        spare=spare_slots(spare_fraction, cfg.batch, slots) if name.endswith("+spare") else 0,
+                        prefetch_chunks=max(1, prefetch_chunks(name.removesuffix("+spare"))))
         reset_and_warm(ess, cfg)
         identical, identical_split, rel = True, True, 0.0
         for s in range(cfg.steps):
@@ -326,10 +343,16 @@ def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
     rows.append(dict(base, variant="hbm", **t_hbm, ratio=1.0))
     sync_misses = None
     options = dict(dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk)
-    for mode in args.modes:
+    for spare_size, mode in [(f, m) for f in args.spare for m in args.modes]:
+        variant = f"{mode}+spare" if spare_size else mode
+        if spare_size == "auto" and sync_misses is None:
+            raise SystemExit("--spare auto needs the sync mode without spare slots first (its misses size them)")
+        spare = spare_slots(spare_size, batch, slots, sync_misses)
         resident = False
         layer_prefetch = None
         if mode == "layerwise":  # the policy: all-resident lookups when everything fits, else the profile's modes
+            if sync_misses is None:
+                raise SystemExit("--modes: layerwise needs sync before it (its misses make the profile)")
             resident = fits(cfg, slots)
             modes, layer_prefetch = layerwise_settings(sync_misses, cfg, slots, hit, timings)
             prefetch = False
@@ -339,24 +362,24 @@ def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
             modes, prefetch = ["sync"] * layers, True
         else:
             modes, prefetch = [mode] * layers, False
-        if "dba" in modes and batch < 2:
+        if "dba" in modes and batch < 2 or resident and spare_size:  # (all-resident: no misses, no spares)
             continue
         try:
-            ess = build_ess(pools, cfg, slots, modes, prefetch,
+            ess = build_ess(pools, cfg, slots, modes, prefetch, spare=spare,
                             **dict(options, sync_copy="counted" if mode == "sync_counted" else "inline",
                                    prefetch_chunks=max(1, prefetch_chunks(mode)), prefetch_layers=layer_prefetch,
                                    dba_attention="split" if mode == "dba_split" else "whole",
                                    new_tokens="insert" if mode == "sync_insert" else "on_demand"))
             r = run_variant(ess, cfg, queries, args.warm, is_ess=True, all_resident=resident)
         except Exception as exc:  # keep the other variants' results; the row says what failed
-            print(f"{mode} at context {context}, batch {batch}: {type(exc).__name__}: {exc}", flush=True)
-            rows.append(dict(base, variant=mode, error=f"{type(exc).__name__}: {exc}"))
+            print(f"{variant} at context {context}, batch {batch}: {type(exc).__name__}: {exc}", flush=True)
+            rows.append(dict(base, variant=variant, error=f"{type(exc).__name__}: {exc}"))
             continue
         r["all_resident"] = resident
-        if mode == "sync":
+        if variant == "sync":
             sync_misses = r["misses_per_layer_step"]
         policy = {} if layer_prefetch is None else dict(layer_prefetch_chunks=list(layer_prefetch))
-        rows.append(dict(base, variant=mode, layer_modes=list(modes), **policy, **r,
+        rows.append(dict(base, variant=variant, spare_slots=spare, layer_modes=list(modes), **policy, **r,
                          ratio=r["step_us"] / t_hbm["step_us"]))
         del ess
         torch.cuda.empty_cache()
@@ -377,18 +400,18 @@ def policy_modes(row) -> list[str]:
 
 
 def print_table(rows) -> None:
-    print(f"\n{'ctx':>6} {'B':>4} {'hit*':>5} {'variant':>9} {'hit':>6} {'us/layer':>9} {'x HBM':>6} {'hidden':>7} "
+    print(f"\n{'ctx':>6} {'B':>4} {'hit*':>5} {'variant':>15} {'hit':>6} {'us/layer':>9} {'x HBM':>6} {'hidden':>7} "
           f"{'H2D MB/step':>11} {'pf useful/wasted':>17}  modes")
     for r in rows:
         if "error" in r:
-            print(f"{r['context'] // 1024:>5}K {r['batch']:>4} {r['target_hit']:>5.2f} {r['variant']:>9} {r['error']}")
+            print(f"{r['context'] // 1024:>5}K {r['batch']:>4} {r['target_hit']:>5.2f} {r['variant']:>15} {r['error']}")
             continue
         hid = r.get("hidden_fraction")
         pf = f"{r.get('prefetch_useful', 0)}/{r.get('prefetch_wasted', 0)}" if r.get("prefetched") else ""
-        modes = ",".join(sorted(set(policy_modes(r)))) if r["variant"] == "layerwise" else ""
+        modes = ",".join(sorted(set(policy_modes(r)))) if r["variant"].startswith("layerwise") else ""
         if r.get("all_resident"):
             modes = "all-resident lookup"
-        print(f"{r['context'] // 1024:>5}K {r['batch']:>4} {r['target_hit']:>5.2f} {r['variant']:>9} "
+        print(f"{r['context'] // 1024:>5}K {r['batch']:>4} {r['target_hit']:>5.2f} {r['variant']:>15} "
               f"{r.get('hit_rate', float('nan')):>6.3f} {r['layer_us']:>9.1f} {r['ratio']:>6.3f} "
               f"{'' if hid is None else f'{hid:>6.0%}':>7} {r.get('h2d_mb_per_step', 0):>11.2f} {pf:>17}  {modes}")
 
@@ -438,6 +461,9 @@ def main(argv=None) -> int:
     p.add_argument("--calibration", metavar="JSON", help="layerwise: choose the modes from the exposed times this "
                    "earlier run of the benchmark measured (sync / da / dba / prefetch / prefetch2) instead of the "
                    "analytic cost model")
+    p.add_argument("--spare", default="0", help="spare slots per layer, as fractions of batch x top-k or 'auto' "
+                   "(from the sync run's misses), e.g. 0,auto: every mode runs once per value (variant 'mode+spare' "
+                   "where not 0)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -447,6 +473,14 @@ def main(argv=None) -> int:
         args.contexts, args.hits = "32768", "0.95"
         args.batches = args.batches if args.batches != p.get_default("batches") else "2,64"
     args.modes = args.modes.split(",")
+    try:
+        args.spare = [f if f == "auto" else float(f) for f in args.spare.split(",")]
+    except ValueError:
+        p.error(f"--spare: fractions in [0, 1) or 'auto', got {args.spare!r}")
+    if any(f != "auto" and not 0 <= f < 1 for f in args.spare) or len(set(args.spare)) != len(args.spare) or \
+            args.spare[0] != 0 and ("layerwise" in args.modes or "auto" in args.spare):
+        p.error("--spare: distinct fractions in [0, 1) or 'auto'; with layerwise or auto, the first must be 0 (the "
+                "profile and the auto size need the sync run without spare slots)")
     bad = [m for m in args.modes if m not in MODES + EXTRA_MODES and not prefetch_chunks(m)]
     if bad:
         p.error(f"--modes: unknown mode {bad[0]!r} (of {MODES + EXTRA_MODES}, or prefetchN)")
@@ -469,8 +503,9 @@ def main(argv=None) -> int:
     cfg0 = Config(pools, args.layers, first[0], 16, steps, seed=7)
     slots0 = pool_slots(args, cfg0.batch, cfg0.context, steps)
     rho0, _ = calibrate_rho(pools, cfg0, slots0, 0.95, args.warm)
-    correctness = dict(context=cfg0.context, batch=cfg0.batch, **check_correctness(pools, cfg0, slots0,
-                                                                                    cfg0.queries(rho0), args.warm))
+    correctness = dict(context=cfg0.context, batch=cfg0.batch, **check_correctness(
+        pools, cfg0, slots0, cfg0.queries(rho0), args.warm,
+        spare_fraction=0.08 if len(args.spare) > 1 else 0.0))  # (auto needs a sync run: a fixed size here)
     print("correctness:", json.dumps(correctness), flush=True)
     rows = []
     os.makedirs(args.out, exist_ok=True)
@@ -478,7 +513,7 @@ def main(argv=None) -> int:
                 date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), device=torch.cuda.get_device_name(),
                 wall_s=time.time() - t0, layers=args.layers, heads=HEADS, index_heads=IHEADS, top_k=TOP_K,
                 ratio=args.ratio, warm=args.warm, steps=args.steps, pool_batch=args.pool_batch,
-                dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk,
+                dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk, spare=args.spare,
                 calibration=timings.measured.source if timings.measured is not None else None)
     for c, b, h in configs:
         rows += run_config(pools, args.layers, c, b, h, args, timings)
