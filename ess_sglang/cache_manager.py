@@ -344,14 +344,16 @@ class HotPoolCacheManager:
 
         Like warm-up, but nothing is protected: resident entries keep their recency and new ones are stamped as the
         newest evictable entries (clock - 1), so the exact resolve of the step can always evict them (a prefetch can
-        cost extra misses, never an overflow). The exact resolve that follows (`settle_prefetch=True`) counts each
-        fetched entry as useful (selected, its slot still holding it) or wasted, from the fetch list, which must not
-        be reused before then. Several prefetches of one layer may precede its settle (the decode stack prefetches
-        each batch chunk as soon as its indexer logits exist), each into a list of its own (slices of one list are
-        fine if they do not overlap); a prefetch of another layer, or one into a list still unsettled, is refused.
+        cost extra misses, never an overflow). With spare slots, a prefetch takes spare slots only, never scanning or
+        evicting (three small launches on the fused path, none over the pool): what does not fit is not prefetched.
+        The exact resolve that follows (`settle_prefetch=True`) counts each fetched entry as useful (selected, its
+        slot still holding it) or wasted, from the fetch list, which must not be reused before then. Several
+        prefetches of one layer may precede its settle (the decode stack prefetches each batch chunk as soon as its
+        indexer logits exist), each into a list of its own (slices of one list are fine if they do not overlap); a
+        prefetch of another layer, or one into a list still unsettled, is refused.
         `fetch_list` (at least len(locs) entries) receives what was fetched; by default a scratch list. `programs`:
         the copy's persistent programs (see `fetch`). Returns the int32 slot of each location (-1: skipped, or not
-        fetched for want of an evictable slot).
+        fetched for want of an evictable or spare slot).
         """
         # the fused lookup bounds-checks every location itself (never reading outside the maps), so on that path the
         # decode stack's side stream skips the four small kernels of the torch check
@@ -367,12 +369,14 @@ class HotPoolCacheManager:
             if any(_lists_share_memory(r, record) for r in pending):
                 raise ValueError(f"prefetch(layer {layer}): its fetch list overlaps the list of a prefetch of this "
                                  f"layer that is not settled yet; give each prefetch before the settle its own list")
+        spare_only = self.num_spare > 0  # a prefetch never scans or evicts when there are spare slots
         if self._fused is not None:
             slots = self._fused_run(layer, flat, MODE_LOCATIONS, count=False,
                                     fetch=(Counter.PREFETCHED, Counter.H2D_ENTRIES),
-                                    copy_from=None, fetch_list=record, protect=False)
+                                    copy_from=None, fetch_list=record, protect=False, spare_only=spare_only)
         else:
-            slots, _, fetched = self._make_resident(layer, flat, copy=False, record=record, protect=False)
+            slots, _, fetched = self._make_resident(layer, flat, copy=False, record=record, protect=False,
+                                                    spare_only=spare_only)
             slots = slots.int()
             self.counters[layer, Counter.PREFETCHED] += fetched
             self.counters[layer, Counter.H2D_ENTRIES] += fetched
@@ -505,14 +509,15 @@ class HotPoolCacheManager:
     # ------------------------------------------------------------------ internals
     def _fused_run(self, layer: int, src: torch.Tensor, mode: int, count: bool, fetch: tuple[int, int],
                    copy_from: torch.Tensor | None, fetch_list: FetchList | None = None, protect: bool = True,
-                   **tables) -> torch.Tensor:
+                   spare_only: bool = False, **tables) -> torch.Tensor:
         slots = self._fused.run(
             src=src.contiguous(), mode=mode, l2s=self.loc_to_slot[layer], s2l=self.slot_to_loc[layer],
             stamp=self.slot_stamp[layer], clock=self.clock, counters=self.counters[layer], count=count,
             fetch_counters=(int(fetch[0]), int(fetch[1])), counter_ids=_COUNTER_IDS,
             copy_from=copy_from if self.copy_impl != "none" else None, hot=self.hot_entries[layer],
             fetch_list=(fetch_list.src, fetch_list.dst, fetch_list.count) if fetch_list is not None else None,
-            protect=protect, spare=self.spare[layer], spare_taken=self.spare_taken[layer:layer + 1], **tables)
+            protect=protect, spare=self.spare[layer], spare_taken=self.spare_taken[layer:layer + 1],
+            spare_only=spare_only, **tables)
         if fetch_list is not None:  # the assign kernel writes the first n pairs only
             fetch_list.clear_from(src.numel())
         return slots
@@ -546,11 +551,13 @@ class HotPoolCacheManager:
                                         self.clock.expand(slot.shape[0]))
 
     def _make_resident(self, layer: int, flat: torch.Tensor, copy: bool = True, record: FetchList | None = None,
-                       protect: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       protect: bool = True,
+                       spare_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Lookup, protect, deduplicate and fetch the misses of `flat` (int64 locations, -1 skipped).
 
         `copy`: copy the misses now; `record`: also write their (location, slot) pairs to this fetch list;
-        `protect` False (prefetch): hits keep their stamps, new entries are stamped clock - 1 (evictable).
+        `protect` False (prefetch): hits keep their stamps, new entries are stamped clock - 1 (evictable);
+        `spare_only`: misses take spare slots only (see `_insert`).
 
         Returns (slot of every entry, number of hits, number of distinct entries fetched), counts as device tensors.
         """
@@ -571,7 +578,8 @@ class HotPoolCacheManager:
         claim = (-2 - self._entry_ids[:n]).to(torch.int32)
         l2s.scatter_reduce_(0, miss_at, claim, reduce="amax", include_self=False)
         rep = miss & (l2s[miss_at] == claim)
-        new_slot = self._insert(layer, torch.where(rep, flat, -1), stamp_back=0 if protect else 1)
+        new_slot = self._insert(layer, torch.where(rep, flat, -1), stamp_back=0 if protect else 1,
+                                spare_only=spare_only)
         l2s.scatter_(0, torch.where(rep & (new_slot < 0), flat, sink), -1)  # overflowed claims: back to "absent"
         slot = torch.where(miss, l2s[miss_at].long().clamp(min=-1), slot)
         fetch_src = torch.where(new_slot >= 0, flat, -1)
@@ -584,11 +592,12 @@ class HotPoolCacheManager:
             self._copy(self.host.layer(layer), self.hot_entries[layer], fetch_src, new_slot, direction="h2d")
         return slot, hit.sum(), (new_slot >= 0).sum()
 
-    def _insert(self, layer: int, flat: torch.Tensor, stamp_back: int = 0) -> torch.Tensor:
+    def _insert(self, layer: int, flat: torch.Tensor, stamp_back: int = 0, spare_only: bool = False) -> torch.Tensor:
         """Give each location in `flat` (distinct, not resident; -1 skipped) a slot: the layer's spare slots first,
-        in order, then LRU victims (evicted).
+        in order, then LRU victims (evicted); `spare_only` (a prefetch with spare slots): no victims.
 
-        Returns the slot of each (int64, -1 where skipped or where no slot was left: counted as overflow).
+        Returns the slot of each (int64, -1 where skipped or where no slot was left: counted as overflow, except
+        where `spare_only`).
         """
         n = flat.shape[0]
         need = flat >= 0
@@ -597,12 +606,13 @@ class HotPoolCacheManager:
         taken = self.spare_taken[layer]
         avail = self.num_spare - taken
         spare = self.spare[layer][(taken + rank).clamp(max=self.num_spare)].long()
-        victims = self._take_victims(layer, (n_need - avail).clamp(min=0), n)
+        victims = self._take_victims(layer, (n_need - avail).clamp(min=0) * (not spare_only), n)
         slot = torch.where(need, torch.where(rank < avail, spare, victims[(rank - avail).clamp(min=0)]), -1)
         self.spare_taken[layer] = (taken + n_need).clamp(max=self.num_spare)
         got = slot >= 0
         cnt = self.counters[layer]
-        cnt[Counter.OVERFLOW] += (need & ~got).sum()
+        if not spare_only:
+            cnt[Counter.OVERFLOW] += (need & ~got).sum()
         S, T = self.slots_per_layer, self.num_locations
         slot_at = torch.where(got, slot, S)
         old = torch.where(got, self.slot_to_loc[layer][slot_at].long(), -1)

@@ -26,6 +26,11 @@ or the layer's slots (S), with every count kept on the device:
                   won read the winner's slot (from the map, or through the claim from the winner's table entry);
                   the spare count moves
 
+A prefetch with spare slots (`spare_only`) takes spare slots only: K1 lists its spare-slot winners in the fetch list
+itself, K2-K4 are not launched, and K5 gives overflowed claims back (those entries are not prefetched; the exact
+resolve fetches them if selected) and clears the rest of the fetch list; a one-program launch then moves the counts.
+Three launches instead of five beside the indexer and the top-k, none of them over the pool.
+
 With no spare slots (the default) every winner overflows and the resolve is the plain LRU one. With enough of them,
 K2-K4 find nothing to do and return at once: the two pool scans run instead in `refill`, once per layer and step,
 off the critical path (the decode stack queues it beside attention):
@@ -77,6 +82,7 @@ def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, wid
                    l2s_ptr, s2l_ptr, stamp_ptr, clock_ptr, out_ptr, loc_ptr, cnt_ptr, scr_ptr, over_loc_ptr,
                    over_idx_ptr, spare_ptr, taken_ptr, num_spare, took_loc_ptr, took_slot_ptr, num_locations,
                    num_slots, MODE: tl.constexpr, COUNT: tl.constexpr, PROTECT: tl.constexpr, LIST: tl.constexpr,
+                   SPARE_ONLY: tl.constexpr,
                    C_LOOKUPS: tl.constexpr, C_HITS: tl.constexpr, C_BAD: tl.constexpr, C_FETCH_A: tl.constexpr,
                    C_FETCH_B: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -116,10 +122,12 @@ def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, wid
             v = tl.load(spare_ptr + taken + r, mask=spare, other=0).to(tl.int64)
             tl.store(s2l_ptr + v, loc.to(tl.int32), mask=spare)
             slot = tl.where(spare, -2 - v, slot)  # K5: the map, the stamp, the slot
-            over = win & ~spare
-            tl.store(over_loc_ptr + (r - avail), loc, mask=over)
-            tl.store(over_idx_ptr + (r - avail), i.to(tl.int32), mask=over)
-            if LIST:  # K4 copies (or lists for a deferred copy) every winner in rank order
+            if not SPARE_ONLY:  # (spare only: K5 gives the overflow's claims back)
+                over = win & ~spare
+                tl.store(over_loc_ptr + (r - avail), loc, mask=over)
+                tl.store(over_idx_ptr + (r - avail), i.to(tl.int32), mask=over)
+            if LIST:  # K4 copies (or lists for a deferred copy) every winner in rank order; spare only: the fetch
+                # list itself (took_* are then its src and dst)
                 tl.store(took_loc_ptr + r, loc, mask=spare)
                 tl.store(took_slot_ptr + r, v, mask=spare)
             n_spare = tl.sum(spare.to(tl.int64))
@@ -278,9 +286,22 @@ def _refill_kernel(scr_ptr, victims_ptr, l2s_ptr, s2l_ptr, stamp_ptr, spare_ptr,
 
 @triton.jit
 def _finish_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, n, num_slots,
-                   REFILL: tl.constexpr, STAMP_BACK: tl.constexpr, SCR: tl.constexpr, BLOCK: tl.constexpr):
-    if tl.program_id(0) == 0:  # the scratch counts are read for the last time in K4 / R4: move the spare count, clear
+                   pend_src_ptr, pend_dst_ptr, pend_count_ptr, REFILL: tl.constexpr, SPARE_ONLY: tl.constexpr,
+                   PEND: tl.constexpr, CLOSE: tl.constexpr, STAMP_BACK: tl.constexpr, SCR: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    # CLOSE: program 0 moves the counts and clears the scratch (read for the last time in K4 / R4). A spare-only
+    # resolve closes in a second, one-program launch: here every program reads the counts, to clear its part of the
+    # fetch list K1 wrote (-1 past its count)
+    if SPARE_ONLY and PEND and not CLOSE:
+        listed = tl.minimum(tl.load(scr_ptr + SCR_MISS).to(tl.int64), num_spare - tl.load(taken_ptr))
+        c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        rest = (c >= listed) & (c < n)
+        tl.store(pend_src_ptr + c, tl.full(c.shape, -1, tl.int64), mask=rest)
+        tl.store(pend_dst_ptr + c, tl.full(c.shape, -1, tl.int64), mask=rest)
+    if CLOSE and tl.program_id(0) == 0:
         taken = tl.load(taken_ptr)
+        if SPARE_ONLY and PEND:
+            tl.store(pend_count_ptr, tl.minimum(tl.load(scr_ptr + SCR_MISS).to(tl.int64), num_spare - taken))
         if REFILL:
             found = tl.minimum(taken, (tl.load(scr_ptr + SCR_ABOVE) + tl.load(scr_ptr + SCR_AT)).to(tl.int64))
             tl.store(taken_ptr, taken - found)
@@ -298,10 +319,12 @@ def _finish_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr_ptr, tak
     tl.store(stamp_ptr + v, tl.zeros_like(v) + (tl.load(clock_ptr) - STAMP_BACK), mask=won)
     tl.store(out_ptr + i, v.to(tl.int32), mask=won)
     # an entry whose location another entry won: the winner's slot, from the map (a hit's or K4's slot, or a spare
-    # slot another program of this launch has just mapped), else through the claim from the winner's table entry
+    # slot another program of this launch has just mapped), else through the claim from the winner's table entry;
+    # a winner that found no slot and still holds its claim (a spare-only prefetch) gives it back
     lost = m & (loc >= 0) & (out == -1)
     cur = tl.load(l2s_ptr + loc, mask=lost, other=-1)
     claimed = lost & (cur >= num_slots)
+    tl.store(l2s_ptr + loc, tl.full(cur.shape, -1, tl.int32), mask=claimed & (cur - num_slots == i))
     w = tl.load(out_ptr + (cur - num_slots), mask=claimed, other=-1)
     w = tl.where(w <= -2, -2 - w, w)
     slot = tl.where((cur >= 0) & (cur < num_slots), cur, tl.where(claimed, w, -1))
@@ -363,14 +386,15 @@ class FusedResolver:
             seq_lens: torch.Tensor | None = None, req_pool_indices: torch.Tensor | None = None,
             req_to_token: torch.Tensor | None = None, per_batch: int = 1,
             fetch_list: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-            protect: bool = True) -> torch.Tensor:
+            protect: bool = True, spare_only: bool = False) -> torch.Tensor:
         """Resolve the flat list `src` (positions in MODE_POSITIONS, KV locations in MODE_LOCATIONS); returns the
         int32 slot of each entry (-1 where padding, bad, or overflowed).
 
         `spare` (int32, the layer's spare slots; those from `spare_taken[0]` (int64) on are free to take): misses
         take these first, in rank order, then LRU victims. `fetch_list`: (src, dst, count) int64 tensors, src and
         dst of at least n elements; when given, the misses' (host location, slot) pairs are recorded in their first
-        n elements (-1 elsewhere), misses first, and their number in count[0], and nothing is copied."""
+        n elements (-1 elsewhere), misses first, and their number in count[0], and nothing is copied.
+        `spare_only` (a prefetch): misses take spare slots only; the rest get -1 (never a scan or an eviction)."""
         n = src.numel()
         self._grow(n)
         S = self.num_slots
@@ -390,15 +414,27 @@ class FusedResolver:
         pend = fetch_list is not None
         pend_src, pend_dst, pend_count = fetch_list if pend else (self.over_loc, self.over_loc, self.over_loc)
         fa, fb = fetch_counters
+        spare_only = spare_only and self.num_spare > 0
+        if spare_only and copy:
+            raise ValueError("a spare-only resolve (a prefetch) copies through its fetch list, not inline")
+        # spare only: K1 writes the fetch list itself (and only where one is given)
+        took_loc, took_slot = (pend_src, pend_dst) if spare_only else (self.took_loc, self.took_slot)
         _lookup_kernel[(triton.cdiv(n, self.lookup_block),)](
             src, seq, rpi, r2t, r2t_stride, r2t_rows, width, n, per_batch, l2s, s2l, stamp, clock, out, self.locs,
-            counters, self.scratch, self.over_loc, self.over_idx, spare, spare_taken, self.num_spare, self.took_loc,
-            self.took_slot, l2s.shape[0] - 1, S, MODE=mode, COUNT=count, PROTECT=protect, LIST=copy or pend,
-            C_LOOKUPS=counter_ids["LOOKUPS"], C_HITS=counter_ids["HITS"], C_BAD=counter_ids["BAD_INDICES"],
-            C_FETCH_A=fa, C_FETCH_B=fb, BLOCK=self.lookup_block)
-        self._scans(stamp, clock, spare_taken, refill=False)
+            counters, self.scratch, self.over_loc, self.over_idx, spare, spare_taken, self.num_spare, took_loc,
+            took_slot, l2s.shape[0] - 1, S, MODE=mode, COUNT=count, PROTECT=protect,
+            LIST=copy or pend, SPARE_ONLY=spare_only, C_LOOKUPS=counter_ids["LOOKUPS"], C_HITS=counter_ids["HITS"],
+            C_BAD=counter_ids["BAD_INDICES"], C_FETCH_A=fa, C_FETCH_B=fb, BLOCK=self.lookup_block)
         # entries per program of the finish and of the fetch list's clearing: 256 at batch 1-16, up to 1024 at 64-128
         block = block_for(n, 256, 1024, 128)
+        if spare_only:
+            for close in (False, True):  # (see _finish_kernel: the close is a one-program launch here)
+                _finish_kernel[(1 if close else triton.cdiv(n, block),)](
+                    self.locs, out, l2s, stamp, clock, self.scratch, spare_taken, self.num_spare, 0 if close else n,
+                    S, pend_src, pend_dst, pend_count, REFILL=False, SPARE_ONLY=True, PEND=pend, CLOSE=close,
+                    STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block)
+            return out
+        self._scans(stamp, clock, spare_taken, refill=False)
         # the inline copy is fastest with one program per SM, the bookkeeping alone with four (benchmarks/NOTES.md)
         programs = self.assign_programs[1 if copy else 0]
         _assign_kernel[(min(triton.cdiv(n, ROWS), programs),)](
@@ -409,8 +445,9 @@ class FusedResolver:
             C_EVICT=counter_ids["EVICTIONS"], C_OVERFLOW=counter_ids["OVERFLOW"], STAMP_BACK=0 if protect else 1,
             ROWS=ROWS, CLEAR=block, num_warps=NUM_WARPS)
         _finish_kernel[(triton.cdiv(n, block),)](self.locs, out, l2s, stamp, clock, self.scratch, spare_taken,
-                                                 self.num_spare, n, S, REFILL=False, STAMP_BACK=0 if protect else 1,
-                                                 SCR=SCR_SIZE, BLOCK=block)
+                                                 self.num_spare, n, S, pend_src, pend_dst, pend_count, REFILL=False,
+                                                 SPARE_ONLY=False, PEND=pend, CLOSE=True,
+                                                 STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block)
         return out
 
     def refill(self, *, l2s: torch.Tensor, s2l: torch.Tensor, stamp: torch.Tensor, clock: torch.Tensor,
@@ -425,4 +462,5 @@ class FusedResolver:
                                                 counters, C_EVICT=counter_ids["EVICTIONS"], ROWS=ROWS * 8,
                                                 num_warps=NUM_WARPS)
         _finish_kernel[(1,)](self.locs, self.took_slot, l2s, stamp, clock, self.scratch, spare_taken, self.num_spare,
-                             0, self.num_slots, REFILL=True, STAMP_BACK=0, SCR=SCR_SIZE, BLOCK=16)
+                             0, self.num_slots, self.over_loc, self.over_loc, self.over_loc, REFILL=True,
+                             SPARE_ONLY=False, PEND=False, CLOSE=True, STAMP_BACK=0, SCR=SCR_SIZE, BLOCK=16)

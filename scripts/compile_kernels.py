@@ -47,14 +47,16 @@ check(ktr._translate_kernel, dict(pos_ptr=P32, seq_ptr=P64, rpi_ptr=P64, r2t_ptr
                                   num_slots=I64, cnt_ptr=P32),
       dict(THROUGH_SLOTS=False, C_LOOKUPS=0, C_HITS=1, C_NOT_RESIDENT=13, BLOCK=1024))
 for mode in (0, 1):
-    for protect, listed in ((True, True), (False, True), (True, False)):
+    for protect, listed, spare_only in ((True, True, False), (False, True, False), (True, False, False),
+                                        (False, True, True)):
         check(kr._lookup_kernel, dict(src_ptr=P32 if mode == 0 else P64, seq_ptr=P64, rpi_ptr=P64, r2t_ptr=P32,
                                       r2t_stride=I64, r2t_rows=I64, width=I64, n=I64, per_batch=I64, l2s_ptr=P32,
                                       s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64, out_ptr=P32, loc_ptr=P64, cnt_ptr=P64,
                                       scr_ptr=P32, over_loc_ptr=P64, over_idx_ptr=P32, spare_ptr=P32, taken_ptr=P64,
                                       num_spare=I64, took_loc_ptr=P64, took_slot_ptr=P64, num_locations=I64,
                                       num_slots=I64),
-              dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, LIST=listed, C_LOOKUPS=0, C_HITS=1, C_BAD=5,
+              dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, LIST=listed, SPARE_ONLY=spare_only, C_LOOKUPS=0,
+                   C_HITS=1, C_BAD=5,
                    C_FETCH_A=2, C_FETCH_B=3, BLOCK=256))
 for copy, pend in ((True, False), (False, True), (True, True), (False, False)):
     check(kr._assign_kernel, dict(scr_ptr=P32, victims_ptr=P32, over_loc_ptr=P64, over_idx_ptr=P32, took_loc_ptr=P64,
@@ -90,9 +92,14 @@ for refill in (False, True):
                                 num_slots=I64), dict(REFILL=refill, A=256, SBLOCK=1024))
     check(kr._victims_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, victims_ptr=P32, taken_ptr=P64,
                                    num_spare=I64, num_slots=I64), dict(REFILL=refill, A=256, BLOCK=512))
-    check(kr._finish_kernel, dict(loc_ptr=P64, out_ptr=P64 if refill else P32, l2s_ptr=P32, stamp_ptr=P64,
-                                  clock_ptr=P64, scr_ptr=P32, taken_ptr=P64, num_spare=I64, n=I64, num_slots=I64),
-          dict(REFILL=refill, STAMP_BACK=0, SCR=512, BLOCK=16 if refill else 1024))
+    for spare_only, pend, close in ((False, False, True), (False, True, True), (True, True, False), (True, True, True)):
+        if refill and (spare_only or pend):
+            continue
+        check(kr._finish_kernel, dict(loc_ptr=P64, out_ptr=P64 if refill else P32, l2s_ptr=P32, stamp_ptr=P64,
+                                      clock_ptr=P64, scr_ptr=P32, taken_ptr=P64, num_spare=I64, n=I64,
+                                      num_slots=I64, pend_src_ptr=P64, pend_dst_ptr=P64, pend_count_ptr=P64),
+              dict(REFILL=refill, SPARE_ONLY=spare_only, PEND=pend, CLOSE=close, STAMP_BACK=0, SCR=512,
+                   BLOCK=16 if refill else 1024))
 check(kr._refill_kernel, dict(scr_ptr=P32, victims_ptr=P32, l2s_ptr=P32, s2l_ptr=P32, stamp_ptr=P64, spare_ptr=P32,
                               taken_ptr=P64, cnt_ptr=P64), dict(C_EVICT=8, ROWS=32))
 check(kf._copy_rows_masked_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64, n_rows=I64),

@@ -632,3 +632,28 @@ def test_bad_spare_slots_fail_before_any_allocation(bad):
     host = HostTotalPool(1, 64, device="cpu")
     with pytest.raises(ValueError, match="spare_slots"):
         HotPoolCacheManager(host, 256, device="cpu", spare_slots=bad)
+
+
+def test_a_prefetch_with_spare_slots_takes_only_those(impl):
+    """With spare slots a prefetch never scans or evicts: its first misses take the spare slots, the rest are not
+    prefetched (-1, no overflow counted, their claims given back); the exact resolve fetches what it selects."""
+    m, host, table, rpi, sl = make(slots=128, impl=impl, spare=16)
+    locs = table.req_to_token[rpi[1]].long()
+    m.begin_step()
+    m.resolve(0, _positions(range(120)), table.req_to_token, rpi, sl)  # the pool full but for 8 free slots
+    m.begin_step()
+    m.refill_spares(0)  # the 8 free slots, then 8 evicted (positions 0..7, in slots 0..7)
+    assert torch.equal(m.spare[0, :16].long(), torch.cat([torch.arange(120, 128), torch.arange(8)]))
+    evictions = int(m.counters[0, Counter.EVICTIONS])
+    assert evictions == 8
+    got = m.prefetch(0, locs[200:240])
+    assert torch.equal(got[:16].long(), m.spare[0, :16].long()) and bool((got[16:] == -1).all())
+    c = m.counters[0]
+    assert int(c[Counter.PREFETCHED]) == 16 and int(c[Counter.OVERFLOW]) == 0
+    assert int(c[Counter.EVICTIONS]) == evictions and int(m.spare_taken[0]) == 16
+    assert bool((m.loc_to_slot[0, locs[216:240]] == -1).all())  # claims given back
+    m.check_invariants()
+    slots = m.resolve(0, _positions(range(200, 230)), table.req_to_token, rpi, sl, settle_prefetch=True)
+    check_slots(m, host, 0, slots[1, 0], locs[200:230])
+    assert int(c[Counter.PREFETCH_USEFUL]) == 16 and int(c[Counter.PREFETCH_WASTED]) == 0
+    m.check_invariants()
