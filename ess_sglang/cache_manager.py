@@ -627,7 +627,9 @@ class HotPoolCacheManager:
         """Replace the layer's spare slots taken since the last refill with its least-recently-used unprotected
         slots, evicted (fewer when fewer are evictable; the next refill tries again). Nothing is copied; no host
         synchronisation. Entries selected in this step (and new tokens' reserved slots) are protected, so it may run
-        while attention reads this step's slots."""
+        while attention reads this step's slots. On the fused path it shares its scratch with every resolve and
+        prefetch: order it with them (the decode stack queues it on its side stream, behind which the next layer's
+        prefetches queue, and joins that stream before the next exact resolve)."""
         if self.num_spare == 0:
             return
         if self._fused is not None:

@@ -10,10 +10,9 @@ or the layer's slots (S), with every count kept on the device:
                   read the winner's slot in K5); the winners are ranked (one atomic per block); the first `avail`
                   ranks take the layer's spare slots (free slots set aside beforehand, `refill` below): slot -> token,
                   the slot table (as -2 - slot until K5), and the (location, slot) pair for K4's copy; later winners
-                  go to the overflow list. The token ->
-                  slot map keeps the claim until K5, so that a later block sees the duplicate as a miss, as the
-                  torch definition does, and a spare slot keeps its stamp (age 0) until K5, so that K3 never takes
-                  it
+                  go to the overflow list. The token -> slot map keeps the claim until K5, so that a later block sees
+                  a duplicate as a miss, as the torch definition does, and a spare slot keeps its stamp (age 0) until
+                  K5, so that K3 never takes it
     K2 ages       only when the overflow list is not empty: the slots' ages (clock - stamp, clamped) histogrammed
     K3 victims    from the histogram: the age threshold T below which nothing is taken; every slot older than T,
                   then slots of age exactly T, are written to the victim list (age 0 = protected, never taken; spare
