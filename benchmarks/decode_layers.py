@@ -17,7 +17,8 @@ ESS stack over hot pools filled by the cache manager from a pinned host pool, in
                the offline profile), written as YAML, read back (`layer_settings`), and each layer runs the mode it
                names: sync / da / dba from the analytic cost model, or, with `--calibration` (the JSON of an
                earlier run of this benchmark), whichever of sync / da / dba / prefetch / prefetch2 that run
-               measured fastest at this batch, context and miss count (interpolated between its points)
+               measured fastest at this batch, context and miss count (interpolated between its points);
+               layerwise+spare from that run's modes with spare slots, where it measured them
 
 With `--spare S[,S...]` every ESS mode also runs with spare slots per layer (variant "mode+spare"): free slots that
 `HotPoolCacheManager.refill_spares` evicts ahead of time, beside attention, so that a resolve whose misses they cover
@@ -65,9 +66,16 @@ from ess_sglang.decode_stack import (
 )
 from ess_sglang.formats import INDEXER_ENTRY_BYTES, LATENT_ENTRY_BYTES, pack_indexer_key, pack_latent
 from ess_sglang.host_pool import HostTotalPool
-from ess_sglang.overlap_policy import DeviceTimings, ProfileHeader, build_profile, layer_settings, save_profile
+from ess_sglang.overlap_policy import (
+    DeviceTimings,
+    ProfileHeader,
+    build_profile,
+    layer_settings,
+    save_profile,
+    spare_slots_for,
+)
 from ess_sglang.prefetch import EchoPrefetcher
-from ess_sglang.stack_calibration import load_calibration
+from ess_sglang.stack_calibration import CalibrationError, load_calibration
 
 HEADS, IHEADS, TOP_K = 128, 64, 2048
 MODES = ["sync", "prefetch", "da", "dba", "layerwise"]
@@ -164,8 +172,8 @@ class Config:
 def spare_slots(size: float | str, batch: int, slots: int, sync_misses=None) -> int:
     """Spare slots per layer, in whole pages, below the pool: a fraction of one step's selections (batch x top-k), or
     "auto": 1.25 x the most misses per step of any layer in the sync run."""
-    want = 1.25 * max(sync_misses) if size == "auto" else size * batch * TOP_K
-    return min(math.ceil(want / 64) * 64, slots - 64)
+    want = spare_slots_for(sync_misses) if size == "auto" else math.ceil(size * batch * TOP_K / 64) * 64
+    return min(want, slots - 64)
 
 
 def build_ess(pools: Pools, cfg: Config, slots: int, modes, prefetch: bool, spare: int = 0,
@@ -329,7 +337,7 @@ def layerwise_settings(sync_misses, cfg: Config, slots: int, hit: float,
         return layer_settings(save_profile(profile, os.path.join(d, "profile.yaml")), cfg.layers)
 
 
-def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
+def run_config(pools, layers, context, batch, hit, args, timings, timings_spare) -> list[dict]:
     cfg = Config(pools, layers, context, batch, args.warm + args.steps, seed=context + batch)
     slots = pool_slots(args, batch, context, cfg.steps)
     rho, cal_hit = calibrate_rho(pools, cfg, slots, hit, args.warm, topk=args.topk)
@@ -354,7 +362,8 @@ def run_config(pools, layers, context, batch, hit, args, timings) -> list[dict]:
             if sync_misses is None:
                 raise SystemExit("--modes: layerwise needs sync before it (its misses make the profile)")
             resident = fits(cfg, slots)
-            modes, layer_prefetch = layerwise_settings(sync_misses, cfg, slots, hit, timings)
+            modes, layer_prefetch = layerwise_settings(sync_misses, cfg, slots, hit,
+                                                       timings_spare if spare_size else timings)
             prefetch = False
         elif mode in EXTRA_MODES:
             modes, prefetch = [mode.split("_")[0]] * layers, False
@@ -495,9 +504,16 @@ def main(argv=None) -> int:
     steps = args.warm + args.steps
     tokens = max(b * (c + steps) for c, b, _ in configs)
     pools = Pools(args.layers, tokens)
-    timings = DeviceTimings()
+    timings = timings_spare = DeviceTimings()
     if args.calibration:
         timings = timings.model_copy(update={"measured": load_calibration(args.calibration)})
+        timings_spare = timings  # layerwise+spare: the calibration's runs with spare slots, where it has them
+        if any(args.spare):
+            try:
+                timings_spare = timings.model_copy(
+                    update={"measured": load_calibration(args.calibration, spare_slots=True)})
+            except CalibrationError as exc:
+                print(f"layerwise+spare chooses from the runs without spare slots: {exc}", flush=True)
     t0 = time.time()
     first = configs[0]
     cfg0 = Config(pools, args.layers, first[0], 16, steps, seed=7)
@@ -514,9 +530,10 @@ def main(argv=None) -> int:
                 wall_s=time.time() - t0, layers=args.layers, heads=HEADS, index_heads=IHEADS, top_k=TOP_K,
                 ratio=args.ratio, warm=args.warm, steps=args.steps, pool_batch=args.pool_batch,
                 dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk, spare=args.spare,
-                calibration=timings.measured.source if timings.measured is not None else None)
+                calibration=timings.measured.source if timings.measured is not None else None,
+                calibration_spare=timings_spare.measured.source if timings_spare.measured is not None else None)
     for c, b, h in configs:
-        rows += run_config(pools, args.layers, c, b, h, args, timings)
+        rows += run_config(pools, args.layers, c, b, h, args, timings, timings_spare)
         print_table([r for r in rows if (r["context"], r["batch"], r["target_hit"]) == (c, b, h)])
         sys.stdout.flush()
         meta["wall_s"] = time.time() - t0

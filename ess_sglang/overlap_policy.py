@@ -286,6 +286,10 @@ class LayerProfile(BaseModel):
         return v
 
 
+SPARE_HEADROOM = 1.25
+"""Spare slots per misses per step of the busiest layer (the prefetch's wasted entries take spare slots too)."""
+
+
 class ProfileHeader(BaseModel):
     """What produced the profile, and the cost model's inputs."""
 
@@ -344,6 +348,22 @@ class OverlapProfile(BaseModel):
 
     def modes(self) -> list[str]:
         return [lp.mode for lp in self.layers]
+
+    def spare_slots(self, headroom: float = SPARE_HEADROOM, page: int = 64) -> int:
+        """Spare slots per layer for a runtime that keeps them (`HotPoolCacheManager(spare_slots=...)`):
+        `spare_slots_for` the layers' cost-model misses per step."""
+        return spare_slots_for([lp.model_misses for lp in self.layers], headroom, page)
+
+
+def spare_slots_for(misses_per_layer: Sequence[float], headroom: float = SPARE_HEADROOM, page: int = 64) -> int:
+    """Spare slots per layer: `headroom` x the most distinct misses per step of any layer (whole batch), rounded up
+    to whole pages (what `benchmarks/decode_layers.py --spare auto` measures with). A layer's spare slots cover its
+    resolves' misses in a step without an LRU scan; more only hold fewer entries resident."""
+    if not misses_per_layer or any(not math.isfinite(m) or m < 0 for m in misses_per_layer):
+        raise OverlapProfileError(f"misses per layer: finite numbers >= 0 needed, got {list(misses_per_layer)!r}")
+    if not (math.isfinite(headroom) and headroom > 0) or page <= 0:
+        raise OverlapProfileError(f"spare slots: headroom > 0 and page > 0 needed, got {headroom}, {page}")
+    return math.ceil(headroom * max(misses_per_layer) / page) * page
 
 
 # ------------------------------------------------------------------------------------------------ cost model

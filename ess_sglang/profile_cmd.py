@@ -30,6 +30,7 @@ import numpy as np
 from ess_sglang.config import DEFAULT_SPARSE_MEMORY_RATIO, EssConfig, round_up
 from ess_sglang.overlap_policy import (
     MODES,
+    SPARE_HEADROOM,
     DeviceTimings,
     OverlapProfile,
     OverlapProfileError,
@@ -52,7 +53,8 @@ _FLAGS = [("trace", "--trace"), ("synthetic", "--synthetic"), ("demo", "--demo")
           ("gen_top_k", "--gen-top-k"), ("seed", "--seed"), ("overlap", "--overlap"), ("burst_prob", "--burst-prob"),
           ("ratio", "--ratio"), ("slots_per_layer", "--slots-per-layer"), ("warmup", "--warmup"),
           ("batch", "--batch"), ("context", "--context"), ("top_k", "--top-k"), ("by", "--by"),
-          ("device_timings", "--device-timings"), ("calibration", "--calibration"), ("out", "--out")]
+          ("device_timings", "--device-timings"), ("calibration", "--calibration"),
+          ("calibration_spare", "--calibration-spare"), ("out", "--out")]
 _GEN_DESTS = ("gen_batch", "gen_context", "gen_layers", "gen_steps", "gen_top_k", "seed", "overlap", "burst_prob")
 
 
@@ -117,6 +119,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "JSON of a benchmarks/decode_layers.py run (with its sync, prefetch, prefetch2, ... modes); "
                       "where its grid of batches x contexts covers --batch / --context it replaces the analytic model "
                       "and adds the prefetch modes")
+    cost.add_argument("--calibration-spare", action="store_true", help="take the calibration's runs with spare "
+                      "slots (rows 'mode+spare' of a run with --spare), for a runtime that keeps spare slots")
     p.add_argument("--out", metavar="PATH.yaml", help="write the profile here (default: print the YAML to stdout, "
                    "the table to stderr)")
 
@@ -256,16 +260,19 @@ def _device(args: argparse.Namespace) -> DeviceTimings:
     if args.device_timings is not None:
         where = f"--device-timings {args.device_timings}"
         device = device_timings_from_mapping(read_yaml(args.device_timings, "--device-timings"), where)
+    spare = bool(getattr(args, "calibration_spare", False))
     if getattr(args, "calibration", None) is not None:
-        device = device.model_copy(update={"measured": _calibration(args.calibration)})
+        device = device.model_copy(update={"measured": _calibration(args.calibration, spare)})
+    elif spare:
+        raise _FlagError("--calibration-spare: needs --calibration (the JSON whose runs with spare slots to read)")
     return device
 
 
-def _calibration(path: str):
+def _calibration(path: str, spare_slots: bool = False):
     from ess_sglang.stack_calibration import CalibrationError, load_calibration
 
     try:
-        return load_calibration(path, f"--calibration {path}")
+        return load_calibration(path, f"--calibration {path}", spare_slots=spare_slots)
     except CalibrationError as exc:
         raise _FlagError(str(exc)) from None
 
@@ -318,6 +325,9 @@ def print_table(profile: OverlapProfile, stderr: bool = False) -> None:
     console.print(t)
     counts = {m: profile.modes().count(m) for m in MODES}
     console.print("modes: " + ", ".join(f"{n} {m}" for m, n in counts.items() if n or m in ("sync", "da", "dba")),
+                  highlight=False)
+    console.print(f"spare slots, for a runtime that keeps them (HotPoolCacheManager(spare_slots=...)): "
+                  f"{profile.spare_slots():,} per layer ({SPARE_HEADROOM:g} x the busiest layer's misses per step)",
                   highlight=False)
     if profile.device.measured is not None:
         where = "inside" if profile.device.measured.covers(h.batch, h.context) else "outside (analytic model used)"

@@ -24,6 +24,10 @@ The exposed time of a mode for a layer with M misses per step at batch B and con
 At a measured configuration this returns the measured exposed times exactly. Modes missing from any point are left
 out of the whole calibration (a mode is offered only where every point measured it).
 
+A run with `--spare` measured every mode again with spare slots (rows "mode+spare"); `spare_slots=True` reads those
+rows' times instead, for a runtime that keeps spare slots (the misses stay the sync run's without them, the measure of
+the configuration).
+
 This module imports pydantic only (no torch): profiles are read before anything is allocated.
 """
 
@@ -161,7 +165,7 @@ def _along_misses(points: Sequence[MeasuredPoint], mode: str, misses: float) -> 
     return y0 + (y1 - y0) * (misses - x0) / (x1 - x0)
 
 
-def load_calibration(path: str | Path, where: str | None = None) -> StackCalibration:
+def load_calibration(path: str | Path, where: str | None = None, spare_slots: bool = False) -> StackCalibration:
     """`calibration_from_decode_layers` of a JSON file; every error is a CalibrationError starting with `where`
     (default: the path)."""
     where = where or str(path)
@@ -171,15 +175,17 @@ def load_calibration(path: str | Path, where: str | None = None) -> StackCalibra
         raise CalibrationError(f"{where}: no such file") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CalibrationError(f"{where}: cannot read JSON: {exc}") from None
-    return calibration_from_decode_layers(data, where)
+    return calibration_from_decode_layers(data, where, spare_slots)
 
 
-def calibration_from_decode_layers(data: Any, where: str = "decode-stack results") -> StackCalibration:
+def calibration_from_decode_layers(data: Any, where: str = "decode-stack results",
+                                   spare_slots: bool = False) -> StackCalibration:
     """A calibration from the parsed JSON of `benchmarks/decode_layers.py` (`{"meta": ..., "rows": [...]}`).
 
     Every configuration (context, batch, hit) with an all-HBM row and a sync row with misses becomes a point; the
     configurations whose batch was measured at a single miss count (the small batches, whose tokens all fit) are left
-    out, and so is every mode not measured at every remaining point."""
+    out, and so is every mode not measured at every remaining point. `spare_slots`: each mode's time from its run with
+    spare slots (row "mode+spare")."""
     if not isinstance(data, Mapping) or not isinstance(data.get("rows"), list):
         raise CalibrationError(f"{where}: expected the JSON of benchmarks/decode_layers.py, a mapping with a 'rows' "
                                f"list")
@@ -190,6 +196,10 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
             by_config.setdefault(key, {})[str(row["variant"])] = row
         except (KeyError, TypeError, ValueError) as exc:
             raise CalibrationError(f"{where}: rows[{i}]: not a decode-stack row ({exc!r})") from None
+    suffix = "+spare" if spare_slots else ""
+    if spare_slots and not any(v.endswith(suffix) for rows in by_config.values() for v in rows):
+        raise CalibrationError(f"{where}: no runs with spare slots (rows 'mode+spare': benchmarks/decode_layers.py "
+                               f"--spare 0,auto)")
     raw = []
     for (context, batch, _hit), rows in sorted(by_config.items()):
         if "hbm" not in rows or "sync" not in rows:
@@ -199,7 +209,8 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
         if not per_layer:
             continue
         hbm_us = float(rows["hbm"]["layer_us"])
-        exposed = {m: round(float(rows[m]["layer_us"]) - hbm_us, 3) for m in CALIBRATED_MODES if m in rows}
+        exposed = {m: round(float(rows[m + suffix]["layer_us"]) - hbm_us, 3) for m in CALIBRATED_MODES
+                   if m + suffix in rows and "layer_us" in rows[m + suffix]}
         raw.append(dict(batch=batch, context=context, misses=round(sum(per_layer) / len(per_layer), 3),
                         exposed_us=exposed))
     # batches measured at one miss count only cannot be interpolated along misses: leave their whole batch out
@@ -215,7 +226,8 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
         p["exposed_us"] = {m: p["exposed_us"][m] for m in common}
     meta = data.get("meta") or {}
     source = (f"{where}: {meta.get('command', '?')} ({meta.get('date', '?')}, {meta.get('device', '?')}); "
-              f"time per layer minus the all-HBM stack's, misses per layer of the sync run")
+              f"time per layer minus the all-HBM stack's{' (the runs with spare slots)' if spare_slots else ''}, "
+              f"misses per layer of the sync run")
     try:
         return StackCalibration(source=source, points=[MeasuredPoint(**p) for p in raw])
     except ValueError as exc:

@@ -13,6 +13,7 @@ from ess_sglang.cli import main
 from ess_sglang.overlap_policy import (
     MODES,
     DeviceTimings,
+    OverlapProfileError,
     ProfileHeader,
     build_profile,
     choose_modes,
@@ -21,6 +22,7 @@ from ess_sglang.overlap_policy import (
     load_profile,
     restrict_modes,
     save_profile,
+    spare_slots_for,
     stack_settings,
 )
 from ess_sglang.stack_calibration import (
@@ -32,6 +34,7 @@ from ess_sglang.stack_calibration import (
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_1819 = ROOT / "benchmarks" / "results" / "decode_layers_1819.json"
+RUN_2104 = ROOT / "benchmarks" / "results" / "decode_layers.json"  # 21:04 UTC: every mode without and with spare slots
 
 
 def _rows(context, batch, hit, misses, layer_us):
@@ -168,6 +171,65 @@ def test_the_1819_run_picks_its_fastest_mode_at_every_measured_point():
         assert choose_modes([p.misses], p.batch, p.context, d) == [best]
     p = next(p for p in d.measured.points if (p.batch, p.context) == (64, 32768) and 5000 < p.misses < 6000)
     assert choose_modes([p.misses], 64, 32768, d) == ["prefetch2"]
+
+
+def test_the_runs_with_spare_slots_make_a_calibration_of_their_own():
+    """The 21:04 run measured every mode again with spare slots ("mode+spare" rows): read as a calibration of its own,
+    its times are those rows' (minus all-HBM), its misses the sync run's, and the policy picks the mode with spare
+    slots that run measured fastest, e.g. prefetch2 at 128K / 128 / 0.9 (where that run's layer-wise rows, choosing
+    from the 18:19 calibration, ran DBA)."""
+    data = json.loads(RUN_2104.read_text())
+    plain = calibration_from_decode_layers(data, "run")
+    spare = calibration_from_decode_layers(data, "run", spare_slots=True)
+    assert "spare slots" in spare.source and "spare slots" not in plain.source
+    assert len(spare.points) == len(plain.points) == 18 and spare.modes == plain.modes == MODES
+    rows = {(r["context"], r["batch"], r["target_hit"], r["variant"]): r for r in data["rows"]}
+    d = DeviceTimings(measured=spare)
+    for p, q in zip(spare.points, plain.points, strict=True):
+        assert p.misses == q.misses  # the sync run's, without spare slots
+        key = next(k for k in rows if k[:2] == (p.context, p.batch) and k[3] == "sync"
+                   and math.isclose(sum(rows[k]["misses_per_layer_step"]) / 4, p.misses, abs_tol=1e-3))
+        hbm = rows[(*key[:3], "hbm")]["layer_us"]
+        assert p.exposed_us["prefetch2"] == pytest.approx(rows[(*key[:3], "prefetch2+spare")]["layer_us"] - hbm,
+                                                          abs=1e-3)
+        best = min(p.exposed_us, key=lambda m: (p.exposed_us[m], MODES.index(m)))
+        assert choose_modes([p.misses], p.batch, p.context, d) == [best]
+    p = next(p for p in spare.points if (p.batch, p.context) == (128, 131072) and p.misses > 20000)
+    assert choose_modes([p.misses], 128, 131072, d) == ["prefetch2"]
+
+
+def test_a_run_without_spare_slots_is_no_spare_calibration(tmp_path, capsys):
+    with pytest.raises(CalibrationError, match="x.json: no runs with spare slots"):
+        calibration_from_decode_layers(json.loads(RUN_1819.read_text()), "x.json", spare_slots=True)
+    assert main(["profile", "--synthetic", "--calibration", str(RUN_1819), "--calibration-spare"]) == 2
+    assert "no runs with spare slots" in capsys.readouterr().err
+    assert main(["profile", "--synthetic", "--calibration-spare"]) == 2
+    assert "--calibration-spare: needs --calibration" in capsys.readouterr().err
+
+
+def test_ess_profile_with_a_spare_slot_calibration(tmp_path, capsys):
+    out = tmp_path / "p.yaml"
+    argv = ["profile", "--synthetic", "--gen-layers", "2", "--gen-steps", "8", "--batch", "64", "--context", "32768",
+            "--top-k", "2048", "--calibration", str(RUN_2104), "--calibration-spare", "--out", str(out)]
+    assert main(argv) == 0
+    prof = load_profile(out, num_layers=2)
+    assert "--calibration-spare" in prof.header.command and "spare slots" in prof.device.measured.source
+    # the size to keep: 1.25 x the busiest layer's cost-model misses per step, whole pages
+    want = math.ceil(1.25 * max(lp.model_misses for lp in prof.layers) / 64) * 64
+    assert prof.spare_slots() == spare_slots_for([lp.model_misses for lp in prof.layers]) == want > 0
+    assert f"{want:,} per layer" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("misses,headroom,want", [
+    ([0.0], 1.25, 0), ([1.0], 1.25, 64), ([100, 5800.5, 3000], 1.25, 7296), ([512], 1.0, 512), ([513], 1.0, 576)])
+def test_spare_slots_for_the_busiest_layer_in_whole_pages(misses, headroom, want):
+    assert spare_slots_for(misses, headroom) == want
+
+
+@pytest.mark.parametrize("misses,headroom", [([], 1.25), ([-1.0], 1.25), ([math.nan], 1.25), ([5.0], 0.0)])
+def test_spare_slots_for_refuses_bad_input(misses, headroom):
+    with pytest.raises(OverlapProfileError, match="misses per layer|headroom"):
+        spare_slots_for(misses, headroom)
 
 
 def test_ess_profile_with_a_calibration(tmp_path, capsys):
