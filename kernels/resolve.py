@@ -393,7 +393,8 @@ class FusedResolver:
         take these first, in rank order, then LRU victims. `fetch_list`: (src, dst, count) int64 tensors, src and
         dst of at least n elements; when given, the misses' (host location, slot) pairs are recorded in their first
         n elements (-1 elsewhere), misses first, and their number in count[0], and nothing is copied.
-        `spare_only` (a prefetch): misses take spare slots only; the rest get -1 (never a scan or an eviction)."""
+        `spare_only` (a prefetch): misses take spare slots only; the rest get -1 (never a scan or an eviction; with
+        no spare slots, nothing gets a slot, as in the torch definition)."""
         n = src.numel()
         self._grow(n)
         S = self.num_slots
@@ -413,7 +414,6 @@ class FusedResolver:
         pend = fetch_list is not None
         pend_src, pend_dst, pend_count = fetch_list if pend else (self.over_loc, self.over_loc, self.over_loc)
         fa, fb = fetch_counters
-        spare_only = spare_only and self.num_spare > 0
         if spare_only and copy:
             raise ValueError("a spare-only resolve (a prefetch) copies through its fetch list, not inline")
         # spare only: K1 writes the fetch list itself (and only where one is given)

@@ -657,3 +657,23 @@ def test_a_prefetch_with_spare_slots_takes_only_those(impl):
     check_slots(m, host, 0, slots[1, 0], locs[200:230])
     assert int(c[Counter.PREFETCH_USEFUL]) == 16 and int(c[Counter.PREFETCH_WASTED]) == 0
     m.check_invariants()
+
+
+def test_a_spare_only_resolve_without_spare_slots_gives_no_slot_on_both_paths():
+    """The definition (`_insert(spare_only=True)`) with no spare slots: nothing gets a slot, no map changes; the fused
+    kernels do the same (they do not fall back to a scan on their own)."""
+    pair = [make(impl=impl) for impl in ("torch", "triton")]
+    outs = []
+    for m, _, table, rpi, _ in pair:
+        m.begin_step()
+        flat = table.req_to_token[rpi[1], :40].long()
+        if m._fused is None:
+            slots = m._make_resident(0, flat, copy=False, protect=False, spare_only=True)[0]
+        else:
+            slots = m._fused_run(0, flat, 1, count=False, fetch=(-1, -1), copy_from=None, protect=False,
+                                 spare_only=True)
+        outs.append(slots.long())
+        assert bool((m.loc_to_slot[0] == -1).all()) and m.resident_count(0) == 0
+        assert int(m.counters[0, Counter.OVERFLOW]) == 0
+        m.check_invariants()
+    assert torch.equal(outs[0], outs[1]) and bool((outs[0] == -1).all())
