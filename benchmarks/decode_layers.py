@@ -519,9 +519,11 @@ def main(argv=None) -> int:
     cfg0 = Config(pools, args.layers, first[0], 16, steps, seed=7)
     slots0 = pool_slots(args, cfg0.batch, cfg0.context, steps)
     rho0, _ = calibrate_rho(pools, cfg0, slots0, 0.95, args.warm)
+    # with spare slots: the first fraction given, or 0.08 for auto (which needs a sync run: a fixed size here)
+    fixed = [f for f in args.spare if f not in (0, "auto")]
     correctness = dict(context=cfg0.context, batch=cfg0.batch, **check_correctness(
         pools, cfg0, slots0, cfg0.queries(rho0), args.warm,
-        spare_fraction=0.08 if len(args.spare) > 1 else 0.0))  # (auto needs a sync run: a fixed size here)
+        spare_fraction=fixed[0] if fixed else 0.08 if "auto" in args.spare else 0.0))
     print("correctness:", json.dumps(correctness), flush=True)
     rows = []
     os.makedirs(args.out, exist_ok=True)
