@@ -1,20 +1,23 @@
-"""ECHO prefetch candidates in two Triton launches: what `EchoPrefetcher.candidates` computes with ~20 torch ops.
+"""ECHO prefetch candidates: what `EchoPrefetcher.candidates` computes with ~20 torch ops, in Triton launches.
 
 A position of request b is a candidate when it is visible (below seq_len, in a request row of the table: the rule of
 `ess_sglang.kernels.translate.locate`), its table entry is a valid location, some
 query token scores it above the request's threshold, and its entry is not resident. Candidates are listed most recent
-first, at most cap[b] per request, in a [B, width] table of KV locations (-1 padded):
+first, at most cap[b] per request, in a [B, width] table of KV locations (-1 padded).
 
-    K1 count   one program per (request, tile of positions): the tile's number of candidates -> counts[b, tile],
-               and its first KEEP candidates' locations, in position order -> kept[b, tile]
-    K2 write   each program sums the counts of the later tiles of its request and writes its tile's candidates at
-               that offset + rank from the tile's end, below the request's cap: read from `kept`, or, for a tile
-               with more than KEEP candidates, recomputed (re-reading the logits, the request table and the slot
-               map, which `kept` saves the other tiles); the tile-0 program also writes the -1 padding after the
-               request's last candidate (the output is never filled by a launch of its own)
+Three launches, every count kept on the device:
 
-The torch definition is `ess_sglang.prefetch.EchoPrefetcher.candidates` (impl="torch"); the tests check the two are
-equal under TRITON_INTERPRET.
+    K1 count    one program per (request, tile of TILE positions): the tile's number of candidates -> counts[b, tile],
+                and their locations in position order, compacted to the front of kept[b, tile, :] (int32; the whole
+                tile fits, so nothing is recomputed later)
+    K2 offsets  one program per request: for each tile, the candidates in the request's later tiles (which rank
+                before it: most recent first)
+    K3 write    one program per (request, group of tiles): each kept candidate at offset + rank from its tile's end,
+                below the request's cap; the group-0 program also writes the -1 padding after the request's last
+                candidate (the output is never filled by a launch of its own)
+
+The torch definition is `ess_sglang.prefetch.EchoPrefetcher.candidates` (impl="torch"); the tests check both ways
+equal it under TRITON_INTERPRET.
 
 Two more launches of the prefetch path live here, each beside its torch definition: the threshold's EMA update
 (`EchoPrefetcher.update`) and the settle that counts a prefetch's useful and wasted entries
@@ -24,110 +27,139 @@ critical path (a kernel timeline at batch 64: ~30 and ~70 us a layer).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 from ess_sglang.kernels.translate import locate
 
-BLOCK = 1024
-KEEP = 128  # candidates per tile that K1 keeps for K2 (a tile with more is recomputed by K2)
+TILE = 1024  # positions per program of the count kernel (K1)
+WRITE_BLOCK = 1024  # kept entries per program of the write kernel: WRITE_BLOCK // tile tiles
 
 
-@triton.jit
-def _candidates(logits_ptr, l_stride_b, l_stride_q, Q, thr_ptr, rpi_ptr, seq_ptr, r2t_ptr, r2t_stride, r2t_rows,
-                r2t_width, width_t, l2s_ptr, num_locations, b, t, BLOCK: tl.constexpr):
-    row = tl.load(rpi_ptr + b).to(tl.int64)
-    row_ok = (row >= 0) & (row < r2t_rows)  # a row outside the table has no threshold and no candidates
-    thr = tl.load(thr_ptr + row, mask=row_ok, other=float("inf"))
-    above = tl.zeros((BLOCK,), tl.int1)
-    for q in range(Q):
-        x = tl.load(logits_ptr + b * l_stride_b + q * l_stride_q + t, mask=t < width_t, other=float("-inf"))
-        above = above | (x > thr)
-    # only positions above the threshold (a few percent) read the request table and the slot map
-    loc, _, ok = locate(t, tl.zeros_like(t) + b, (t < width_t) & above, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride,
-                        r2t_rows, r2t_width, num_locations)
-    slot = tl.load(l2s_ptr + loc, mask=ok, other=-1)
-    return ok & (slot < 0), loc
+@dataclass
+class TileCandidates:
+    """K1's output for B requests: counts [B, tiles] int32 and kept [B, tiles, tile] int32 (see the module
+    docstring), read by K2 and K3."""
+
+    counts: torch.Tensor
+    kept: torch.Tensor
+
+    @property
+    def tile(self) -> int:
+        return self.kept.shape[2]
+
+
+def new_tile_candidates(batch: int, positions: int, tile: int, num_locations: int,
+                        device: torch.device) -> TileCandidates:
+    """Scratch for `batch` requests of `positions` scored positions in tiles of `tile` (a power of two)."""
+    if tile <= 0 or tile & (tile - 1) or tile > WRITE_BLOCK:
+        raise ValueError(f"candidate tiles must be a power of two <= {WRITE_BLOCK} positions, got {tile}")
+    if num_locations >= 1 << 31:
+        raise ValueError(f"candidate locations are kept as int32: {num_locations} locations is too many")
+    tiles = triton.cdiv(positions, tile)
+    return TileCandidates(torch.empty((batch, tiles), dtype=torch.int32, device=device),
+                          torch.empty((batch, tiles, tile), dtype=torch.int32, device=device))
 
 
 @triton.jit
 def _count_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, rpi_ptr, seq_ptr, r2t_ptr, r2t_stride,
-                  r2t_rows, r2t_width, l2s_ptr, num_locations, counts_ptr, kept_ptr, tiles, BLOCK: tl.constexpr,
-                  KEEP: tl.constexpr):
+                  r2t_rows, r2t_width, l2s_ptr, num_locations, counts_ptr, kept_ptr, tiles, TILE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
-    t = tile * BLOCK + tl.arange(0, BLOCK)
-    cand, loc = _candidates(logits_ptr, l_stride_b, l_stride_q, Q, thr_ptr, rpi_ptr, seq_ptr, r2t_ptr, r2t_stride,
-                            r2t_rows, r2t_width, T, l2s_ptr, num_locations, b, t, BLOCK)
-    c = cand.to(tl.int64)
-    tl.store(counts_ptr + b * tiles + tile, tl.sum(c))
-    # the tile's first KEEP candidates, in position order: K2 then reads them instead of recomputing the tile
-    at = tl.cumsum(c, 0) - 1
-    tl.store(kept_ptr + (b * tiles + tile) * KEEP + at, loc, mask=cand & (at < KEEP))
+    t = tile * TILE + tl.arange(0, TILE)
+    row = tl.load(rpi_ptr + b).to(tl.int64)
+    row_ok = (row >= 0) & (row < r2t_rows)  # a row outside the table has no threshold and no candidates
+    thr = tl.load(thr_ptr + tl.where(row_ok, row, 0))
+    thr = tl.where(row_ok, thr, float("inf"))
+    above = tl.zeros((TILE,), tl.int1)
+    for q in range(Q):
+        x = tl.load(logits_ptr + b * l_stride_b + q * l_stride_q + t, mask=t < T, other=float("-inf"))
+        above = above | (x > thr)
+    # only positions above the threshold (a few percent) read the request table and the slot map
+    loc, _, ok = locate(t, tl.zeros_like(t) + b, (t < T) & above, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows,
+                        r2t_width, num_locations)
+    cand = ok & (tl.load(l2s_ptr + loc, mask=ok, other=-1) < 0)
+    # the tile's count, and its candidates' locations in position order at the front of kept[b, tile, :]
+    c = cand.to(tl.int32)
+    at = b * tiles + tile
+    tl.store(counts_ptr + at, tl.sum(c))
+    tl.store(kept_ptr + at * TILE + tl.cumsum(c, 0) - 1, loc.to(tl.int32), mask=cand)
 
 
 @triton.jit
-def _write_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, rpi_ptr, seq_ptr, r2t_ptr, r2t_stride,
-                  r2t_rows, r2t_width, l2s_ptr, num_locations, counts_ptr, kept_ptr, tiles, cap_fraction_ptr, cap_min,
-                  out_ptr, width, BLOCK: tl.constexpr, TILES: tl.constexpr, KEEP: tl.constexpr,
-                  WBLOCK: tl.constexpr):
+def _offsets_kernel(counts_ptr, after_ptr, tiles, TILES: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
-    later = tl.arange(0, TILES)
-    later_counts = tl.load(counts_ptr + b * tiles + later, mask=(later > tile) & (later < tiles), other=0)
-    after = tl.sum(later_counts)  # the request's candidates in later tiles (ranked before this tile's)
-    n = tl.load(counts_ptr + b * tiles + tile)
+    t = tl.arange(0, TILES)
+    c = tl.load(counts_ptr + b * tiles + t, mask=t < tiles, other=0)
+    # candidates in the request's later tiles (ranked before this tile's: most recent first)
+    tl.store(after_ptr + b * tiles + t, tl.sum(c) - tl.cumsum(c, 0), mask=t < tiles)
+
+
+@triton.jit
+def _write_kernel(counts_ptr, after_ptr, kept_ptr, tiles, seq_ptr, cap_fraction_ptr, cap_min, out_ptr, width,
+                  TILE: tl.constexpr, GROUP: tl.constexpr, WBLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    tile = g * GROUP + tl.arange(0, GROUP)
+    mt = tile < tiles
+    n = tl.load(counts_ptr + b * tiles + tile, mask=mt, other=0)
+    after = tl.load(after_ptr + b * tiles + tile, mask=mt, other=0)
     # the request's cap, as EchoPrefetcher.caps: clamp(ceil(seq_len * cap_fraction), cap_min, width), in float64 (a
     # Python float argument would arrive as float32, whose rounding moves some caps by one)
     seq = tl.load(seq_ptr + b).to(tl.float64)
     cap = tl.minimum(tl.maximum(tl.math.ceil(seq * tl.load(cap_fraction_ptr)).to(tl.int64), cap_min), width)
-    if tile == 0:  # the request's row past its last candidate is padding (-1): no separate fill launch
-        total = tl.minimum(after + n, cap)
+    if g == 0:  # the request's row past its last candidate is padding (-1): no separate fill launch
+        total = tl.minimum(tl.sum(tl.where(tile == 0, after + n, 0)).to(tl.int64), cap)
         for r0 in range(0, width, WBLOCK):
             r = r0 + tl.arange(0, WBLOCK)
             tl.store(out_ptr + b * width + r, tl.full((WBLOCK,), -1, tl.int64), mask=(r >= total) & (r < width))
-    if n <= KEEP:  # K1 kept all of the tile's candidates: the j-th has n - 1 - j candidates after it in the tile
-        j = tl.arange(0, KEEP)
-        kept = tl.load(kept_ptr + (b * tiles + tile) * KEEP + j, mask=j < n, other=-1)
-        kept_rank = after + n - 1 - j
-        tl.store(out_ptr + b * width + kept_rank, kept, mask=(j < n) & (kept_rank < cap))
-    else:  # a tile with more candidates than K1 kept: recompute it
-        t = tile * BLOCK + tl.arange(0, BLOCK)
-        cand, loc = _candidates(logits_ptr, l_stride_b, l_stride_q, Q, thr_ptr, rpi_ptr, seq_ptr, r2t_ptr,
-                                r2t_stride, r2t_rows, r2t_width, T, l2s_ptr, num_locations, b, t, BLOCK)
-        c = cand.to(tl.int64)
-        from_end = tl.sum(c) - tl.cumsum(c, 0)  # candidates after this one within the tile
-        rank = after + from_end
-        tl.store(out_ptr + b * width + rank, loc, mask=cand & (rank < cap))
+    # the j-th kept candidate of a tile has n - 1 - j candidates after it in the tile
+    j = tl.arange(0, TILE)
+    m = mt[:, None] & (j[None, :] < n[:, None])
+    kept = tl.load(kept_ptr + (b * tiles + tile[:, None]) * TILE + j[None, :], mask=m, other=-1)
+    rank = (after + n - 1)[:, None].to(tl.int64) - j[None, :]
+    tl.store(out_ptr + b * width + rank, kept.to(tl.int64), mask=m & (rank < cap))
+
+
+def candidates_from_tiles(tc: TileCandidates, seq_lens: torch.Tensor, cap_fraction: torch.Tensor,
+                          cap_min_tokens: int, width: int) -> torch.Tensor:
+    """K2 + K3: the per-tile candidates of B requests -> int64 KV locations [B * width], most recent first per
+    request, at most clamp(ceil(seq_len * cap_fraction), cap_min_tokens, width) each, -1 padded. cap_fraction: a
+    float64 [1] device tensor."""
+    B, tiles = tc.counts.shape
+    if cap_fraction.dtype != torch.float64 or cap_fraction.numel() != 1:
+        raise ValueError("candidates_from_tiles wants cap_fraction as a float64 tensor of one element")
+    if B == 0 or tiles == 0:
+        return torch.full((B * width,), -1, dtype=torch.int64, device=tc.counts.device)
+    out = torch.empty((B, width), dtype=torch.int64, device=tc.counts.device)  # K3 writes every element
+    after = torch.empty_like(tc.counts)
+    _offsets_kernel[(B,)](tc.counts, after, tiles, TILES=triton.next_power_of_2(tiles))
+    group = WRITE_BLOCK // tc.tile
+    _write_kernel[(B, triton.cdiv(tiles, group))](tc.counts, after, tc.kept, tiles, seq_lens, cap_fraction,
+                                                  int(cap_min_tokens), out, width, TILE=tc.tile, GROUP=group,
+                                                  WBLOCK=min(triton.next_power_of_2(max(width, 1)), 1024))
+    return out.view(-1)
 
 
 def prefetch_candidates_triton(logits: torch.Tensor, thresholds: torch.Tensor, req_to_token: torch.Tensor,
                                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, loc_to_slot: torch.Tensor,
                                num_locations: int, cap_fraction: torch.Tensor, cap_min_tokens: int,
                                width: int) -> torch.Tensor:
-    """logits [B, Q, T] (T <= the table width); thresholds [rows] (by request row); a request's cap is
-    clamp(ceil(seq_len * cap_fraction), cap_min_tokens, width), cap_fraction a float64 [1] device tensor.
-
-    Returns int64 KV locations [B * width], most recent first per request, -1 padded.
-    """
+    """K1-K3 over logits [B, Q, T] (T <= the table width); thresholds [rows] (by request row); caps as in
+    `candidates_from_tiles`. Returns int64 KV locations [B * width], most recent first per request, -1 padded."""
     B, Q, T = logits.shape
     if logits.stride(-1) != 1 or req_to_token.stride(1) != 1:
         raise ValueError("prefetch_candidates_triton wants logits and req_to_token rows contiguous")
-    if B == 0 or T == 0:
-        return torch.full((B * width,), -1, dtype=torch.int64, device=logits.device)
-    out = torch.empty((B, width), dtype=torch.int64, device=logits.device)  # K2 writes every element
-    if cap_fraction.dtype != torch.float64 or cap_fraction.numel() != 1:
-        raise ValueError("prefetch_candidates_triton wants cap_fraction as a float64 tensor of one element")
-    tiles = triton.cdiv(T, BLOCK)
-    counts = torch.empty((B, tiles), dtype=torch.int64, device=logits.device)
-    kept = torch.empty((B, tiles, KEEP), dtype=torch.int64, device=logits.device)
-    args = (logits, logits.stride(0), logits.stride(1), Q, T, thresholds, req_pool_indices, seq_lens, req_to_token,
-            req_to_token.stride(0), req_to_token.shape[0], req_to_token.shape[1], loc_to_slot, num_locations)
-    _count_kernel[(B, tiles)](*args, counts, kept, tiles, BLOCK=BLOCK, KEEP=KEEP)
-    _write_kernel[(B, tiles)](*args, counts, kept, tiles, cap_fraction, int(cap_min_tokens), out, width, BLOCK=BLOCK,
-                              TILES=triton.next_power_of_2(tiles), KEEP=KEEP,
-                              WBLOCK=min(triton.next_power_of_2(max(width, 1)), 1024))
-    return out.view(-1)
+    tc = new_tile_candidates(B, T, TILE, num_locations, logits.device)
+    tiles = tc.counts.shape[1]
+    if B and T:
+        _count_kernel[(B, tiles)](logits, logits.stride(0), logits.stride(1), Q, T, thresholds, req_pool_indices,
+                                  seq_lens, req_to_token, req_to_token.stride(0), req_to_token.shape[0],
+                                  req_to_token.shape[1], loc_to_slot, num_locations, tc.counts, tc.kept, tiles,
+                                  TILE=TILE)
+    return candidates_from_tiles(tc, seq_lens, cap_fraction, cap_min_tokens, width)
 
 
 @triton.jit

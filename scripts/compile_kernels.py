@@ -80,9 +80,12 @@ check(kt._tile_write_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, K=I32, p
                                   offsets_ptr=P32, tiles=I32, out_pos_ptr=P32), dict(BLOCK=2048))
 common = dict(logits_ptr=PF, l_stride_b=I64, l_stride_q=I64, Q=I32, T=I64, thr_ptr=PF, rpi_ptr=P64, seq_ptr=P64,
               r2t_ptr=P32, r2t_stride=I64, r2t_rows=I64, r2t_width=I64, l2s_ptr=P32, num_locations=I64, tiles=I32)
-check(kp._count_kernel, dict(common, counts_ptr=P64, kept_ptr=P64), dict(BLOCK=1024, KEEP=128))
-check(kp._write_kernel, dict(common, counts_ptr=P64, kept_ptr=P64, cap_fraction_ptr="*fp64", cap_min=I64, out_ptr=P64,
-                             width=I64), dict(BLOCK=1024, TILES=32, KEEP=128, WBLOCK=512))
+check(kp._count_kernel, dict(common, counts_ptr=P32, kept_ptr=P32), dict(TILE=kp.TILE))
+check(kp._offsets_kernel, dict(counts_ptr=P32, after_ptr=P32, tiles=I32), dict(TILES=512))
+for tile in (kp.TILE, 64):
+    check(kp._write_kernel, dict(counts_ptr=P32, after_ptr=P32, kept_ptr=P32, tiles=I32, seq_ptr=P64,
+                                 cap_fraction_ptr="*fp64", cap_min=I64, out_ptr=P64, width=I64),
+          dict(TILE=tile, GROUP=kp.WRITE_BLOCK // tile, WBLOCK=512))
 check(kp._ema_kernel, dict(kth_ptr=PF, kth_stride=I64, Q=I32, rpi_ptr=P64, thr_ptr=PF, num_rows=I64, B=I32,
                            alpha="fp32", keep="fp32"), dict(BLOCK=128))
 check(kp._settle_kernel, dict(src_ptr=P64, dst_ptr=P64, count_ptr=P64, n=I64, s2l_ptr=P32, stamp_ptr=P64,
