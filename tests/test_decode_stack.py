@@ -436,3 +436,44 @@ def test_prefetch_candidate_kernels_equal_the_torch_definition():
     want_bad = pf.candidates(*bad, impl="torch")
     assert torch.equal(pf.candidates(*bad, impl="triton"), want_bad)
     assert torch.equal(want_bad.view(B, -1)[0], want.view(B, -1)[0]) and bool((want_bad.view(B, -1)[1:] == -1).all())
+
+
+@pytest.mark.parametrize("tile", [64, 1024])
+def test_candidate_write_kernels_place_per_tile_candidates_for_any_tile_size(tile):
+    # K2 + K3 alone, from per-tile counts and compacted locations made here in torch, with several tiles per write
+    # program (tile 64: 16 a program) or one (1,024, what the count kernel writes): the same list as the definition
+    from ess_sglang.kernels.prefetch import candidates_from_tiles, new_tile_candidates
+
+    g = torch.Generator().manual_seed(7)
+    B, T, W = 3, 2600, 400
+    cand = torch.rand(B, T, generator=g) < torch.tensor([0.02, 0.3, 0.9]).view(B, 1)  # caps bind for two requests
+    locs = torch.randperm(B * T, generator=g).view(B, T)
+    seq = torch.tensor([T, 1800, 2100])
+    cand &= torch.arange(T).view(1, T) < seq.view(B, 1)
+    rank = cand.flip(-1).cumsum(-1).flip(-1) - 1
+    cap_fraction = torch.tensor([0.05], dtype=torch.float64)
+    caps = torch.ceil(seq.double() * 0.05).long().clamp(min=9, max=W)
+    want = torch.full((B, W + 1), -1, dtype=torch.int64)
+    take = cand & (rank < caps.view(B, 1))
+    want.scatter_(1, torch.where(take, rank, W), torch.where(take, locs, -1))
+    tc = new_tile_candidates(B, T, tile, B * T, torch.device("cpu"))
+    padded = torch.nn.functional.pad(cand, (0, -T % tile)).view(B, -1, tile)
+    tc.counts.copy_(padded.sum(-1))
+    tc.kept.fill_(-7)  # past each tile's count: never read
+    for b in range(B):
+        for t in range(padded.shape[1]):
+            pos = t * tile + torch.nonzero(padded[b, t]).view(-1)
+            tc.kept[b, t, :pos.numel()] = locs[b, pos].int()
+    got = candidates_from_tiles(tc, seq, cap_fraction, 9, W)
+    assert torch.equal(got, want[:, :W].reshape(-1))
+    assert bool((want[1] >= 0).sum() == caps[1]) and bool((want[0] == -1).any())
+
+
+def test_candidate_scratch_is_checked():
+    from ess_sglang.kernels.prefetch import new_tile_candidates
+
+    for tile in (0, 48, 2048):
+        with pytest.raises(ValueError, match="power of two"):
+            new_tile_candidates(2, 100, tile, 1000, torch.device("cpu"))
+    with pytest.raises(ValueError, match="kept as int32"):
+        new_tile_candidates(2, 100, 1024, 1 << 31, torch.device("cpu"))
