@@ -34,7 +34,7 @@ from ess_sglang.stack_calibration import (
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_1819 = ROOT / "benchmarks" / "results" / "decode_layers_1819.json"
-RUN_2104 = ROOT / "benchmarks" / "results" / "decode_layers_2104.json"  # 21:04 UTC: every mode without and with spare slots
+RUN_2104 = ROOT / "benchmarks" / "results" / "decode_layers_2104.json"  # 21:04 UTC: modes without, with spare slots
 
 
 def _rows(context, batch, hit, misses, layer_us):
