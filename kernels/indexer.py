@@ -27,7 +27,9 @@ exactly representable; only the summation order differs from the reference):
 Under TRITON_INTERPRET every dtype takes the fp32 path (the interpreter has no fp8 or bf16 dot).
 
 Bounds: a position's table entry is read only when the position is visible (below seq_len, max_len and the table's
-width); a table entry outside [0, N) is never dereferenced and its logit is -inf, as if the position were masked.
+width) and its request row is one of the table's (0 <= req_pool_indices[b] < rows: a request outside the table sees
+nothing, every logit -inf); a table entry outside [0, N) is never dereferenced and its logit is -inf, as if the
+position were masked.
 
 `indexer_logits_reference` is the plain-torch definition (equal to `reference.dsa.indexer_logits` wherever every
 visible table entry is in range, and accepting fp8 q); `indexer_logits_triton` the kernel; `indexer_topk` the top-k.
@@ -76,7 +78,8 @@ def indexer_logits_reference(q_index: torch.Tensor, weights: torch.Tensor, index
 
     q_index [B, Q, H, 128] in any float dtype (fp8 e4m3 included: its values are used as they are, the q scale being
     folded into weights), weights [B, Q, H]. Same arithmetic as `reference.dsa.indexer_logits`, plus the kernel's
-    bounds rule: a visible position whose table entry lies outside [0, N) (or past the table's width) gets -inf.
+    bounds rules: a visible position whose table entry lies outside [0, N) (or past the table's width) gets -inf, and
+    so does every position of a request whose row is outside the table.
     """
     _check(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens, max_len)
     B, Q = q_index.shape[:2]
@@ -85,7 +88,9 @@ def indexer_logits_reference(q_index: torch.Tensor, weights: torch.Tensor, index
     pos = torch.arange(max_len, device=dev)
     locs = torch.full((B, max_len), -1, dtype=torch.long, device=dev)
     width = min(max_len, C)
-    locs[:, :width] = req_to_token[req_pool_indices.long(), :width].long()
+    rows = req_pool_indices.long()
+    row_ok = (rows >= 0) & (rows < req_to_token.shape[0])  # a row outside the table: no position is read
+    locs[:, :width] = torch.where(row_ok.view(B, 1), req_to_token[torch.where(row_ok, rows, 0), :width].long(), -1)
     in_range = (locs >= 0) & (locs < N)  # [B, T]
     present = (pos.view(1, -1) < seq_lens.long().view(-1, 1)) & in_range
     keys, scale = unpack_indexer_key(index_cache[torch.where(present, locs, 0)])  # [B, T, 128], [B, T]
@@ -98,7 +103,7 @@ def indexer_logits_reference(q_index: torch.Tensor, weights: torch.Tensor, index
 @triton.jit
 def _indexer_logits_kernel(q_ptr, w_ptr, cache_ptr, r2t_ptr, rpi_ptr, seq_ptr, out_ptr,
                            q_sb, q_sq, q_sh, w_sb, w_sq, w_sh, r2t_stride, out_sb, out_sq,
-                           num_locations, table_width, max_len, H, Q,
+                           num_locations, table_width, table_rows, max_len, H, Q,
                            HP: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr, Q_FP8: tl.constexpr):
     # program (tile of BLOCK_T positions, (request b, query token j))
     tile = tl.program_id(0)
@@ -111,9 +116,11 @@ def _indexer_logits_kernel(q_ptr, w_ptr, cache_ptr, r2t_ptr, rpi_ptr, seq_ptr, o
     pos = start + tl.arange(0, BLOCK_T)
     out_at = out_ptr + b.to(tl.int64) * out_sb + j * out_sq + pos
     out_mask = pos < max_len
+    row = tl.load(rpi_ptr + b).to(tl.int64)
+    # a request row outside the table: nothing is read, nothing is visible
+    visible = tl.where((row >= 0) & (row < table_rows), visible, 0)
     if start < visible:
         valid = pos < visible
-        row = tl.load(rpi_ptr + b).to(tl.int64)
         loc = tl.load(r2t_ptr + row * r2t_stride + pos, mask=valid, other=-1).to(tl.int64)
         ok = valid & (loc >= 0) & (loc < num_locations)
         # the entry as 33 little-endian words: key byte d = 4 w + i is byte i of word w; word 32 is the scale
@@ -187,7 +194,7 @@ def indexer_logits_triton(q_index: torch.Tensor, weights: torch.Tensor, index_ca
         seq_lens, out,
         q_index.stride(0), q_index.stride(1), q_index.stride(2), weights.stride(0), weights.stride(1),
         weights.stride(2), req_to_token.stride(0), out.stride(0), out.stride(1),
-        index_cache.shape[0], req_to_token.shape[1], max_len, H, Q,
+        index_cache.shape[0], req_to_token.shape[1], req_to_token.shape[0], max_len, H, Q,
         HP=max(16, triton.next_power_of_2(H)), BLOCK_T=block_t, DOT=mode, Q_FP8=q_fp8,
         num_warps=num_warps)
     return out

@@ -111,7 +111,7 @@ for dot, q_type, q_fp8 in ((ki.DOT_BF16, "*u8", True), (ki.DOT_BF16, "*bf16", Fa
     check(ki._indexer_logits_kernel, dict(q_ptr=q_type, w_ptr=PF, cache_ptr=P32, r2t_ptr=P32, rpi_ptr=P64,
                                           seq_ptr=P64, out_ptr=PF, q_sb=I64, q_sq=I64, q_sh=I64, w_sb=I64, w_sq=I64,
                                           w_sh=I64, r2t_stride=I64, out_sb=I64, out_sq=I64, num_locations=I64,
-                                          table_width=I64, max_len=I64, H=I32, Q=I32),
+                                          table_width=I64, table_rows=I64, max_len=I64, H=I32, Q=I32),
           dict(HP=64, BLOCK_T=ki.BLOCK_T, DOT=dot, Q_FP8=q_fp8))
 for not_resident in (13, -1):
     check(kn._store_reserved_kernel, dict(entries_ptr=P32, host_ptr=P32, hot_ptr=P32, locs_ptr=P32, l2s_ptr=P32,

@@ -177,6 +177,26 @@ def test_bad_table_entries_are_never_read():
     assert rel <= 1e-5 and cond <= 1e-6, f"seed {seed}"
 
 
+def test_request_rows_outside_the_table_are_never_read():
+    """A request whose row is past the table's end or negative sees nothing (every logit -inf) and reads no table row:
+    the table here is a view of a larger allocation whose neighbouring rows hold valid locations, which would give
+    finite logits if read."""
+    seed = _seed()
+    q, w, cache, r2t, rpi, seq, T = _case(4, 2, 8, 90, seed, rows=6)
+    outer = torch.full((8, T), 5, dtype=torch.int32)  # rows -1 and 6 of the view: a valid location
+    outer[1:7] = r2t
+    table = outer[1:7]
+    bad = torch.tensor([int(rpi[0]), 6, -1, int(rpi[3])])
+    got = indexer_logits_triton(q, w, cache, table, bad, seq, T, out=_poisoned(4, 2, T))
+    want = indexer_logits_reference(q, w, cache, table, bad, seq, T)
+    assert torch.isinf(got[1:3]).all() and (got[1:3] < 0).all() and torch.equal(want[1:3], got[1:3])
+    for b in (0, 3):  # the requests with rows of their own are unchanged
+        one = indexer_logits_reference(q[b:b + 1], w[b:b + 1], cache, table, bad[b:b + 1], seq[b:b + 1], T)
+        assert torch.equal(want[b:b + 1], one)
+    own = [0, 3]
+    _check_close(got[own], (q[own], w[own], cache, table, bad[own], seq[own], T), want[own], seed=seed)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the other requests now read random bytes (NaN, inf scales)
 def test_request_isolation():
     seed = _seed()
