@@ -122,9 +122,9 @@ from pydantic import (
     model_validator,
 )
 
-from ess_sglang.stack_calibration import StackCalibration
+from ess_sglang.stack_calibration import CALIBRATED_MODES, NonNegFloat, StackCalibration
 
-MODES = ("sync", "da", "dba", "prefetch", "prefetch2")
+MODES = CALIBRATED_MODES
 """What a layer may run, in the policy's order (ties go to the earlier). prefetch / prefetch2 are sync with ECHO
 prefetch (the indexer in one launch / in two batch chunks); only a measured calibration offers them."""
 PREFETCH_CHUNKS = {"prefetch": 1, "prefetch2": 2}
@@ -142,8 +142,6 @@ class OverlapProfileError(ValueError):
 
 # ------------------------------------------------------------------------------------------------ models
 
-Finite = Annotated[float, Field(allow_inf_nan=False)]
-NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 PosInt = Annotated[StrictInt, Field(gt=0)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
