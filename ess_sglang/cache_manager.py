@@ -610,18 +610,22 @@ class HotPoolCacheManager:
         slot = torch.where(need, torch.where(rank < avail, spare, victims[(rank - avail).clamp(min=0)]), -1)
         self.spare_taken[layer] = (taken + n_need).clamp(max=self.num_spare)
         got = slot >= 0
-        cnt = self.counters[layer]
         if not spare_only:
-            cnt[Counter.OVERFLOW] += (need & ~got).sum()
-        S, T = self.slots_per_layer, self.num_locations
-        slot_at = torch.where(got, slot, S)
-        old = torch.where(got, self.slot_to_loc[layer][slot_at].long(), -1)
-        self.loc_to_slot[layer].scatter_(0, torch.where(old >= 0, old, T), -1)
-        cnt[Counter.EVICTIONS] += (old >= 0).sum()
+            self.counters[layer, Counter.OVERFLOW] += (need & ~got).sum()
+        slot_at = self._evict_owners(layer, slot, got)
         self.slot_to_loc[layer].scatter_(0, slot_at, flat.to(torch.int32))
-        self.loc_to_slot[layer].scatter_(0, torch.where(got, flat, T), slot.to(torch.int32))
+        self.loc_to_slot[layer].scatter_(0, torch.where(got, flat, self.num_locations), slot.to(torch.int32))
         self.slot_stamp[layer].scatter_(0, slot_at, (self.clock - stamp_back).expand(n))
         return slot
+
+    def _evict_owners(self, layer: int, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Unmap the tokens that the `mask`ed `slots` hold (counted as evictions); returns the slots with the sink
+        where not masked, for the caller's writes to them."""
+        at = torch.where(mask, slots, self.slots_per_layer)
+        old = torch.where(mask, self.slot_to_loc[layer][at].long(), -1)
+        self.loc_to_slot[layer].scatter_(0, torch.where(old >= 0, old, self.num_locations), -1)
+        self.counters[layer, Counter.EVICTIONS] += (old >= 0).sum()
+        return at
 
     def refill_spares(self, layer: int) -> None:
         """Replace the layer's spare slots taken since the last refill with its least-recently-used unprotected
@@ -637,15 +641,12 @@ class HotPoolCacheManager:
                                clock=self.clock, counters=self.counters[layer], counter_ids=_COUNTER_IDS,
                                spare=self.spare[layer], spare_taken=self.spare_taken[layer:layer + 1])
             return
-        R, S, T = self.num_spare, self.slots_per_layer, self.num_locations
+        R = self.num_spare
         taken = self.spare_taken[layer]
         victims = self._take_victims(layer, taken, R)  # in the order the resolve's scan would take them
         got = victims >= 0
         found = got.sum()
-        at = torch.where(got, victims, S)
-        old = torch.where(got, self.slot_to_loc[layer][at].long(), -1)
-        self.loc_to_slot[layer].scatter_(0, torch.where(old >= 0, old, T), -1)
-        self.counters[layer, Counter.EVICTIONS] += (old >= 0).sum()
+        at = self._evict_owners(layer, victims, got)
         self.slot_to_loc[layer].scatter_(0, at, -1)
         self.slot_stamp[layer].scatter_(0, at, SPARE_STAMP)
         # victim j becomes spare slot taken - found + j: the free ones stay one run, [taken, R)
