@@ -190,6 +190,15 @@ def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, taken_ptr, num_s
 
 
 @triton.jit
+def _evict_owner(s2l_ptr, l2s_ptr, v, m):
+    """Slots `v` (mask m) are being taken: unmap the token each one holds. Returns where one was evicted."""
+    old = tl.load(s2l_ptr + v, mask=m, other=-1).to(tl.int64)
+    evict = m & (old >= 0)
+    tl.store(l2s_ptr + old, tl.full(old.shape, -1, tl.int32), mask=evict)
+    return evict
+
+
+@triton.jit
 def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr, l2s_ptr, s2l_ptr,
                    stamp_ptr, clock_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr,
                    pend_count_ptr, taken_ptr, num_spare, n, COPY: tl.constexpr, PEND: tl.constexpr, WORDS: tl.constexpr,
@@ -234,9 +243,7 @@ def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_pt
         loc = tl.where(sp, tl.load(took_loc_ptr + r, mask=sp, other=-1), loc)
         i = tl.load(over_idx_ptr + j, mask=ov, other=0)
         got = ov & (v >= 0)
-        old = tl.load(s2l_ptr + v, mask=got, other=-1).to(tl.int64)
-        evict = got & (old >= 0)
-        tl.store(l2s_ptr + old, tl.full(old.shape, -1, tl.int32), mask=evict)
+        evict = _evict_owner(s2l_ptr, l2s_ptr, v, got)
         tl.store(s2l_ptr + v, loc.to(tl.int32), mask=got)
         tl.store(l2s_ptr + loc, tl.where(got, v, -1).to(tl.int32), mask=ov)  # no slot: the claim goes back to absent
         tl.store(stamp_ptr + v, tl.zeros_like(v) + clock, mask=got)
@@ -272,9 +279,7 @@ def _refill_kernel(scr_ptr, victims_ptr, l2s_ptr, s2l_ptr, stamp_ptr, spare_ptr,
         j = j0 + tl.arange(0, ROWS)
         mj = j < found
         v = (tl.load(victims_ptr + j, mask=mj, other=1) - 1).to(tl.int64)
-        old = tl.load(s2l_ptr + v, mask=mj, other=-1).to(tl.int64)
-        evict = mj & (old >= 0)
-        tl.store(l2s_ptr + old, tl.full(old.shape, -1, tl.int32), mask=evict)
+        evict = _evict_owner(s2l_ptr, l2s_ptr, v, mj)
         tl.store(s2l_ptr + v, tl.full(v.shape, -1, tl.int32), mask=mj)
         tl.store(stamp_ptr + v, tl.full(v.shape, _SPARE_STAMP, tl.int64), mask=mj)
         tl.store(spare_ptr + need - found + j, v.to(tl.int32), mask=mj)
