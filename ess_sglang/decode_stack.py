@@ -51,7 +51,6 @@ and every step can be captured in one CUDA graph (no host synchronisation anywhe
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -64,6 +63,7 @@ from ess_sglang.formats import QK_HEAD_DIM
 from ess_sglang.prefetch import EchoPrefetcher
 from ess_sglang.reference.dsa import latent_store_rows, sparse_mla_flashmla, sparse_mla_reference
 from ess_sglang.reference.dsa import topk_with_scores as reference_topk
+from ess_sglang.streams import SideStream
 
 MODES = ("sync", "da", "dba")
 
@@ -217,40 +217,6 @@ def topk_with_scores(scores: torch.Tensor, k: int, impl: str = "torch") -> tuple
     return reference_topk(scores, k)
 
 
-class _Streams:
-    """The main stream and one side stream on CUDA; on CPU, no-ops (steps then run in program order)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        # High priority: the block scheduler then runs the side stream's few blocks (resolve, copies) as soon as SMs
-        # free up, instead of after every queued block of the main stream's big kernels (the indexer).
-        self.side = torch.cuda.Stream(device, priority=-1) if self.cuda else None
-
-    def on_side(self):
-        """Work in this block runs on the side stream, after everything queued on the main stream so far."""
-        if not self.cuda:
-            return contextlib.nullcontext()
-        self.side.wait_stream(torch.cuda.current_stream())
-        return torch.cuda.stream(self.side)
-
-    def mark(self):
-        """An event on the side stream: what has been queued there so far."""
-        if not self.cuda:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(self.side)
-        return ev
-
-    def wait(self, ev=None) -> None:
-        """The main stream waits for a mark (or for everything queued on the side stream)."""
-        if not self.cuda:
-            return
-        if ev is None:
-            torch.cuda.current_stream().wait_stream(self.side)
-        else:
-            torch.cuda.current_stream().wait_event(ev)
-
-
 def _indexer(kind: str):
     from ess_sglang.kernels.indexer import indexer_logits
 
@@ -376,7 +342,7 @@ class EssDecodeStack(_StackBase):
         self.m = manager
         self.prefetcher = prefetcher if options.any_prefetch else None
         self._pending_thresholds: list = []
-        self.streams = _Streams(manager.device)
+        self.streams = SideStream(manager.device)
         q_rows = max_batch * 2  # up to 2 query tokens per request (MTP)
         self.fetch_list = manager.new_fetch_list(q_rows * options.top_k)  # DA: the deferred copies
         self.fetch_early = manager.new_fetch_list(q_rows * options.top_k)

@@ -1,0 +1,42 @@
+"""The main stream and one side stream: where the decode stack and the SGLang plugin queue work that overlaps
+compute (prefetches, copies, refills of spare slots), and how the main stream waits for it."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class SideStream:
+    """The main stream and one side stream on CUDA; on CPU, no-ops (steps then run in program order)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        # High priority: the block scheduler then runs the side stream's few blocks (resolve, copies) as soon as SMs
+        # free up, instead of after every queued block of the main stream's big kernels (the indexer).
+        self.side = torch.cuda.Stream(device, priority=-1) if self.cuda else None
+
+    def on_side(self):
+        """Work in this block runs on the side stream, after everything queued on the main stream so far."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        self.side.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(self.side)
+
+    def mark(self):
+        """An event on the side stream: what has been queued there so far."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.side)
+        return ev
+
+    def wait(self, ev=None) -> None:
+        """The main stream waits for a mark (or for everything queued on the side stream)."""
+        if not self.cuda:
+            return
+        if ev is None:
+            torch.cuda.current_stream().wait_stream(self.side)
+        else:
+            torch.cuda.current_stream().wait_event(ev)
