@@ -213,14 +213,19 @@ class HotPoolCacheManager:
     def reset(self) -> None:
         """Empty every hot pool and zero the clock and counters (the host pool is untouched): benchmarks start each
         variant from the same state with it."""
+        self.empty_pools()
+        self.clock.zero_()
+        self.counters.zero_()
+
+    def empty_pools(self) -> None:
+        """Forget every resident entry and spare slot (the next refill of each layer sets spare slots aside again);
+        the clock and the counters go on (a server's flush keeps its metrics monotonic)."""
         self.loc_to_slot.fill_(-1)
         self.slot_to_loc.fill_(-1)
         self.slot_stamp.fill_(FREE_STAMP)
         self.spare.fill_(-1)
         self.spare_taken.fill_(self.num_spare)
         self._unsettled_prefetch = None
-        self.clock.zero_()
-        self.counters.zero_()
 
     # ------------------------------------------------------------------ per step
     def begin_step(self) -> None:

@@ -189,6 +189,10 @@ class EssConfig(BaseModel):
     """Cap on prefetched entries per request and layer, as a fraction of the request's context length."""
     prefetch_cap_min_tokens: NonNegativeInt = 64
     """The prefetch cap is never below this many entries."""
+    spare_slot_fraction: Fraction01 | None = None
+    """SGLang plugin: spare slots per layer (free slots evicted ahead, beside attention, so that a resolve or a
+    prefetch takes no LRU scan), as a fraction of top_k x max_running_requests, in whole pages, at most 1/8 of the
+    hot pool. None: 1/16 where the instance prefetches (about 1.25 x a step's misses at 95% hits), else 0."""
     new_tokens: Literal[NEW_TOKEN_MODES] = DEFAULT_NEW_TOKENS
     """Each decoded token's latent entry is written back to the host pool; "on_demand": fetched like any miss when
     a later selection names it (no resolve of its own: measured faster); "insert": also given a protected hot slot."""
