@@ -244,6 +244,23 @@ def check_resolved(view: Any, config: EssConfig, hf_config: Any) -> list[str]:
     if topk is not None and topk != config.top_k:
         p.append(f"the model selects index_topk={topk} entries but ess_config.top_k is {config.top_k}: set "
                  f"ess_config.top_k: {topk}")
+    p.extend(overlap_problems(config, getattr(hf_config, "num_hidden_layers", None)))
+    return p
+
+
+def overlap_problems(config: EssConfig, num_layers: int | None) -> list[str]:
+    """What the plugin cannot run of the overlap settings (echo.py plans what it can)."""
+    from ess_sglang.overlap_policy import OverlapProfileError, load_profile
+
+    p = []
+    if config.prefetch_overlap_level == "da":
+        p.append("ess_config.prefetch_overlap_level: da needs dual attention, which the SGLang plugin does not run "
+                 "(FlashMLA is called inside SGLang's DSA backend): use none or full")
+    elif config.overlap_profile is not None and config.prefetch_overlap_level == "full":
+        try:
+            load_profile(config.overlap_profile, num_layers if isinstance(num_layers, int) else None)
+        except OverlapProfileError as exc:
+            p.append(f"ess_config.overlap_profile: {exc}")
     return p
 
 

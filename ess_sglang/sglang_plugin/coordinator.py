@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ess_sglang.sglang_plugin import echo
 from ess_sglang.sglang_plugin import settings as settings_mod
 from ess_sglang.sglang_plugin.admission import EssAdmission
 from ess_sglang.sglang_plugin.warmup import WindowCapture
@@ -123,12 +124,13 @@ class LayerViews:
 
 
 def build_cache_manager(host: HostPoolView, slots: int, hot_views: LayerViews, device: torch.device,
-                        max_selected: int, copy_impl: str = "auto", resolve_impl: str = "auto"):
+                        max_selected: int, copy_impl: str = "auto", resolve_impl: str = "auto",
+                        spare_slots: int = 0):
     """A HotPoolCacheManager whose hot pools are `hot_views` (regions of SGLang's device pool)."""
     from ess_sglang.cache_manager import HotPoolCacheManager
 
     return HotPoolCacheManager(host, slots, device=device, max_selected=max_selected, copy_impl=copy_impl,
-                               resolve_impl=resolve_impl, hot_entries=hot_views)
+                               resolve_impl=resolve_impl, hot_entries=hot_views, spare_slots=spare_slots)
 
 
 def _contiguous(indices: torch.Tensor) -> int | None:
@@ -206,9 +208,13 @@ class EssCoordinator:
         base = self.hot_base
         views = LayerViews([kv[base:base + hot_slots_per_layer] for kv in self.device_kv])
         self.host = HostPoolView(host_pool, L, E, dev)
+        # ECHO prefetch and spare slots (echo.py): which layers prefetch, how many slots each keeps spare
+        self.overlap_plan = echo.plan(config, L, top_k, self.max_running_requests, hot_slots_per_layer, page)
         self.manager = build_cache_manager(self.host, hot_slots_per_layer, views, dev, max_selected=rows * top_k,
-                                           copy_impl=copy_impl, resolve_impl=resolve_impl)
+                                           copy_impl=copy_impl, resolve_impl=resolve_impl,
+                                           spare_slots=self.overlap_plan.spare_slots)
         self.max_selected = rows * top_k
+        self.overlap = echo.DecodeOverlap(self.manager, self.overlap_plan, rows, width, rows, config)
 
         self.admission = EssAdmission(
             host_tokens=self.host.num_tokens, indexer_tokens=int(allocator.logical_attn_allocator.available_size()),
@@ -239,8 +245,9 @@ class EssCoordinator:
         self._step = 0
         set_active(self)
         logger.info("ESS coordinator: %d layers, hot pool %d slots/layer at device rows [%d, %d), new-token slots "
-                    "at %d, host pool %d tokens, %d prefill staging slots", L, hot_slots_per_layer, base,
-                    base + hot_slots_per_layer, self.new_token_base, self.host.num_tokens, self.staging_capacity)
+                    "at %d, host pool %d tokens, %d prefill staging slots; %s", L, hot_slots_per_layer, base,
+                    base + hot_slots_per_layer, self.new_token_base, self.host.num_tokens, self.staging_capacity,
+                    self.overlap_plan.note)
 
     # ------------------------------------------------------------------------------------------ construction
     def _reserve_regions(self) -> tuple[int, int]:
@@ -260,12 +267,8 @@ class EssCoordinator:
             original_clear()
             if self._reserve_regions() != (self.hot_base, self.new_token_base):
                 raise RuntimeError("ESS: the device-pool regions moved after the allocator was cleared")
-            from ess_sglang.cache_manager import FREE_STAMP
-
-            m = self.manager
-            m.loc_to_slot.fill_(-1)
-            m.slot_to_loc.fill_(-1)
-            m.slot_stamp.fill_(FREE_STAMP)
+            self.manager.empty_pools()
+            self.overlap.forget_rows(range(self.num_rows))
             self.req_to_host_pool.fill_(-1)
             self.req_to_host_pool_allocated_len.zero_()
             self.mem_pool_host.clear()
@@ -301,7 +304,9 @@ class EssCoordinator:
         B, K = top_k_result.shape
         rpi = req_pool_indices.long()
         lens = seq_lens.long()
-        live = (self._row_ids[:B] < self.num_real_reqs.long()) & (lens > 0)
+        live = self.live_rows(lens)
+        # the layer's prefetch has landed and the previous layer's refill is done (echo.py, 3a-b)
+        self.overlap.before_resolve(layer)
         # 1. this step's token: from its new-token slot (set_mla_kv_buffer wrote it there) to the host pool (and a
         # hot slot with new_tokens="insert")
         new_pos = (lens - 1).clamp(min=0)
@@ -311,7 +316,30 @@ class EssCoordinator:
         # 2. the selection: positions -> host locations -> hot slots (misses fetched from the host pool)
         topk = torch.where(live.view(B, 1), top_k_result, -1).view(B, 1, K)
         slots = self.manager.resolve(layer, topk, self.req_to_host_pool, rpi, lens).view(B, K)
+        self.overlap.after_resolve(layer)  # settle the prefetch, refill spare slots: beside attention (3d-e)
         return torch.where(slots >= 0, slots + self.hot_base, -1).to(torch.int32)
+
+    def live_rows(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """[B] bool: the batch's real requests (CUDA-graph padding rows excluded)."""
+        B = seq_lens.shape[0]
+        return (self._row_ids[:B] < self.num_real_reqs.long()) & (seq_lens.long() > 0)
+
+    def prefetch_from_logits(self, layer_id: int, logits: torch.Tensor, req_pool_indices: torch.Tensor,
+                             seq_lens: torch.Tensor) -> None:
+        """The indexer's logits of a decode layer exist (indexer_tap.py): queue the layer's ECHO prefetch (real
+        requests only; this step's token included, see echo.py step 1)."""
+        lens = seq_lens.long()
+        visible = torch.where(self.live_rows(lens), lens, 0)
+        self.overlap.prefetch(layer_id - self.start_layer, logits, req_pool_indices.long(), visible,
+                              self.req_to_host_pool)
+
+    def note_selection(self, layer_id: int, logits: torch.Tensor, positions: torch.Tensor,
+                       req_pool_indices: torch.Tensor) -> None:
+        """The layer's top-k positions exist: remember each row's k-th best score for the prefetch threshold."""
+        self.overlap.note_selection(layer_id - self.start_layer, logits, positions, req_pool_indices.long())
+
+    def prefetches(self, layer_id: int) -> bool:
+        return self.overlap.prefetches(layer_id - self.start_layer)
 
     def map_last_loc_to_buffer(self, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
                                req_pool_indices: torch.Tensor, seq_lens_cpu: torch.Tensor,
@@ -467,6 +495,7 @@ class EssCoordinator:
             self.token_to_kv_pool_allocator.full_to_hisparse_device_index_mapping[locs] = 0
         if self.capture is not None:
             self.capture.drop(row)
+        self.overlap.forget_rows([row])
         self._staging.pop(req.rid, None)
         self._ready = [r for r in self._ready if r is not req]
         self.admission.release(req.rid)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from ess_sglang.sglang_plugin import admission, cli_args, coordinator, pd_windows, sizing, warmup
+from ess_sglang.sglang_plugin import admission, cli_args, coordinator, indexer_tap, pd_windows, sizing, warmup
 from ess_sglang.sglang_plugin.compat import HookSpec
 
 logger = logging.getLogger("ess_sglang.sglang_plugin")
@@ -51,6 +51,11 @@ RUNTIME_HOOKS: tuple[HookSpec, ...] = (
              admission.required_admission_tokens_hook, "PD decode admission: keeps a request queued until it fits"),
     HookSpec("sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc", "after", admission.pre_alloc_hook,
              "PD decode admission: reserves for a request once SGLang allocated its KV destination"),
+    HookSpec("sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_paged", "around",
+             indexer_tap.get_topk_paged_hook, "opens the ECHO prefetch tap in decode layers that prefetch"),
+    HookSpec("sglang.srt.layers.attention.dsa.dsa_indexer_metadata.DSAIndexerMetadata.topk_transform", "around",
+             indexer_tap.topk_transform_hook,
+             "in an open tap: queues the layer's prefetch from the logits, notes the k-th best scores of the top-k"),
     HookSpec("sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend", "before",
              warmup.forward_extend_hook, "captures the prefill's last query windows' top-k sets for warm-up"),
     HookSpec(f"{MB}.__init__", "after", pd_windows.metadata_buffers_init_hook,

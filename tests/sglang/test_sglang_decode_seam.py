@@ -81,15 +81,42 @@ class Selections:
         self.base = torch.randn((LAYERS, 8, max_len), generator=g)
         self.g = g
 
-    def topk(self, layer: int, lens: list[int]) -> torch.Tensor:
+    def scores(self, layer: int, lens: list[int]) -> torch.Tensor:
+        """Indexer-like logits [B, max(lens)]; past a request's length whatever a kernel left there (noise)."""
+        out = torch.randn((len(lens), max(lens)), generator=self.g)
+        for b, n in enumerate(lens):
+            out[b, :n] = self.base[layer, b, :n] + 0.35 * torch.randn(n, generator=self.g)
+            out[b, max(n - 96, 0):n] += 4.0  # the most recent tokens are usually selected
+        return out
+
+    @staticmethod
+    def select(scores: torch.Tensor, lens: list[int]) -> torch.Tensor:
         rows = []
         for b, n in enumerate(lens):
-            s = self.base[layer, b, :n] + 0.35 * torch.randn(n, generator=self.g)
-            s[max(n - 96, 0):] += 4.0  # the most recent tokens are usually selected
             k = min(TOPK, n)
-            pos = torch.topk(s, k).indices.to(torch.int32)
+            pos = torch.topk(scores[b, :n], k).indices.to(torch.int32)
             rows.append(torch.cat([pos, pos.new_full((TOPK - k,), -1)]))
         return torch.stack(rows)
+
+    def topk(self, layer: int, lens: list[int]) -> torch.Tensor:
+        return self.select(self.scores(layer, lens), lens)
+
+
+def _indexer_through_tap(sel, layer, seq, fb):
+    """What SGLang's Indexer._get_topk_paged does in a decode step (logits, then metadata.topk_transform), called
+    through the plugin's two hooks as HookRegistry wraps them."""
+    from ess_sglang.sglang_plugin import indexer_tap
+
+    metadata = types.SimpleNamespace(force_unfused_topk=True)  # what the DSA backend sets with a HiSparse coordinator
+
+    def topk_transform(meta, logits, topk):
+        return sel.select(logits, seq.tolist())
+
+    def get_topk_paged(indexer, forward_batch, layer_id, q_fp8, weights, meta):
+        logits = sel.scores(layer_id, seq.tolist())
+        return indexer_tap.topk_transform_hook(topk_transform, meta, logits, TOPK)
+
+    return indexer_tap.get_topk_paged_hook(get_topk_paged, None, fb, layer, None, None, metadata)
 
 
 def _entries(g, n):
@@ -97,7 +124,7 @@ def _entries(g, n):
 
 
 def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str = "torch",
-         replace_at: int | None = None):
+         replace_at: int | None = None, level: str = "none"):
     """`replace_at` (PD mode): at that step request 1 finishes (ESS releases it, SGLang frees its locations) and a
     new request takes its row and batch entry, its prompt written into the host slots the finished one freed."""
     from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
@@ -122,12 +149,14 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
                                                kvcache=ess_pool, need_sort=False, host_to_device_ratio=ratio)
     base_pool = DSATokenToKVPool(size=allocator.size_full, **kw)
     req_pool = ReqToTokenPool(size=B, max_context_len=max_ctx, device="cpu", enable_memory_saver=False)
-    config = EssConfig(top_k=TOPK, warmup_windows=WINDOWS, new_tokens=new_tokens)
+    config = EssConfig(top_k=TOPK, warmup_windows=WINDOWS, new_tokens=new_tokens, prefetch_overlap_level=level)
     coord = EssCoordinator(req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, config=config,
                            hot_slots_per_layer=HOT, host_tokens=allocator.size_full, device="cpu", top_k=TOPK,
                            max_running_requests=B, pin_memory=False, copy_impl="torch", resolve_impl=resolve_impl)
     assert active_coordinator() is coord
     assert coord.staging_capacity == staging
+    if resolve_impl == "triton" and coord.overlap.prefetcher is not None:
+        coord.overlap.prefetcher.impl = "triton"  # the GPU's candidate and threshold kernels too (interpreted)
 
     g = torch.Generator().manual_seed(7)
     sel = Selections(max_ctx, seed=11)
@@ -218,7 +247,8 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
         meta = types.SimpleNamespace(page_table_1=req_pool.req_to_token[rpi, :max_len],
                                      dsa_cache_seqlens_int32=seq.clamp(max=TOPK).to(torch.int32))
         ref.forward_metadata = ess.forward_metadata = meta
-        fb = types.SimpleNamespace(req_pool_indices=rpi, seq_lens=seq, out_cache_loc=out_loc, batch_size=B)
+        fb = types.SimpleNamespace(req_pool_indices=rpi, seq_lens=seq, out_cache_loc=out_loc, batch_size=B,
+                                   forward_mode=types.SimpleNamespace(is_decode=lambda: True))
         step_ok = True
         for layer in range(LAYERS):
             lyr = _layer(layer)
@@ -226,7 +256,8 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
             k_rope = torch.randn((B, 1, 64), generator=g).to(torch.bfloat16)
             base_pool.set_mla_kv_buffer(lyr, out_loc, k_nope, k_rope)
             ess_pool.set_mla_kv_buffer(lyr, out_loc, k_nope, k_rope)  # lands in the request's new-token slot
-            topk = sel.topk(layer, seq.tolist())
+            # the indexer: through the plugin's tap (ECHO prefetch with level "full"; a pass-through with "none")
+            topk = _indexer_through_tap(sel, layer, seq, fb)
             q = torch.randn((B, HEADS * 576), generator=g)
             o_ref = ref.forward_decode(q, None, None, lyr, fb, save_kv_cache=False, topk_indices=topk)
             o_ess = ess.forward_decode(q, None, None, lyr, fb, save_kv_cache=False, topk_indices=topk)
@@ -242,7 +273,8 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
     _check_cuda_graph_padding(coord, rpi, seq, sel, B)
     stats = {"misses": int(counts[2]), "evictions": int(counts[8]), "lookups": int(counts[0]),
              "new": int(counts[9]), "written_back": int(counts[4]), "bad": int(counts[5]),
-             "overflow": int(counts[6])}
+             "overflow": int(counts[6]), "prefetched": int(counts[10]), "useful": int(counts[11]),
+             "wasted": int(counts[12]), "spare_slots": m.num_spare}
 
     # finishing releases everything: hot slots, host slots, admission, the new-token mapping
     host_free_before = coord.mem_pool_host.available_size()
@@ -289,20 +321,34 @@ def _check_cuda_graph_padding(coord, rpi, seq, sel, B):
     assert int(delta[0]) == int((topk[:B] >= 0).sum())  # Counter.LOOKUPS: the real entries' valid positions only
 
 
-@pytest.mark.parametrize("mode,steps,new_tokens,resolve_impl,replace_at", [
-    ("colocated", 64, "on_demand", "torch", None), ("colocated", 16, "insert", "torch", None),
+@pytest.mark.parametrize("mode,steps,new_tokens,resolve_impl,replace_at,level", [
+    ("colocated", 64, "on_demand", "torch", None, "none"), ("colocated", 16, "insert", "torch", None, "none"),
     # a request finishes at step 8 and a new one decodes on the host slots it freed: nothing stale may be read
-    ("pd", 16, "on_demand", "torch", 8),
+    ("pd", 16, "on_demand", "torch", 8, "none"),
     # the GPU's code path (fused resolve, one-launch new-token store; Triton interpreted) through the same seam
-    ("colocated", 8, "on_demand", "triton", None)])
-def test_decode_seam_bit_identical(mode, steps, new_tokens, resolve_impl, replace_at, parallel1):
-    identical, stats = _run(mode, steps, new_tokens, resolve_impl, replace_at)
+    ("colocated", 8, "on_demand", "triton", None, "none"),
+    # ECHO prefetch from the indexer tap, with spare slots: still bit-identical, also across a request replaced
+    # mid-run (the new token may be prefetched from its stale host row: the write-back at swap-in overwrites the slot)
+    ("colocated", 24, "on_demand", "torch", None, "full"), ("pd", 16, "on_demand", "torch", 8, "full"),
+    ("colocated", 12, "insert", "torch", None, "full"), ("colocated", 6, "on_demand", "triton", None, "full")])
+def test_decode_seam_bit_identical(mode, steps, new_tokens, resolve_impl, replace_at, level, parallel1):
+    identical, stats = _run(mode, steps, new_tokens, resolve_impl, replace_at, level)
     assert identical == steps
     # the run exercised the interesting paths: misses fetched from the host pool, evictions, new tokens
     assert stats["misses"] > stats["written_back"] and stats["evictions"] > 0  # more than re-fetched new tokens
     assert stats["written_back"] == steps * 4 * LAYERS  # every decoded token reached the host pool
-    assert stats["new"] == (steps * 4 * LAYERS if new_tokens == "insert" else 0)  # and a hot slot of its own
+    if new_tokens == "on_demand":
+        assert stats["new"] == 0
+    elif level == "none":
+        assert stats["new"] == steps * 4 * LAYERS  # a hot slot of its own
+    else:  # except those the prefetch had already given one
+        assert 0 < stats["new"] < steps * 4 * LAYERS
     assert stats["overflow"] == 0 and stats["bad"] == 0
+    if level == "none":
+        assert stats["prefetched"] == 0 and stats["spare_slots"] == 0
+    else:  # prefetched entries were selected, every one counted useful or wasted, from spare slots only
+        assert stats["spare_slots"] > 0 and stats["useful"] > 0
+        assert stats["useful"] + stats["wasted"] == stats["prefetched"]
 
 
 class _Coord:

@@ -1,0 +1,178 @@
+"""ECHO prefetch and spare-slot refills in SGLang's decode step: what the plugin adds around each DSA layer.
+
+One decode layer with ESS in SGLang 0.5.23, top to bottom (main stream unless noted; the whole step is one CUDA
+graph, and everything below is fixed-shape device work):
+
+  1. ``Indexer._get_topk_paged``: the indexer logits [rows, max_seq_len] (DeepGEMM ``fp8_paged_mqa_logits``).
+     [tap, before ``metadata.topk_transform``] where the layer prefetches, on the side stream: the positions
+     scoring above the layer's EMA threshold whose entries are not resident (``EchoPrefetcher.candidates``, most
+     recent first, capped per request) are fetched into spare slots (``HotPoolCacheManager.prefetch``) while the
+     main stream runs the top-k. This step's own token is a candidate too, though its host row is not written yet
+     (SGLang stores the token in the attention backend, after the indexer): the prefetch copies a stale row, and
+     the write-back in 3c writes the token's entry into the slot the prefetch gave it (``write_new_tokens`` also
+     writes the hot slot of a resident entry), so the exact resolve finds it resident instead of fetching it
+     over PCIe on the critical path.
+  2. ``metadata.topk_transform``: the top-k positions [rows, k] (HiSparse forces the unfused top-k: positions).
+     [tap, after] each row's k-th best score (the lowest logit among its selected positions), kept until 3b.
+  3. ``DeepseekSparseAttnBackend.forward_decode``: SGLang writes the token into its new-token slot, then
+     ``EssCoordinator.swap_in_selected_pages``:
+       a. the main stream waits for the side stream: the prefetch has landed and has read the threshold, and the
+          previous layer's refill is done (it shares the resolve's scratch buffers);
+       b. the pending k-th scores move the layer's thresholds;
+       c. the token is written back to the host pool; the exact resolve: lookup, spare slots then LRU victims,
+          fetch of whatever is still missing (exact backfill: attention reads exactly the selected entries);
+       d. on the side stream, beside attention: the prefetched entries counted useful or wasted
+          (``settle_prefetch``), the spare slots taken in this step refilled (``refill_spares``);
+       e. in the last layer the main stream waits for the side stream: nothing stays queued past the step (the
+          graph ends there, and warm-up and release run between steps).
+  4. FlashMLA over the returned device-pool rows.
+
+This mirrors ``ess_sglang.decode_stack`` (one-chunk prefetch, ``prefetch_chunks=1``: SGLang computes the logits in
+one call, so the indexer is not split). Which layers prefetch and how many spare slots a layer keeps is decided
+at start-up (``plan``), from ``ess_config``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ess_sglang.cache_manager import FetchList, HotPoolCacheManager
+from ess_sglang.config import EssConfig
+from ess_sglang.overlap_policy import PREFETCH_CHUNKS, load_profile
+from ess_sglang.prefetch import EchoPrefetcher
+from ess_sglang.streams import SideStream
+
+logger = logging.getLogger("ess_sglang.sglang_plugin")
+
+PREFETCH_PROGRAMS = 16  # persistent copy programs of a prefetch beside the top-k (decode_layers.py's setting)
+AUTO_SPARE_FRACTION = 1 / 16  # of top_k x max_running_requests: 1.25 x the misses of a step at 95% hits
+MAX_SPARE_SHARE = 1 / 8  # spare slots never take more than this share of a layer's hot pool
+
+
+@dataclass(frozen=True)
+class OverlapPlan:
+    """What the plugin runs in each decode layer."""
+
+    prefetch_layers: tuple[bool, ...]
+    spare_slots: int
+    note: str  # one line for the start-up log
+
+
+def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: int, hot_slots_per_layer: int,
+         page_size: int) -> OverlapPlan:
+    """Prefetching layers and spare slots per layer, from ``prefetch_overlap_level``, ``overlap_profile`` and
+    ``spare_slot_fraction``. DA and DBA need SGLang's attention call split, which the plugin does not do: a
+    profile's DA / DBA layers fetch synchronously (exact, like every mode); level ``da`` is refused at launch
+    (``cli_args.check_resolved``)."""
+    level = config.prefetch_overlap_level
+    if level == "da":
+        raise ValueError("ess_config.prefetch_overlap_level: da needs dual attention, which the SGLang plugin does "
+                         "not run; use none or full")
+    if level == "none":
+        layers, why = [False] * num_layers, "prefetch_overlap_level none"
+    elif config.overlap_profile is not None:
+        modes = load_profile(config.overlap_profile, num_layers).modes()
+        layers = [m in PREFETCH_CHUNKS for m in modes]
+        other = sorted({m for m in modes if m not in PREFETCH_CHUNKS and m != "sync"})
+        why = f"overlap profile {config.overlap_profile}" + (
+            f" ({', '.join(other)} layers fetch synchronously in the plugin)" if other else "")
+    else:
+        layers, why = [True] * num_layers, "prefetch_overlap_level full"
+    fraction = config.spare_slot_fraction
+    if fraction is None:
+        fraction = AUTO_SPARE_FRACTION if any(layers) else 0.0
+    wanted = math.ceil(fraction * top_k * max_running_requests / page_size) * page_size
+    cap = int(hot_slots_per_layer * MAX_SPARE_SHARE) // page_size * page_size
+    spare = min(wanted, cap)
+    note = (f"ECHO prefetch in {sum(layers)} of {num_layers} layers ({why}); {spare} spare slots per layer"
+            + (f" (asked {wanted}, capped at 1/8 of the hot pool)" if spare < wanted else ""))
+    return OverlapPlan(tuple(layers), spare, note)
+
+
+class DecodeOverlap:
+    """The side-stream work of the decode step (module docstring): ECHO prefetch and spare-slot refills."""
+
+    def __init__(self, manager: HotPoolCacheManager, plan: OverlapPlan, num_rows: int, max_context: int,
+                 max_batch: int, config: EssConfig):
+        if len(plan.prefetch_layers) != manager.num_layers:
+            raise ValueError(f"overlap plan for {len(plan.prefetch_layers)} layers, the pools have "
+                             f"{manager.num_layers}")
+        self.m = manager
+        self.num_layers = manager.num_layers
+        self.prefetch_layers = plan.prefetch_layers
+        self.streams = SideStream(manager.device)
+        self.prefetcher = None
+        if any(plan.prefetch_layers):
+            self.prefetcher = EchoPrefetcher(self.num_layers, num_rows, max_context, alpha=config.prefetch_ema_alpha,
+                                             cap_fraction=config.prefetch_cap_fraction,
+                                             cap_min_tokens=config.prefetch_cap_min_tokens, device=manager.device)
+            n = max_batch * self.prefetcher.width
+            self.fetch_list = manager.new_fetch_list(n)
+            manager.reserve_scratch(n)
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (k-th scores, request rows)
+        self._side_reads: list[torch.Tensor] = []  # what the side stream reads: alive until the main stream waits
+
+    def prefetches(self, layer: int) -> bool:
+        return self.prefetcher is not None and 0 <= layer < self.num_layers and self.prefetch_layers[layer]
+
+    # ------------------------------------------------------------------------------------------ 1. before the top-k
+    def prefetch(self, layer: int, logits: torch.Tensor, req_pool_indices: torch.Tensor, visible_lens: torch.Tensor,
+                 req_to_host_pool: torch.Tensor) -> None:
+        """Queue the layer's prefetch on the side stream. logits [rows, T] (rows <= the batch: SGLang computes the
+        real rows only); visible_lens [batch]: positions a candidate may come from (0 for padding rows)."""
+        pf = self.prefetcher
+        B = min(logits.shape[0], req_pool_indices.shape[0])
+        span = logits.shape[-1]
+        if span > req_to_host_pool.shape[1]:
+            raise ValueError(f"ESS prefetch: the indexer logits cover {span} positions, the host-pool table only "
+                             f"{req_to_host_pool.shape[1]}")
+        scores = logits[:B].unsqueeze(1)
+        W = pf.width
+        self._side_reads.extend((logits, req_pool_indices, visible_lens))
+        with self.streams.on_side():
+            cand = pf.candidates(layer, scores, req_to_host_pool, req_pool_indices[:B], visible_lens[:B],
+                                 self.m.loc_to_slot[layer], self.m.num_locations)
+            record = FetchList(self.fetch_list.src[:B * W], self.fetch_list.dst[:B * W], self.fetch_list.count)
+            self.m.prefetch(layer, cand, record, programs=PREFETCH_PROGRAMS)
+
+    # ------------------------------------------------------------------------------------------ 2. after the top-k
+    def note_selection(self, layer: int, logits: torch.Tensor, positions: torch.Tensor,
+                       req_pool_indices: torch.Tensor) -> None:
+        """Each row's k-th best score: the lowest logit among its selected positions (-1: none; a row with nothing
+        selected gives +inf, which leaves a threshold at +inf). Folded into the thresholds at swap-in."""
+        B = min(logits.shape[0], positions.shape[0], req_pool_indices.shape[0])
+        pos = positions[:B].long()
+        ok = (pos >= 0) & (pos < logits.shape[-1])
+        picked = logits[:B].gather(1, torch.where(ok, pos, 0))
+        kth = torch.where(ok, picked.float(), math.inf).amin(dim=1)
+        self._pending[layer] = (kth, req_pool_indices[:B])
+
+    # ------------------------------------------------------------------------------------------ 3. swap-in
+    def before_resolve(self, layer: int) -> None:
+        """3a-b: wait for the side stream, then move the thresholds."""
+        self.streams.wait()
+        self._side_reads.clear()
+        pending = self._pending.pop(layer, None)
+        if pending is not None and self.prefetcher is not None:
+            self.prefetcher.update(layer, *pending)
+
+    def after_resolve(self, layer: int) -> None:
+        """3d-e: settle and refill beside attention; the last layer joins the side stream."""
+        if self.prefetches(layer) or self.m.num_spare:
+            with self.streams.on_side():
+                if self.prefetches(layer):
+                    self.m.settle_prefetch(layer)
+                if self.m.num_spare:
+                    self.m.refill_spares(layer)
+        if layer == self.num_layers - 1:
+            self.streams.wait()
+
+    def forget_rows(self, rows: Sequence[int] | torch.Tensor) -> None:
+        """Request rows that a new request will take: their thresholds start again at +inf."""
+        if self.prefetcher is not None:
+            self.prefetcher.reset_rows(torch.as_tensor(rows, dtype=torch.int64))

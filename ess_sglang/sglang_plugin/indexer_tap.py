@@ -1,0 +1,86 @@
+"""The indexer tap: the two hooks that hand the ESS coordinator each decode layer's indexer logits and top-k, so
+that the layer's ECHO prefetch runs beside SGLang's top-k (echo.py, steps 1-2).
+
+SGLang 0.5.23's DSA decode path computes the logits and selects in one method:
+
+    Indexer._get_topk_paged(forward_batch, layer_id, q_fp8, weights, metadata)
+        logits = DeepGEMM fp8_paged_mqa_logits(...)           [rows, max_seq_len] float32
+        topk = metadata.topk_transform(logits, index_topk)    [rows, k] positions (-1 padded): with a HiSparse
+                                                              coordinator the top-k is forced unfused in decode
+
+* AROUND ``Indexer._get_topk_paged``: where ESS prefetches in the layer and the batch is a plain decode batch with
+  the unfused top-k, it opens a tap for the call (coordinator, layer, the batch's request rows and lengths).
+* AROUND ``DSAIndexerMetadata.topk_transform``: the first top-k inside an open tap: the coordinator queues the
+  prefetch (``prefetch_from_logits``) before it and notes each row's k-th best score (``note_selection``) after it.
+
+Anywhere else (prefill, speculative verify, layers that do not prefetch, ESS off) both pass straight through. The
+tap is plain process state: SGLang runs a scheduler's forward passes on one thread, and during CUDA-graph capture
+these hooks run once per captured batch size, queueing their kernels into the graph like the rest of the layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("ess_sglang.sglang_plugin")
+
+
+@dataclass
+class _Tap:
+    coordinator: Any
+    layer_id: int
+    req_pool_indices: Any
+    seq_lens: Any
+    used: bool = False
+
+
+_OPEN: _Tap | None = None
+_WARNED: set[str] = set()
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str) -> Any:
+    return kwargs[name] if name in kwargs else args[i] if len(args) > i else None
+
+
+def _plain_decode(forward_batch: Any) -> bool:
+    mode = getattr(forward_batch, "forward_mode", None)
+    return mode is not None and bool(mode.is_decode())
+
+
+def get_topk_paged_hook(original, indexer, *args, **kwargs):
+    """AROUND Indexer._get_topk_paged: open the tap for a decode layer that prefetches."""
+    global _OPEN
+    from ess_sglang.sglang_plugin.coordinator import active_coordinator
+
+    coord = active_coordinator()
+    forward_batch = _arg(args, kwargs, 0, "forward_batch")
+    layer_id = _arg(args, kwargs, 1, "layer_id")
+    metadata = _arg(args, kwargs, 4, "metadata")
+    if coord is None or layer_id is None or not _plain_decode(forward_batch) or not coord.prefetches(layer_id):
+        return original(indexer, *args, **kwargs)
+    if not getattr(metadata, "force_unfused_topk", False):
+        if "fused" not in _WARNED:
+            _WARNED.add("fused")
+            logger.warning("ESS prefetch: the indexer's top-k is not the unfused one (positions) in this decode "
+                           "step; no prefetch there")
+        return original(indexer, *args, **kwargs)
+    _OPEN = _Tap(coord, int(layer_id), forward_batch.req_pool_indices, forward_batch.seq_lens)
+    try:
+        return original(indexer, *args, **kwargs)
+    finally:
+        _OPEN = None
+
+
+def topk_transform_hook(original, metadata, logits, topk, *args, **kwargs):
+    """AROUND DSAIndexerMetadata.topk_transform: prefetch before, note the k-th best scores after."""
+    tap = _OPEN
+    if tap is None or tap.used or getattr(logits, "dim", lambda: 0)() != 2:
+        return original(metadata, logits, topk, *args, **kwargs)
+    tap.used = True  # one selection per call: any other top-k inside it is not the layer's decode selection
+    tap.coordinator.prefetch_from_logits(tap.layer_id, logits, tap.req_pool_indices, tap.seq_lens)
+    result = original(metadata, logits, topk, *args, **kwargs)
+    if getattr(result, "dim", lambda: 0)() == 2:
+        tap.coordinator.note_selection(tap.layer_id, logits, result, tap.req_pool_indices)
+    return result

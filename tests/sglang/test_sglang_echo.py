@@ -1,0 +1,138 @@
+"""ECHO prefetch in the SGLang plugin: what it plans per layer from ess_config, what it refuses at launch, and the
+indexer tap's pass-through everywhere it must not act. (The prefetch itself, bit-identical through SGLang's real
+decode seam, is in test_sglang_decode_seam.py.)"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import yaml
+
+from ess_sglang.config import EssConfig
+from ess_sglang.overlap_policy import OverlapProfileError
+
+pytest.importorskip("sglang")  # CI installs sglang==0.5.23; this only guards machines without it
+
+PROFILE = "configs/overlap/smollm2-135m_ratio0.2_h200-measured.yaml"  # 30 layers, prefetch / prefetch2
+
+
+def _plan(layers=30, top_k=2048, requests=64, hot=400_000, page=64, **cfg):
+    from ess_sglang.sglang_plugin import echo
+
+    return echo.plan(EssConfig(**cfg), layers, top_k, requests, hot, page)
+
+
+def _profile_with(tmp_path, modes: dict[int, str]) -> str:
+    data = yaml.safe_load(open(PROFILE).read())
+    for i, m in modes.items():
+        data["layers"][i]["mode"] = m
+    p = tmp_path / "profile.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return str(p)
+
+
+def test_plan_levels_and_spare_slots():
+    off = _plan(prefetch_overlap_level="none")
+    assert not any(off.prefetch_layers) and off.spare_slots == 0
+    full = _plan()  # the default level: every layer prefetches, 1/16 of top_k x requests spare, whole pages
+    assert all(full.prefetch_layers) and len(full.prefetch_layers) == 30
+    assert full.spare_slots == 8192 and "30 of 30 layers" in full.note
+    assert _plan(spare_slot_fraction=0.1).spare_slots == 13120  # ceil(0.1 x 2048 x 64 / 64) pages
+    assert _plan(prefetch_overlap_level="none", spare_slot_fraction=0.05).spare_slots == 6592  # spares without prefetch
+    capped = _plan(hot=20_000)  # at most 1/8 of the hot pool, in whole pages
+    assert capped.spare_slots == 2496 and "capped" in capped.note
+    with pytest.raises(ValueError, match="prefetch_overlap_level: da needs dual attention"):
+        _plan(prefetch_overlap_level="da")
+
+
+def test_plan_follows_the_overlap_profile(tmp_path):
+    path = _profile_with(tmp_path, {0: "sync", 1: "da", 2: "dba"})
+    p = _plan(overlap_profile=path)
+    assert p.prefetch_layers[:4] == (False, False, False, True) and sum(p.prefetch_layers) == 27
+    assert "da, dba layers fetch synchronously" in p.note
+    with pytest.raises(OverlapProfileError, match="lists 30 layers, the model has 61"):
+        _plan(layers=61, overlap_profile=path)
+    assert not any(_plan(overlap_profile=path, prefetch_overlap_level="none").prefetch_layers)
+
+
+def test_launch_checks_name_the_overlap_problem(tmp_path):
+    from ess_sglang.sglang_plugin.cli_args import overlap_problems
+
+    assert overlap_problems(EssConfig(), 61) == []
+    assert overlap_problems(EssConfig(overlap_profile=PROFILE), 30) == []
+    (da,) = overlap_problems(EssConfig(prefetch_overlap_level="da"), 61)
+    assert "da needs dual attention" in da and "use none or full" in da
+    (missing,) = overlap_problems(EssConfig(overlap_profile=str(tmp_path / "nope.yaml")), 61)
+    assert missing.startswith("ess_config.overlap_profile:") and "nope.yaml: no such file" in missing
+    (count,) = overlap_problems(EssConfig(overlap_profile=PROFILE), 61)
+    assert "lists 30 layers, the model has 61" in count
+
+
+class _Coordinator:
+    def __init__(self, prefetching: bool):
+        self.prefetching, self.calls = prefetching, []
+
+    def prefetches(self, layer_id):
+        return self.prefetching
+
+    def prefetch_from_logits(self, *args):
+        self.calls.append("prefetch")
+
+    def note_selection(self, *args):
+        self.calls.append("note")
+
+
+def _batch(decode: bool):
+    return types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_decode=lambda: decode),
+                                 req_pool_indices="rpi", seq_lens="lens")
+
+
+def _call_indexer(forward_batch, unfused=True):
+    """Indexer._get_topk_paged through the tap: one top-k inside (and a second one, which is never the tap's)."""
+    import torch
+
+    from ess_sglang.sglang_plugin import indexer_tap
+
+    seen = []
+
+    def topk_transform(meta, logits, topk):
+        seen.append(topk)
+        return torch.zeros((logits.shape[0], topk), dtype=torch.int32)
+
+    def get_topk_paged(indexer, fb, layer_id, q, w, meta):
+        logits = torch.zeros((2, 8))
+        indexer_tap.topk_transform_hook(topk_transform, meta, logits, 4)
+        return indexer_tap.topk_transform_hook(topk_transform, meta, logits, 3)
+
+    meta = types.SimpleNamespace(force_unfused_topk=unfused)
+    out = indexer_tap.get_topk_paged_hook(get_topk_paged, "indexer", forward_batch, 5, None, None, meta)
+    assert out.shape == (2, 3) and seen == [4, 3]  # the original calls ran, with their own arguments
+    assert indexer_tap._OPEN is None  # the tap never outlives the call
+
+
+@pytest.mark.parametrize("prefetching,decode,unfused,expected", [
+    (True, True, True, ["prefetch", "note"]),  # a decode layer that prefetches: once, around the first top-k
+    (False, True, True, []),  # a layer the plan leaves synchronous
+    (True, False, True, []),  # prefill, verify: not a plain decode batch
+    (True, True, False, []),  # a fused top-k (locations, not positions): not ESS's decode path
+])
+def test_tap_acts_only_in_decode_layers_that_prefetch(prefetching, decode, unfused, expected, caplog):
+    from ess_sglang.sglang_plugin.coordinator import set_active
+
+    coord = _Coordinator(prefetching)
+    set_active(coord)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ess_sglang.sglang_plugin"):
+            _call_indexer(_batch(decode), unfused)
+    finally:
+        set_active(None)
+    assert coord.calls == expected
+
+
+def test_tap_passes_through_without_ess():
+    from ess_sglang.sglang_plugin.coordinator import set_active
+
+    set_active(None)
+    _call_indexer(_batch(True))
