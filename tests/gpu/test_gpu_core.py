@@ -213,3 +213,82 @@ def test_lossless_flashmla_256_steps():
     print("seconds:", r.seconds)
     assert r.bit_identical, f"first mismatch at {r.first_mismatch}"
     assert sum(c["OVERFLOW"] for c in r.counters) == 0
+
+
+def _plugin_step(m, overlap, table, rpi, seq, logits, entries, top_k):
+    """One decode step as the SGLang plugin runs it (ess_sglang/sglang_plugin/echo.py, steps 1-3): per layer the
+    prefetch from the indexer logits on the side stream, the top-k, the k-th scores, the write-back and the exact
+    resolve after the side stream, then settle and refill beside attention."""
+    m.begin_step()
+    B, T = logits.shape[1:]
+    new_locs = table.req_to_token[rpi.long(), (seq - 1).long()]
+    visible = torch.arange(T, device=logits.device).view(1, T) < seq.view(B, 1)
+    tables, selections = [], []
+    for layer in range(m.num_layers):
+        overlap.prefetch(layer, logits[layer], rpi, seq, table.req_to_token)
+        topk = torch.where(visible, logits[layer], float("-inf")).topk(top_k, dim=1).indices.int()
+        overlap.note_selection(layer, logits[layer], topk, rpi)
+        overlap.before_resolve(layer)
+        m.write_new_tokens(layer, new_locs, entries[layer], insert=False)
+        tables.append(m.resolve(layer, topk.view(B, 1, top_k), table.req_to_token, rpi, seq))
+        overlap.after_resolve(layer)
+        selections.append(topk.view(B, 1, top_k))
+    return torch.stack(tables), torch.stack(selections)
+
+
+def _plugin_inputs(step, base, layers, dev):
+    """Indexer-like logits that drift from step to step (so the prefetch threshold means something), new entries."""
+    g = torch.Generator(device=dev).manual_seed(2000 + step)
+    logits = base + 0.3 * torch.randn(base.shape, device=dev, generator=g)
+    entries = torch.randint(0, 256, (layers, base.shape[1], 656), dtype=torch.uint8, device=dev, generator=g)
+    return logits, entries
+
+
+def test_plugin_prefetch_step_is_captured_in_a_cuda_graph_and_exact():
+    """The SGLang plugin's decode step with ECHO prefetch and spare slots (echo.DecodeOverlap on a side stream),
+    eager with host synchronisation made an error, then captured in one CUDA graph and replayed with new inputs:
+    every selected slot holds its host entry, every prefetched entry is counted useful or wasted."""
+    from ess_sglang.config import EssConfig
+    from ess_sglang.sglang_plugin import echo
+
+    layers, top_k, dev = 3, 512, torch.device("cuda")
+    config = EssConfig(top_k=top_k)
+    plan = echo.plan(config, layers, top_k, 4, 4096, 64)
+    m, host, table, rpi, seq = _setup(layers, top_k=top_k, spare=plan.spare_slots)
+    assert plan.spare_slots > 0 and all(plan.prefetch_layers)
+    width = table.req_to_token.shape[1]
+    overlap = echo.DecodeOverlap(m, plan, table.req_to_token.shape[0], width, 4, config)
+    g = torch.Generator(device=dev).manual_seed(3)
+    base = torch.randn((layers, 4, width), device=dev, generator=g)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for s in range(3):
+            seq = seq + 1
+            logits, entries = _plugin_inputs(s, base, layers, dev)
+            tables, topk = _plugin_step(m, overlap, table, rpi, seq, logits, entries, top_k)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    _check_tables(m, host, table, rpi, seq, topk, tables)
+    static_seq, (static_logits, static_entries) = seq.clone(), _plugin_inputs(3, base, layers, dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_tables, static_topk = _plugin_step(m, overlap, table, rpi, static_seq, static_logits, static_entries,
+                                                  top_k)
+    for s in range(3, 9):
+        seq = seq + 1
+        logits, entries = _plugin_inputs(s, base, layers, dev)
+        static_seq.copy_(seq)
+        static_logits.copy_(logits)
+        static_entries.copy_(entries)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_tables(m, host, table, rpi, seq, static_topk, static_tables)
+        m.check_invariants()
+    c = m.counters.sum(0).cpu()
+    useful, wasted, prefetched = (int(c[k]) for k in (Counter.PREFETCH_USEFUL, Counter.PREFETCH_WASTED,
+                                                      Counter.PREFETCHED))
+    assert useful > 0 and useful + wasted == prefetched and int(c[Counter.OVERFLOW]) == 0
+    print(f"plugin prefetch step: {prefetched} prefetched ({useful} useful), {int(c[Counter.MISSES])} misses, "
+          f"{plan.spare_slots} spare slots per layer")
