@@ -338,8 +338,8 @@ class EssCoordinator:
         """The layer's top-k positions exist: remember each row's k-th best score for the prefetch threshold."""
         self.overlap.note_selection(layer_id - self.start_layer, logits, positions, req_pool_indices.long())
 
-    def prefetches(self, layer_id: int) -> bool:
-        return self.overlap.prefetches(layer_id - self.start_layer)
+    def prefetches(self, layer_id: int, batch_size: int | None = None) -> bool:
+        return self.overlap.prefetches(layer_id - self.start_layer, batch_size)
 
     def map_last_loc_to_buffer(self, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
                                req_pool_indices: torch.Tensor, seq_lens_cpu: torch.Tensor,

@@ -105,6 +105,7 @@ class DecodeOverlap:
         self.m = manager
         self.num_layers = manager.num_layers
         self.prefetch_layers = plan.prefetch_layers
+        self.min_batch = config.prefetch_min_batch
         self.streams = SideStream(manager.device)
         self.prefetcher = None
         if any(plan.prefetch_layers):
@@ -117,8 +118,11 @@ class DecodeOverlap:
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (k-th scores, request rows)
         self._side_reads: list[torch.Tensor] = []  # what the side stream reads: alive until the main stream waits
 
-    def prefetches(self, layer: int) -> bool:
-        return self.prefetcher is not None and 0 <= layer < self.num_layers and self.prefetch_layers[layer]
+    def prefetches(self, layer: int, batch: int | None = None) -> bool:
+        """Whether the layer prefetches (in a decode batch of `batch` requests: not below `prefetch_min_batch`).
+        SGLang captures one CUDA graph per batch size, so each graph either prefetches or does not."""
+        return (self.prefetcher is not None and 0 <= layer < self.num_layers and self.prefetch_layers[layer]
+                and (batch is None or batch >= self.min_batch))
 
     # ------------------------------------------------------------------------------------------ 1. before the top-k
     def prefetch(self, layer: int, logits: torch.Tensor, req_pool_indices: torch.Tensor, visible_lens: torch.Tensor,
@@ -165,8 +169,7 @@ class DecodeOverlap:
         """3d-e: settle and refill beside attention; the last layer joins the side stream."""
         if self.prefetches(layer) or self.m.num_spare:
             with self.streams.on_side():
-                if self.prefetches(layer):
-                    self.m.settle_prefetch(layer)
+                self.m.settle_prefetch(layer)  # (nothing to count where the tap did not prefetch)
                 if self.m.num_spare:
                     self.m.refill_spares(layer)
         if layer == self.num_layers - 1:

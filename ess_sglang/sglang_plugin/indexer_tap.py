@@ -8,8 +8,9 @@ SGLang 0.5.23's DSA decode path computes the logits and selects in one method:
         topk = metadata.topk_transform(logits, index_topk)    [rows, k] positions (-1 padded): with a HiSparse
                                                               coordinator the top-k is forced unfused in decode
 
-* AROUND ``Indexer._get_topk_paged``: where ESS prefetches in the layer and the batch is a plain decode batch with
-  the unfused top-k, it opens a tap for the call (coordinator, layer, the batch's request rows and lengths).
+* AROUND ``Indexer._get_topk_paged``: where ESS prefetches in the layer and the batch is a plain decode batch of at
+  least ``prefetch_min_batch`` requests with the unfused top-k, it opens a tap for the call (coordinator, layer,
+  the batch's request rows and lengths).
 * AROUND ``DSAIndexerMetadata.topk_transform``: the first top-k inside an open tap: the coordinator queues the
   prefetch (``prefetch_from_logits``) before it and notes each row's k-th best score (``note_selection``) after it.
 
@@ -49,6 +50,14 @@ def _plain_decode(forward_batch: Any) -> bool:
     return mode is not None and bool(mode.is_decode())
 
 
+def _batch_size(forward_batch: Any) -> int | None:
+    size = getattr(forward_batch, "batch_size", None)
+    if isinstance(size, int):
+        return size
+    rows = getattr(forward_batch, "req_pool_indices", None)
+    return int(rows.shape[0]) if rows is not None else None
+
+
 def get_topk_paged_hook(original, indexer, *args, **kwargs):
     """AROUND Indexer._get_topk_paged: open the tap for a decode layer that prefetches."""
     global _OPEN
@@ -58,7 +67,8 @@ def get_topk_paged_hook(original, indexer, *args, **kwargs):
     forward_batch = _arg(args, kwargs, 0, "forward_batch")
     layer_id = _arg(args, kwargs, 1, "layer_id")
     metadata = _arg(args, kwargs, 4, "metadata")
-    if coord is None or layer_id is None or not _plain_decode(forward_batch) or not coord.prefetches(layer_id):
+    if (coord is None or layer_id is None or not _plain_decode(forward_batch)
+            or not coord.prefetches(layer_id, _batch_size(forward_batch))):
         return original(indexer, *args, **kwargs)
     if not getattr(metadata, "force_unfused_topk", False):
         if "fused" not in _WARNED:

@@ -149,7 +149,8 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
                                                kvcache=ess_pool, need_sort=False, host_to_device_ratio=ratio)
     base_pool = DSATokenToKVPool(size=allocator.size_full, **kw)
     req_pool = ReqToTokenPool(size=B, max_context_len=max_ctx, device="cpu", enable_memory_saver=False)
-    config = EssConfig(top_k=TOPK, warmup_windows=WINDOWS, new_tokens=new_tokens, prefetch_overlap_level=level)
+    config = EssConfig(top_k=TOPK, warmup_windows=WINDOWS, new_tokens=new_tokens, prefetch_overlap_level=level,
+                       prefetch_min_batch=B)  # (4 requests here; the default 16 would leave them synchronous)
     coord = EssCoordinator(req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, config=config,
                            hot_slots_per_layer=HOT, host_tokens=allocator.size_full, device="cpu", top_k=TOPK,
                            max_running_requests=B, pin_memory=False, copy_impl="torch", resolve_impl=resolve_impl)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import types
+from pathlib import Path
 
 import pytest
 import yaml
@@ -25,7 +26,7 @@ def _plan(layers=30, top_k=2048, requests=64, hot=400_000, page=64, **cfg):
 
 
 def _profile_with(tmp_path, modes: dict[int, str]) -> str:
-    data = yaml.safe_load(open(PROFILE).read())
+    data = yaml.safe_load(Path(PROFILE).read_text())
     for i, m in modes.items():
         data["layers"][i]["mode"] = m
     p = tmp_path / "profile.yaml"
@@ -72,9 +73,10 @@ def test_launch_checks_name_the_overlap_problem(tmp_path):
 
 class _Coordinator:
     def __init__(self, prefetching: bool):
-        self.prefetching, self.calls = prefetching, []
+        self.prefetching, self.calls, self.asked = prefetching, [], []
 
-    def prefetches(self, layer_id):
+    def prefetches(self, layer_id, batch_size):
+        self.asked.append((layer_id, batch_size))
         return self.prefetching
 
     def prefetch_from_logits(self, *args):
@@ -85,7 +87,7 @@ class _Coordinator:
 
 
 def _batch(decode: bool):
-    return types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_decode=lambda: decode),
+    return types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_decode=lambda: decode), batch_size=24,
                                  req_pool_indices="rpi", seq_lens="lens")
 
 
@@ -129,6 +131,22 @@ def test_tap_acts_only_in_decode_layers_that_prefetch(prefetching, decode, unfus
     finally:
         set_active(None)
     assert coord.calls == expected
+    assert coord.asked == ([(5, 24)] if decode else [])  # the layer and the graph's batch size decide
+
+
+def test_small_batches_do_not_prefetch():
+    """`prefetch_min_batch` (default 16): SGLang captures a graph per batch size; smaller ones stay synchronous."""
+    from ess_sglang.cache_manager import HotPoolCacheManager
+    from ess_sglang.host_pool import HostTotalPool
+    from ess_sglang.sglang_plugin import echo
+
+    m = HotPoolCacheManager(HostTotalPool(2, 4096), 1024, max_selected=512)
+    for config, expected in ((EssConfig(), [False, True, True]), (EssConfig(prefetch_min_batch=2), [True] * 3),
+                             (EssConfig(prefetch_overlap_level="none"), [False] * 3)):
+        overlap = echo.DecodeOverlap(m, _plan(layers=2, **config.model_dump(exclude_defaults=True)), 8, 4096, 32,
+                                     config)
+        assert [overlap.prefetches(1, b) for b in (15, 16, 32)] == expected
+        assert not overlap.prefetches(2, 32)  # no such layer
 
 
 def test_tap_passes_through_without_ess():
