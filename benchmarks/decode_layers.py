@@ -176,11 +176,12 @@ def spare_slots(size: float | str, batch: int, slots: int, sync_misses=None) -> 
     return min(want, slots - 64)
 
 
-def build_ess(pools: Pools, cfg: Config, slots: int, modes, prefetch: bool, spare: int = 0,
+def build_ess(pools: Pools, cfg: Config, slots: int, modes, prefetch: bool, spare: int = 0, margin: float = 0.0,
               **options) -> EssDecodeStack:
     m = HotPoolCacheManager(pools.host, slots, max_selected=cfg.batch * TOP_K, spare_slots=spare)
     per_layer = options.get("prefetch_layers")
-    pf = EchoPrefetcher(cfg.layers, cfg.batch, cfg.width, device="cuda") if prefetch or any(per_layer or ()) else None
+    pf = EchoPrefetcher(cfg.layers, cfg.batch, cfg.width, device="cuda", margin=margin) \
+        if prefetch or any(per_layer or ()) else None
     opts = StackOptions(modes=list(modes), top_k=TOP_K, prefetch=prefetch, **options)
     return EssDecodeStack(m, pools.index_cache, cfg.width, opts, max_batch=cfg.batch, prefetcher=pf)
 
@@ -276,7 +277,7 @@ def calibrate_rho(pools, cfg, slots, target, warm, iters=7, topk="torch") -> tup
     return best
 
 
-def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 0.0) -> dict:
+def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 0.0, margin: float = 0.0) -> dict:
     """Eager steps from the same state: ESS modes against the all-HBM stack (whole-batch and split attention)."""
     res = {}
     hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
@@ -293,7 +294,7 @@ def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 
     if spare_fraction:  # the same modes with spare slots (refilled beside attention)
         variants += [(f"{n}+spare", m, p) for n, m, p in variants if n != "prefetch"]
     for name, modes, prefetch in variants:
-        ess = build_ess(pools, cfg, slots, [modes] * cfg.layers, prefetch,
+        ess = build_ess(pools, cfg, slots, [modes] * cfg.layers, prefetch, margin=margin,
                         spare=spare_slots(spare_fraction, cfg.batch, slots) if name.endswith("+spare") else 0,
                         prefetch_chunks=max(1, prefetch_chunks(name.removesuffix("+spare"))))
         reset_and_warm(ess, cfg)
@@ -374,7 +375,7 @@ def run_config(pools, layers, context, batch, hit, args, timings, timings_spare)
         if "dba" in modes and batch < 2 or resident and spare_size:  # (all-resident: no misses, no spares)
             continue
         try:
-            ess = build_ess(pools, cfg, slots, modes, prefetch, spare=spare,
+            ess = build_ess(pools, cfg, slots, modes, prefetch, spare=spare, margin=args.prefetch_margin,
                             **dict(options, sync_copy="counted" if mode == "sync_counted" else "inline",
                                    prefetch_chunks=max(1, prefetch_chunks(mode)), prefetch_layers=layer_prefetch,
                                    dba_attention="split" if mode == "dba_split" else "whole",
@@ -473,6 +474,8 @@ def main(argv=None) -> int:
     p.add_argument("--spare", default="0", help="spare slots per layer, as fractions of batch x top-k or 'auto' "
                    "(from the sync run's misses), e.g. 0,auto: every mode runs once per value (variant 'mode+spare' "
                    "where not 0)")
+    p.add_argument("--prefetch-margin", type=float, default=0.0,
+                   help="ECHO candidates above threshold - margin x |threshold| (EchoPrefetcher margin)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -493,6 +496,8 @@ def main(argv=None) -> int:
     bad = [m for m in args.modes if m not in MODES + EXTRA_MODES and not prefetch_chunks(m)]
     if bad:
         p.error(f"--modes: unknown mode {bad[0]!r} (of {MODES + EXTRA_MODES}, or prefetchN)")
+    if not 0 <= args.prefetch_margin < 1:
+        p.error(f"--prefetch-margin: must be in [0, 1), got {args.prefetch_margin}")
     split = [float(f) for f in args.dba_split.split(",")]
     args.dba_split = split[0] if len(split) == 1 else tuple(split)
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -523,7 +528,7 @@ def main(argv=None) -> int:
     fixed = [f for f in args.spare if f not in (0, "auto")]
     correctness = dict(context=cfg0.context, batch=cfg0.batch, **check_correctness(
         pools, cfg0, slots0, cfg0.queries(rho0), args.warm,
-        spare_fraction=fixed[0] if fixed else 0.08 if "auto" in args.spare else 0.0))
+        spare_fraction=fixed[0] if fixed else 0.08 if "auto" in args.spare else 0.0, margin=args.prefetch_margin))
     print("correctness:", json.dumps(correctness), flush=True)
     rows = []
     os.makedirs(args.out, exist_ok=True)
@@ -532,6 +537,7 @@ def main(argv=None) -> int:
                 wall_s=time.time() - t0, layers=args.layers, heads=HEADS, index_heads=IHEADS, top_k=TOP_K,
                 ratio=args.ratio, warm=args.warm, steps=args.steps, pool_batch=args.pool_batch,
                 dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk, spare=args.spare,
+                prefetch_margin=args.prefetch_margin,
                 calibration=timings.measured.source if timings.measured is not None else None,
                 calibration_spare=timings_spare.measured.source if timings_spare.measured is not None else None)
     for c, b, h in configs:

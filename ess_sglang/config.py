@@ -189,6 +189,9 @@ class EssConfig(BaseModel):
     """Cap on prefetched entries per request and layer, as a fraction of the request's context length."""
     prefetch_cap_min_tokens: NonNegativeInt = 64
     """The prefetch cap is never below this many entries."""
+    prefetch_threshold_margin: Annotated[StrictFloat, _FINITE, _rule(lambda v: 0 <= v < 1, "in [0, 1)")] = 0.0
+    """A position is a prefetch candidate above threshold - margin x |threshold|: a margin catches more of a step's
+    misses for more wasted bytes."""
     prefetch_min_batch: PositiveInt = 16
     """SGLang plugin: decode batches smaller than this do not prefetch (on the H200 prefetch lost to synchronous
     fetching at batch 1-2 and won from batch 16 at hit rates 0.9-0.95; batches 3-15 were not measured)."""

@@ -9,7 +9,9 @@ not resident is a prefetch candidate. Candidates are taken most recent first, at
 
     cap(seq_len) = clamp(ceil(cap_fraction * seq_len), cap_min_tokens, width),   width = the static list width
 
-so the cap grows with context length and bounds the bytes a wrong guess can waste. The cache manager fetches them
+so the cap grows with context length and bounds the bytes a wrong guess can waste. With `margin` > 0 the bar a
+position must pass is lowered to threshold - margin x |threshold| (finite thresholds): more of the step's misses
+are caught, for more wasted bytes. The cache manager fetches them
 (`HotPoolCacheManager.prefetch`) on a side stream while the main stream runs the top-k; the exact resolve that
 follows finds them resident, counts them useful or wasted, and fetches whatever is still missing (exact backfill),
 so prefetching changes which entries are resident, never which entries attention reads.
@@ -29,20 +31,24 @@ from ess_sglang.config import EssConfig
 
 _DEFAULTS = {name: EssConfig.model_fields[f"prefetch_{key}"].default
              for name, key in (("alpha", "ema_alpha"), ("cap_fraction", "cap_fraction"),
-                               ("cap_min_tokens", "cap_min_tokens"))}
+                               ("cap_min_tokens", "cap_min_tokens"), ("margin", "threshold_margin"))}
 
 
 class EchoPrefetcher:
     def __init__(self, num_layers: int, num_rows: int, max_context: int, alpha: float = _DEFAULTS["alpha"],
                  cap_fraction: float = _DEFAULTS["cap_fraction"], cap_min_tokens: int = _DEFAULTS["cap_min_tokens"],
-                 device: torch.device | str = "cpu", impl: str = "auto"):
-        """Defaults: EssConfig's prefetch_ema_alpha, prefetch_cap_fraction and prefetch_cap_min_tokens."""
+                 device: torch.device | str = "cpu", impl: str = "auto", margin: float = _DEFAULTS["margin"]):
+        """Defaults: EssConfig's prefetch_ema_alpha, prefetch_cap_fraction, prefetch_cap_min_tokens and
+        prefetch_threshold_margin."""
         if not 0 < alpha <= 1:
             raise ValueError(f"prefetch alpha must be in (0, 1], got {alpha}")
+        if not 0 <= margin < 1:
+            raise ValueError(f"prefetch margin must be in [0, 1), got {margin}")
         if not 0 <= cap_fraction <= 1 or cap_min_tokens < 0 or max_context <= 0:
             raise ValueError(f"prefetch cap: cap_fraction in [0, 1], cap_min_tokens >= 0 and max_context > 0 needed, "
                              f"got {cap_fraction}, {cap_min_tokens}, {max_context}")
         self.alpha = float(alpha)
+        self.margin = float(margin)
         self.cap_fraction = float(cap_fraction)
         self.cap_min_tokens = int(cap_min_tokens)
         self.width = max(1, min(max_context, max(cap_min_tokens, math.ceil(cap_fraction * max_context))))
@@ -75,12 +81,13 @@ class EchoPrefetcher:
             from ess_sglang.kernels.prefetch import prefetch_candidates_triton
             return prefetch_candidates_triton(logits.contiguous(), self.threshold[layer], req_to_token,
                                               req_pool_indices, seq_lens, loc_to_slot, num_locations,
-                                              self._cap_fraction, self.cap_min_tokens, self.width)
+                                              self._cap_fraction, self.cap_min_tokens, self.width, self.margin)
         B, _, T = logits.shape
         rows = req_pool_indices.long()
         row_ok = (rows >= 0) & (rows < req_to_token.shape[0])  # a row outside the table: no candidates
         rows = torch.where(row_ok, rows, 0)
-        thr = self.threshold[layer, rows].view(B, 1, 1)
+        thr = self.threshold[layer, rows]
+        thr = torch.where(torch.isfinite(thr), thr - self.margin * thr.abs(), thr).view(B, 1, 1)
         above = (logits > thr).any(dim=1)  # [B, T]
         pos = torch.arange(T, device=logits.device).view(1, T)
         locs = req_to_token[rows, :T].long()

@@ -64,7 +64,7 @@ def new_tile_candidates(batch: int, positions: int, tile: int, num_locations: in
 
 
 @triton.jit
-def _count_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, rpi_ptr, seq_ptr, r2t_ptr, r2t_stride,
+def _count_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, margin, rpi_ptr, seq_ptr, r2t_ptr, r2t_stride,
                   r2t_rows, r2t_width, l2s_ptr, num_locations, counts_ptr, kept_ptr, tiles, TILE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -73,6 +73,7 @@ def _count_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, rpi_ptr, se
     row_ok = (row >= 0) & (row < r2t_rows)  # a row outside the table has no threshold and no candidates
     thr = tl.load(thr_ptr + tl.where(row_ok, row, 0))
     thr = tl.where(row_ok, thr, float("inf"))
+    thr = tl.where(tl.abs(thr) != float("inf"), thr - margin * tl.abs(thr), thr)  # the bar a candidate must pass
     above = tl.zeros((TILE,), tl.int1)
     for q in range(Q):
         x = tl.load(logits_ptr + b * l_stride_b + q * l_stride_q + t, mask=t < T, other=float("-inf"))
@@ -146,16 +147,18 @@ def candidates_from_tiles(tc: TileCandidates, seq_lens: torch.Tensor, cap_fracti
 def prefetch_candidates_triton(logits: torch.Tensor, thresholds: torch.Tensor, req_to_token: torch.Tensor,
                                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, loc_to_slot: torch.Tensor,
                                num_locations: int, cap_fraction: torch.Tensor, cap_min_tokens: int,
-                               width: int) -> torch.Tensor:
-    """K1-K3 over logits [B, Q, T] (T <= the table width); thresholds [rows] (by request row); caps as in
-    `candidates_from_tiles`. Returns int64 KV locations [B * width], most recent first per request, -1 padded."""
+                               width: int, margin: float = 0.0) -> torch.Tensor:
+    """K1-K3 over logits [B, Q, T] (T <= the table width); thresholds [rows] (by request row), lowered by `margin` x
+    their magnitude where finite (`EchoPrefetcher.bar`); caps as in `candidates_from_tiles`. Returns int64 KV
+    locations [B * width], most recent first per request, -1 padded."""
     B, Q, T = logits.shape
     if logits.stride(-1) != 1 or req_to_token.stride(1) != 1:
         raise ValueError("prefetch_candidates_triton wants logits and req_to_token rows contiguous")
     tc = new_tile_candidates(B, T, TILE, num_locations, logits.device)
     tiles = tc.counts.shape[1]
     if B and T:
-        _count_kernel[(B, tiles)](logits, logits.stride(0), logits.stride(1), Q, T, thresholds, req_pool_indices,
+        _count_kernel[(B, tiles)](logits, logits.stride(0), logits.stride(1), Q, T, thresholds, float(margin),
+                                  req_pool_indices,
                                   seq_lens, req_to_token, req_to_token.stride(0), req_to_token.shape[0],
                                   req_to_token.shape[1], loc_to_slot, num_locations, tc.counts, tc.kept, tiles,
                                   TILE=TILE)

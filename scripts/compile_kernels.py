@@ -80,7 +80,7 @@ check(kt._tile_write_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, K=I32, p
                                   offsets_ptr=P32, tiles=I32, out_pos_ptr=P32), dict(BLOCK=2048))
 common = dict(logits_ptr=PF, l_stride_b=I64, l_stride_q=I64, Q=I32, T=I64, thr_ptr=PF, rpi_ptr=P64, seq_ptr=P64,
               r2t_ptr=P32, r2t_stride=I64, r2t_rows=I64, r2t_width=I64, l2s_ptr=P32, num_locations=I64, tiles=I32)
-check(kp._count_kernel, dict(common, counts_ptr=P32, kept_ptr=P32), dict(TILE=kp.TILE))
+check(kp._count_kernel, dict(common, margin="fp32", counts_ptr=P32, kept_ptr=P32), dict(TILE=kp.TILE))
 check(kp._offsets_kernel, dict(counts_ptr=P32, after_ptr=P32, tiles=I32), dict(TILES=512))
 for tile in (kp.TILE, 64):
     check(kp._write_kernel, dict(counts_ptr=P32, after_ptr=P32, kept_ptr=P32, tiles=I32, seq_ptr=P64,

@@ -477,3 +477,29 @@ def test_candidate_scratch_is_checked():
             new_tile_candidates(2, 100, tile, 1000, torch.device("cpu"))
     with pytest.raises(ValueError, match="kept as int32"):
         new_tile_candidates(2, 100, 1024, 1 << 31, torch.device("cpu"))
+
+
+def test_prefetch_margin_lowers_the_bar_in_both_implementations():
+    """`margin` m: candidates are the positions above threshold - m x |threshold| (finite thresholds; +-inf stay as
+    they are): a superset of the margin-0 candidates, equal between the torch definition and the kernel."""
+    g = torch.Generator().manual_seed(9)
+    B, Q, T, rows = 3, 1, 1500, 4
+    req_to_token = torch.randint(0, 6000, (rows, T), generator=g).int()
+    logits = torch.randn(B, Q, T, generator=g) + 3
+    rpi, seq = torch.tensor([0, 2, 3]), torch.tensor([T, 1200, 700])
+    loc_to_slot = torch.full((6001,), -1, dtype=torch.int32)
+    args = (0, logits, req_to_token, rpi, seq, loc_to_slot, 6000)
+    counts = []
+    for margin in (0.0, 0.1):
+        pf = EchoPrefetcher(1, rows, T, cap_fraction=1.0, cap_min_tokens=0, margin=margin)
+        pf.threshold[0] = torch.tensor([4.5, 0.0, -2.0, float("inf")])  # row 3 has no threshold yet
+        want = pf.candidates(*args, impl="torch")
+        assert torch.equal(pf.candidates(*args, impl="triton"), want)
+        n = (want.view(B, -1) >= 0).sum(1)
+        bar = torch.tensor([4.5 * (1 - margin), -2.0 * (1 + margin)])  # rows 0 and 2: the bar a position must pass
+        assert n[:2].tolist() == [int((logits[0, 0, :T] > bar[0]).sum()), int((logits[1, 0, :1200] > bar[1]).sum())]
+        assert n[2] == 0  # +inf: nothing passes, with or without a margin
+        counts.append(n)
+    assert int(counts[1][0]) > int(counts[0][0]) > 0
+    with pytest.raises(ValueError, match=r"margin must be in \[0, 1\)"):
+        EchoPrefetcher(1, rows, T, margin=1.0)

@@ -111,7 +111,8 @@ class DecodeOverlap:
         if any(plan.prefetch_layers):
             self.prefetcher = EchoPrefetcher(self.num_layers, num_rows, max_context, alpha=config.prefetch_ema_alpha,
                                              cap_fraction=config.prefetch_cap_fraction,
-                                             cap_min_tokens=config.prefetch_cap_min_tokens, device=manager.device)
+                                             cap_min_tokens=config.prefetch_cap_min_tokens, device=manager.device,
+                                             margin=config.prefetch_threshold_margin)
             n = max_batch * self.prefetcher.width
             self.fetch_list = manager.new_fetch_list(n)
             manager.reserve_scratch(n)
