@@ -399,6 +399,12 @@ class HotPoolCacheManager:
             self._prefetch_list = self.new_fetch_list(max(n, 1))
         return self._prefetch_list
 
+    def settle_pending_prefetch(self) -> None:
+        """Settle whatever prefetch is still unsettled, of any layer (a caller whose step was cut short between a
+        prefetch and its settle, e.g. by an exception, starts the next one clean)."""
+        if self._unsettled_prefetch is not None:
+            self.settle_prefetch(self._unsettled_prefetch[0])
+
     def settle_prefetch(self, layer: int) -> None:
         """Count the layer's unsettled prefetches, if any, once the selection's resolve has run: an entry is useful
         when its slot still holds it (it was not evicted again) and is stamped with the current step, which a prefetch

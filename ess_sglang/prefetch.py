@@ -79,7 +79,10 @@ class EchoPrefetcher:
         impl = self.impl if impl is None else impl
         if impl == "triton" or (impl == "auto" and logits.is_cuda):
             from ess_sglang.kernels.prefetch import prefetch_candidates_triton
-            return prefetch_candidates_triton(logits.contiguous(), self.threshold[layer], req_to_token,
+            # the kernels take row strides: only a strided last dimension is copied (DeepGEMM's logits are a view
+            # of a buffer with padded rows)
+            rows = logits if logits.stride(-1) == 1 else logits.contiguous()
+            return prefetch_candidates_triton(rows, self.threshold[layer], req_to_token,
                                               req_pool_indices, seq_lens, loc_to_slot, num_locations,
                                               self._cap_fraction, self.cap_min_tokens, self.width, self.margin)
         B, _, T = logits.shape

@@ -503,3 +503,23 @@ def test_prefetch_margin_lowers_the_bar_in_both_implementations():
     assert int(counts[1][0]) > int(counts[0][0]) > 0
     with pytest.raises(ValueError, match=r"margin must be in \[0, 1\)"):
         EchoPrefetcher(1, rows, T, margin=1.0)
+
+
+def test_prefetch_candidates_read_row_padded_logits_in_place():
+    """DeepGEMM's logits are a view of a buffer with padded rows: the kernels read it through its row stride (no
+    copy), and find what they find in a contiguous copy; the torch definition agrees."""
+    g = torch.Generator().manual_seed(11)
+    B, T, rows = 3, 1000, 4
+    padded = torch.randn(B, T + 24, generator=g) + 3
+    logits = padded[:, :T].unsqueeze(1)  # [B, 1, T], row stride T + 24
+    assert logits.stride(0) == T + 24 and not logits.is_contiguous()
+    req_to_token = torch.randint(0, 5000, (rows, T), generator=g).int()
+    rpi, seq = torch.tensor([0, 3, 1]), torch.tensor([T, 700, 900])
+    loc_to_slot = torch.full((5001,), -1, dtype=torch.int32)
+    pf = EchoPrefetcher(1, rows, T, cap_fraction=1.0, cap_min_tokens=0)
+    pf.threshold[0] = torch.tensor([4.0, 3.5, 0.0, 4.2])
+    args = (req_to_token, rpi, seq, loc_to_slot, 5000)
+    want = pf.candidates(0, logits.contiguous(), *args, impl="torch")
+    assert int((want >= 0).sum()) > 0
+    assert torch.equal(pf.candidates(0, logits, *args, impl="triton"), want)
+    assert torch.equal(pf.candidates(0, logits, *args, impl="torch"), want)

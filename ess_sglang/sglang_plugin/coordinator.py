@@ -243,6 +243,7 @@ class EssCoordinator:
         self.metrics = None
         self.queued = 0
         self._step = 0
+        self._step_started = False  # the clock was advanced at layer 0's prefetch, for its swap-in (_start_step)
         set_active(self)
         logger.info("ESS coordinator: %d layers, hot pool %d slots/layer at device rows [%d, %d), new-token slots "
                     "at %d, host pool %d tokens, %d prefill staging slots; %s", L, hot_slots_per_layer, base,
@@ -300,7 +301,7 @@ class EssCoordinator:
             raise NotImplementedError("ESS: multi-token (speculative) decode steps are not supported")
         layer = layer_id - self.start_layer
         if layer == 0:
-            self.manager.begin_step()
+            self._start_step(from_tap=False)
         B, K = top_k_result.shape
         rpi = req_pool_indices.long()
         lens = seq_lens.long()
@@ -319,6 +320,18 @@ class EssCoordinator:
         self.overlap.after_resolve(layer)  # settle the prefetch, refill spare slots: beside attention (3d-e)
         return torch.where(slots >= 0, slots + self.hot_base, -1).to(torch.int32)
 
+    def _start_step(self, from_tap: bool) -> None:
+        """Advance the LRU clock once per decode step, before the step's first hot-pool work: at layer 0's prefetch
+        (indexer tap) when it prefetches, so that the side stream's prefetch reads the new clock, else at layer 0's
+        swap-in. The flag only bridges a layer-0 tap to its swap-in."""
+        if from_tap:
+            self.manager.begin_step()
+            self._step_started = True
+        elif self._step_started:
+            self._step_started = False
+        else:
+            self.manager.begin_step()
+
     def live_rows(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """[B] bool: the batch's real requests (CUDA-graph padding rows excluded)."""
         B = seq_lens.shape[0]
@@ -330,8 +343,10 @@ class EssCoordinator:
         requests only; this step's token included, see echo.py step 1)."""
         lens = seq_lens.long()
         visible = torch.where(self.live_rows(lens), lens, 0)
-        self.overlap.prefetch(layer_id - self.start_layer, logits, req_pool_indices.long(), visible,
-                              self.req_to_host_pool)
+        layer = layer_id - self.start_layer
+        if layer == 0:
+            self._start_step(from_tap=True)
+        self.overlap.prefetch(layer, logits, req_pool_indices.long(), visible, self.req_to_host_pool)
 
     def note_selection(self, layer_id: int, logits: torch.Tensor, positions: torch.Tensor,
                        req_pool_indices: torch.Tensor) -> None:

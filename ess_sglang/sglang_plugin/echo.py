@@ -11,7 +11,8 @@ graph, and everything below is fixed-shape device work):
      (SGLang stores the token in the attention backend, after the indexer): the prefetch copies a stale row, and
      the write-back in 3c writes the token's entry into the slot the prefetch gave it (``write_new_tokens`` also
      writes the hot slot of a resident entry), so the exact resolve finds it resident instead of fetching it
-     over PCIe on the critical path.
+     over PCIe on the critical path. (The write-back also protects it: a prefetched new token counts as useful in
+     3d even in the rare step whose top-k does not select it, at most one entry per request and layer.)
   2. ``metadata.topk_transform``: the top-k positions [rows, k] (HiSparse forces the unfused top-k: positions).
      [tap, after] each row's k-th best score (the lowest logit among its selected positions), kept until 3b.
   3. ``DeepseekSparseAttnBackend.forward_decode``: SGLang writes the token into its new-token slot, then
@@ -139,6 +140,7 @@ class DecodeOverlap:
         scores = logits[:B].unsqueeze(1)
         W = pf.width
         self._side_reads.extend((logits, req_pool_indices, visible_lens))
+        self.m.settle_pending_prefetch()  # a step cut short before its settle (an exception) leaves nothing behind
         with self.streams.on_side():
             cand = pf.candidates(layer, scores, req_to_host_pool, req_pool_indices[:B], visible_lens[:B],
                                  self.m.loc_to_slot[layer], self.m.num_locations)

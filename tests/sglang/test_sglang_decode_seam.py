@@ -268,6 +268,7 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
             step_ok &= same
         identical += step_ok
     m = coord.manager
+    assert int(m.clock) == steps  # one clock step per decode step (at layer 0's tap when it prefetches, else swap-in)
     live = torch.cat([coord.req_to_host_pool[r, : int(seq[i])] for i, r in enumerate(rows)])
     m.check_invariants(live_locs=live)
     counts = m.counters.sum(0)

@@ -154,3 +154,32 @@ def test_tap_passes_through_without_ess():
 
     set_active(None)
     _call_indexer(_batch(True))
+
+
+def test_a_step_cut_short_between_prefetch_and_settle_leaves_nothing_behind():
+    """An exception between a layer's prefetch and its swap-in (its settle) must not break every later step: the
+    next prefetch settles the stale one first (before, the cache manager refused it)."""
+    import torch
+
+    from ess_sglang.cache_manager import Counter, HotPoolCacheManager
+    from ess_sglang.host_pool import HostTotalPool
+    from ess_sglang.sglang_plugin import echo
+
+    T, rows = 512, 2
+    m = HotPoolCacheManager(HostTotalPool(2, rows * T), 1024, max_selected=256)
+    config = EssConfig(top_k=64, prefetch_min_batch=1)
+    overlap = echo.DecodeOverlap(m, _plan(layers=2, top_k=64, requests=rows, hot=1024), rows, T, rows, config)
+    table = torch.arange(rows * T, dtype=torch.int64).view(rows, T)
+    rpi, lens = torch.arange(rows), torch.tensor([T, 300])
+    overlap.prefetcher.threshold.fill_(0.0)  # every visible position above the threshold
+    logits = torch.rand(rows, T) + 1
+    m.begin_step()
+    overlap.prefetch(0, logits, rpi, lens, table)  # ... and the step dies here
+    m.begin_step()
+    overlap.prefetch(1, logits, rpi, lens, table)  # the next step goes on
+    overlap.before_resolve(1)
+    m.resolve(1, torch.zeros((rows, 1, 64), dtype=torch.int32), table, rpi, lens)
+    overlap.after_resolve(1)
+    c = m.counters.sum(0)
+    assert int(c[Counter.PREFETCHED]) > 0
+    assert int(c[Counter.PREFETCH_USEFUL] + c[Counter.PREFETCH_WASTED]) == int(c[Counter.PREFETCHED])
