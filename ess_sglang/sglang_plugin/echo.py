@@ -53,6 +53,8 @@ logger = logging.getLogger("ess_sglang.sglang_plugin")
 PREFETCH_PROGRAMS = 16  # persistent copy programs of a prefetch beside the top-k (decode_layers.py's setting)
 AUTO_SPARE_FRACTION = 1 / 16  # of top_k x max_running_requests: 1.25 x the misses of a step at 95% hits
 MAX_SPARE_SHARE = 1 / 8  # spare slots never take more than this share of a layer's hot pool
+DA_REFUSED = ("ess_config.prefetch_overlap_level: da needs dual attention, which the SGLang plugin does not run "
+              "(FlashMLA is called inside SGLang's DSA backend): use none or full")
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,7 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
     (``cli_args.check_resolved``)."""
     level = config.prefetch_overlap_level
     if level == "da":
-        raise ValueError("ess_config.prefetch_overlap_level: da needs dual attention, which the SGLang plugin does "
-                         "not run; use none or full")
+        raise ValueError(DA_REFUSED)
     if level == "none":
         layers, why = [False] * num_layers, "prefetch_overlap_level none"
     elif config.overlap_profile is not None:
