@@ -15,6 +15,11 @@ misses over PCIe before attention reads them. Five modes, chosen per layer:
                stream beside the top-k; the exact resolve then fetches what is still missing.
     prefetch2  prefetch with the indexer run in two batch chunks: the first chunk's prefetch also overlaps the
                second chunk's indexer.
+    prefetch_margin, prefetch2_margin
+               the same with the threshold lowered by the calibration's margin m (candidates above thr - m|thr|):
+               more of the step's misses caught, more copies wasted; offered only by a calibration that measured a
+               run at that margin (`ess_sglang.stack_calibration`), whose margin the layer then runs with
+               (`layer_prefetch_margins`).
 
 Where the policy gets the modes' costs: from a measured calibration of the device (`DeviceTimings.measured`, built
 by `ess profile --calibration` from a `benchmarks/decode_layers.py` run: every mode's exposed time at a grid of
@@ -28,9 +33,10 @@ modelled).
 `ess profile` (ess_sglang/profile_cmd.py) replays top-k traces through the cache manager to count every layer's
 misses per step, applies the costs above and writes an overlap profile (YAML, `OverlapProfile`). The decode stack
 takes its per-layer options from it with `layer_settings(path, num_layers, level)` (overlap mode and prefetch chunks
-of each layer; `benchmarks/decode_layers.py`'s layerwise mode writes one profile per configuration and runs what it
-reads back). The SGLang plugin's decode path runs sync without prefetch so far: it does not read profiles, and
-`ess_config.overlap_profile` is only checked to be a path.
+of each layer) and `layer_prefetch_margins` (each layer's threshold margin); `benchmarks/decode_layers.py`'s
+layerwise mode writes one profile per configuration and runs what it reads back. The SGLang plugin
+(`ess_sglang.sglang_plugin.echo.plan`) prefetches in the profile's prefetch layers, in one chunk (SGLang computes the
+logits in one call), with each layer's margin; its DA / DBA layers fetch synchronously.
 
 Cost model (one layer, one decode step; all times in microseconds, constants in `DeviceTimings`)::
 
@@ -122,18 +128,18 @@ from pydantic import (
     model_validator,
 )
 
-from ess_sglang.stack_calibration import CALIBRATED_MODES, NonNegFloat, StackCalibration
+from ess_sglang.stack_calibration import CALIBRATED_MODES, MARGIN_MODES, NonNegFloat, StackCalibration
 
 MODES = CALIBRATED_MODES
 """What a layer may run, in the policy's order (ties go to the earlier). prefetch / prefetch2 are sync with ECHO
 prefetch (the indexer in one launch / in two batch chunks); only a measured calibration offers them."""
-PREFETCH_CHUNKS = {"prefetch": 1, "prefetch2": 2}
+PREFETCH_CHUNKS = {"prefetch": 1, "prefetch2": 2, "prefetch_margin": 1, "prefetch2_margin": 2}
 FORMAT_VERSION = 1
 OVERLAP_LEVELS = ("none", "da", "full")
 """`ess_config.prefetch_overlap_level` values that `restrict_modes` understands."""
 
-_LINE = ("ESS per-layer overlap profile: sync / da (dual attention) / dba (dual-batch) / prefetch / prefetch2 (ECHO) "
-         "per decode layer.")
+_LINE = ("ESS per-layer overlap profile: sync / da (dual attention) / dba (dual-batch) / prefetch / prefetch2 (ECHO; "
+         "_margin: with the calibration's threshold margin) per decode layer.")
 
 
 class OverlapProfileError(ValueError):
@@ -253,6 +259,8 @@ class ModeTimes(BaseModel):
     dba: NonNegFloat | None
     prefetch: NonNegFloat | None = None
     prefetch2: NonNegFloat | None = None
+    prefetch_margin: NonNegFloat | None = None
+    prefetch2_margin: NonNegFloat | None = None
 
     def as_dict(self) -> dict[str, float | None]:
         return {m: getattr(self, m) for m in MODES}
@@ -338,7 +346,17 @@ class OverlapProfile(BaseModel):
             if lp.layer != i:
                 raise ValueError(f"layers[{i}].layer (layer {lp.layer}): layers must be listed in order 0, 1, ...; "
                                  f"expected layer {i} here")
+        if self.device.measured is None or self.device.measured.prefetch_margin is None:
+            for i, lp in enumerate(self.layers):
+                if lp.mode in MARGIN_MODES:
+                    raise ValueError(f"layers[{i}].mode (layer {i}): {lp.mode!r} runs the calibration's threshold "
+                                     f"margin, and device.measured.prefetch_margin gives none")
         return self
+
+    def prefetch_margins(self) -> list[float]:
+        """Each layer's ECHO threshold margin: the calibration's for a *_margin mode, else 0."""
+        m = self.device.measured
+        return [m.prefetch_margin if lp.mode in MARGIN_MODES and m is not None else 0.0 for lp in self.layers]
 
     @property
     def num_layers(self) -> int:
@@ -602,3 +620,12 @@ def layer_settings(path_or_profile: str | Path | OverlapProfile, num_layers: int
     """What the decode stack runs in each layer, from a profile: `stack_settings` of its modes after
     `restrict_modes(..., level)`; pass them as `StackOptions(modes=..., prefetch_layers=...)`."""
     return stack_settings(restrict_modes(modes_for_layers(path_or_profile, num_layers), level))
+
+
+def layer_prefetch_margins(path_or_profile: str | Path | OverlapProfile, num_layers: int) -> list[float]:
+    """Each decode layer's ECHO threshold margin from a profile (`OverlapProfile.prefetch_margins`): pass them as
+    `EchoPrefetcher(margin=...)`; a layer that does not prefetch ignores its value."""
+    _check_num_layers(num_layers)
+    if isinstance(path_or_profile, OverlapProfile):
+        return _check_count(path_or_profile, num_layers, "overlap profile").prefetch_margins()
+    return load_profile(path_or_profile, num_layers).prefetch_margins()

@@ -54,7 +54,8 @@ _FLAGS = [("trace", "--trace"), ("synthetic", "--synthetic"), ("demo", "--demo")
           ("ratio", "--ratio"), ("slots_per_layer", "--slots-per-layer"), ("warmup", "--warmup"),
           ("batch", "--batch"), ("context", "--context"), ("top_k", "--top-k"), ("by", "--by"),
           ("device_timings", "--device-timings"), ("calibration", "--calibration"),
-          ("calibration_spare", "--calibration-spare"), ("out", "--out")]
+          ("calibration_margin", "--calibration-margin"), ("calibration_spare", "--calibration-spare"),
+          ("out", "--out")]
 _GEN_DESTS = ("gen_batch", "gen_context", "gen_layers", "gen_steps", "gen_top_k", "seed", "overlap", "burst_prob")
 
 
@@ -119,6 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "JSON of a benchmarks/decode_layers.py run (with its sync, prefetch, prefetch2, ... modes); "
                       "where its grid of batches x contexts covers --batch / --context it replaces the analytic model "
                       "and adds the prefetch modes")
+    cost.add_argument("--calibration-margin", metavar="JSON", help="a second decode_layers.py run, at "
+                      "--prefetch-margin m > 0 (the --calibration run at margin 0): its prefetch modes are offered "
+                      "as prefetch_margin / prefetch2_margin, and a layer that runs one prefetches with margin m")
     cost.add_argument("--calibration-spare", action="store_true", help="take the calibration's runs with spare "
                       "slots (rows 'mode+spare' of a run with --spare), for a runtime that keeps spare slots")
     p.add_argument("--out", metavar="PATH.yaml", help="write the profile here (default: print the YAML to stdout, "
@@ -261,18 +265,23 @@ def _device(args: argparse.Namespace) -> DeviceTimings:
         where = f"--device-timings {args.device_timings}"
         device = device_timings_from_mapping(read_yaml(args.device_timings, "--device-timings"), where)
     spare = bool(getattr(args, "calibration_spare", False))
+    margin = getattr(args, "calibration_margin", None)
     if getattr(args, "calibration", None) is not None:
-        device = device.model_copy(update={"measured": _calibration(args.calibration, spare)})
+        device = device.model_copy(update={"measured": _calibration(args.calibration, spare, margin)})
     elif spare:
         raise _FlagError("--calibration-spare: needs --calibration (the JSON whose runs with spare slots to read)")
+    elif margin is not None:
+        raise _FlagError("--calibration-margin: needs --calibration (the run at margin 0 it adds to)")
     return device
 
 
-def _calibration(path: str, spare_slots: bool = False):
+def _calibration(path: str, spare_slots: bool = False, margin_path: str | None = None):
     from ess_sglang.stack_calibration import CalibrationError, load_calibration
 
+    where = f"--calibration {path}" + (f" --calibration-margin {margin_path}" if margin_path else "")
     try:
-        return load_calibration(path, f"--calibration {path}", spare_slots=spare_slots)
+        return load_calibration([path] if margin_path is None else [path, margin_path], where,
+                                spare_slots=spare_slots)
     except CalibrationError as exc:
         raise _FlagError(str(exc)) from None
 
@@ -305,13 +314,14 @@ def print_table(profile: OverlapProfile, stderr: bool = False) -> None:
 
     h = profile.header
     console = Console(stderr=stderr)
-    console.width = max(console.width, 104)  # every column whole (numbers are never cut), even in a narrow terminal
+    # the modes offered somewhere (prefetch ones only with a calibration); exposed microseconds per layer
+    shown = [m for m in MODES if any(lp.exposed_us.as_dict()[m] is not None for lp in profile.layers)]
+    # every column whole (numbers are never cut), even in a narrow terminal
+    console.width = max(console.width, 104, 54 + 10 * len(shown) + 8 * sum(m.endswith("_margin") for m in shown))
     ratio = f" (ratio {h.ratio:g})" if h.ratio is not None else ""
     scale = f", misses x {h.miss_scale:g}" if h.miss_scale != 1 else ""
     t = Table(title=f"overlap profile: {h.source}, {h.steps} steps, {h.slots_per_layer} hot slots/layer{ratio}; "
                     f"cost model at batch {h.batch}, context {h.context}, top-k {h.top_k}{scale}")
-    # the modes offered somewhere (prefetch ones only with a calibration); exposed microseconds per layer
-    shown = [m for m in MODES if any(lp.exposed_us.as_dict()[m] is not None for lp in profile.layers)]
     t.box, t.caption = box.SIMPLE_HEAD, "exposed us per layer of each mode; the chosen one in bold"
     for name in ("layer", "misses/step", "p95", "hit rate", *shown):
         t.add_column(name, justify="right")

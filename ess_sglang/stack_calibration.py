@@ -28,6 +28,13 @@ A run with `--spare` measured every mode again with spare slots (rows "mode+spar
 rows' times instead, for a runtime that keeps spare slots (the misses stay the sync run's without them, the measure of
 the configuration).
 
+ECHO's threshold margin (`prefetch_threshold_margin`: candidates above thr - m|thr|) is a dimension of the choice too:
+it catches more of a step's misses for more wasted copies, which paid at hit 0.95 and cost at hit 0.9 in the same
+calls (benchmarks/RESULTS.md). A second run of the benchmark with `--prefetch-margin m` (m > 0) adds its prefetch modes
+as "prefetch_margin" / "prefetch2_margin" (`load_calibration([run_m0, run_m])`); the calibration records m
+(`prefetch_margin`), and a layer that runs one of those modes prefetches with that margin. The other modes, and the
+misses that place each point, come from the first run (margin 0).
+
 This module imports pydantic only (no torch): profiles are read before anything is allocated.
 """
 
@@ -42,8 +49,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 
-CALIBRATED_MODES = ("sync", "da", "dba", "prefetch", "prefetch2")
+CALIBRATED_MODES = ("sync", "da", "dba", "prefetch", "prefetch2", "prefetch_margin", "prefetch2_margin")
 """Modes a calibration may hold, in the policy's order (ties go to the earlier)."""
+MARGIN_MODES = {"prefetch_margin": "prefetch", "prefetch2_margin": "prefetch2"}
+"""The prefetch modes run with the calibration's threshold margin, and the mode each is measured as in its run."""
 
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
@@ -84,11 +93,18 @@ class StackCalibration(BaseModel):
     source: StrictStr
     """Where the numbers come from: file, command, date and device of the benchmark run."""
     points: list[MeasuredPoint]
+    prefetch_margin: Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)] | None = None
+    """The threshold margin the "prefetch_margin" / "prefetch2_margin" modes were measured with (and run with);
+    None when the calibration has no such mode."""
 
     @model_validator(mode="after")
     def _full_grid(self) -> StackCalibration:
         if not self.points:
             raise ValueError("points: the calibration holds no points")
+        with_margin = sorted({m for p in self.points for m in p.exposed_us if m in MARGIN_MODES})
+        if with_margin and self.prefetch_margin is None:
+            raise ValueError(f"prefetch_margin: the points measure {with_margin[0]!r}, whose threshold margin this "
+                             f"key must give")
         cells = self._cells()
         batches = sorted({b for b, _ in cells})
         contexts = sorted({c for _, c in cells})
@@ -165,54 +181,61 @@ def _along_misses(points: Sequence[MeasuredPoint], mode: str, misses: float) -> 
     return y0 + (y1 - y0) * (misses - x0) / (x1 - x0)
 
 
-def load_calibration(path: str | Path, where: str | None = None, spare_slots: bool = False) -> StackCalibration:
-    """`calibration_from_decode_layers` of a JSON file; every error is a CalibrationError starting with `where`
-    (default: the path)."""
-    where = where or str(path)
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CalibrationError(f"{where}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CalibrationError(f"{where}: cannot read JSON: {exc}") from None
-    return calibration_from_decode_layers(data, where, spare_slots)
+def load_calibration(path: str | Path | Sequence[str | Path], where: str | None = None,
+                     spare_slots: bool = False) -> StackCalibration:
+    """`calibration_from_decode_layers` of a JSON file, or of two: a run at margin 0 and a run at a threshold margin
+    (`--prefetch-margin`), whose prefetch modes join as the *_margin modes. Every error is a CalibrationError
+    starting with `where` (default: the path or paths)."""
+    paths = [path] if isinstance(path, str | Path) else list(path)
+    where = where or ", ".join(str(p) for p in paths)
+    if not 1 <= len(paths) <= 2:
+        raise CalibrationError(f"{where}: one decode-stack run, or two (margin 0, then a threshold margin), got "
+                               f"{len(paths)}")
+    runs = []
+    for p in paths:
+        at = where if len(paths) == 1 else f"{where}: {p}"
+        try:
+            runs.append(json.loads(Path(p).read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            raise CalibrationError(f"{at}: no such file") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CalibrationError(f"{at}: cannot read JSON: {exc}") from None
+    return calibration_from_decode_layers(runs[0], where, spare_slots, margin_run=runs[1] if len(runs) > 1 else None)
 
 
-def calibration_from_decode_layers(data: Any, where: str = "decode-stack results",
-                                   spare_slots: bool = False) -> StackCalibration:
+def _run_margin(data: Any) -> float:
+    meta = data.get("meta") if isinstance(data, Mapping) else None
+    margin = (meta or {}).get("prefetch_margin", 0.0) or 0.0
+    return float(margin) if isinstance(margin, int | float) and not isinstance(margin, bool) else math.nan
+
+
+def calibration_from_decode_layers(data: Any, where: str = "decode-stack results", spare_slots: bool = False,
+                                   margin_run: Any = None) -> StackCalibration:
     """A calibration from the parsed JSON of `benchmarks/decode_layers.py` (`{"meta": ..., "rows": [...]}`).
 
     Every configuration (context, batch, hit) with an all-HBM row and a sync row with misses becomes a point; the
     configurations whose batch was measured at a single miss count (the small batches, whose tokens all fit) are left
     out, and so is every mode not measured at every remaining point. `spare_slots`: each mode's time from its run with
-    spare slots (row "mode+spare")."""
-    if not isinstance(data, Mapping) or not isinstance(data.get("rows"), list):
-        raise CalibrationError(f"{where}: expected the JSON of benchmarks/decode_layers.py, a mapping with a 'rows' "
-                               f"list")
-    by_config: dict[tuple, dict[str, Mapping]] = {}
-    for i, row in enumerate(data["rows"]):
-        try:
-            key = (int(row["context"]), int(row["batch"]), float(row["target_hit"]))
-            by_config.setdefault(key, {})[str(row["variant"])] = row
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CalibrationError(f"{where}: rows[{i}]: not a decode-stack row ({exc!r})") from None
-    suffix = "+spare" if spare_slots else ""
-    if spare_slots and not any(v.endswith(suffix) for rows in by_config.values() for v in rows):
-        raise CalibrationError(f"{where}: no runs with spare slots (rows 'mode+spare': benchmarks/decode_layers.py "
-                               f"--spare 0,auto)")
-    raw = []
-    for (context, batch, _hit), rows in sorted(by_config.items()):
-        if "hbm" not in rows or "sync" not in rows:
-            continue
-        sync = rows["sync"]
-        per_layer = sync.get("misses_per_layer_step") or []
-        if not per_layer:
-            continue
-        hbm_us = float(rows["hbm"]["layer_us"])
-        exposed = {m: round(float(rows[m + suffix]["layer_us"]) - hbm_us, 3) for m in CALIBRATED_MODES
-                   if m + suffix in rows and "layer_us" in rows[m + suffix]}
-        raw.append(dict(batch=batch, context=context, misses=round(sum(per_layer) / len(per_layer), 3),
-                        exposed_us=exposed))
+    spare slots (row "mode+spare"). `margin_run`: the JSON of a run with `--prefetch-margin m` > 0 (this run's margin
+    must be 0): its prefetch modes, against its own all-HBM rows, become "prefetch_margin" / "prefetch2_margin" at
+    the configurations both runs measured."""
+    margin = None
+    if margin_run is not None:
+        if _run_margin(data) != 0:
+            raise CalibrationError(f"{where}: the first run must be at prefetch margin 0 (meta.prefetch_margin), got "
+                                   f"{_run_margin(data)}")
+        margin = _run_margin(margin_run)
+        if not 0 < margin < 1:
+            raise CalibrationError(f"{where}: the second run must be at a prefetch margin in (0, 1) "
+                                   f"(meta.prefetch_margin; decode_layers.py --prefetch-margin), got {margin}")
+    raw = _measured(data, where, spare_slots)
+    if margin_run is not None:
+        extra = _measured(margin_run, f"{where} (margin run)", spare_slots)
+        for key, p in raw.items():
+            for mode, measured_as in MARGIN_MODES.items():
+                if key in extra and measured_as in extra[key]["exposed_us"]:
+                    p["exposed_us"][mode] = extra[key]["exposed_us"][measured_as]
+    raw = list(raw.values())
     # batches measured at one miss count only cannot be interpolated along misses: leave their whole batch out
     counts: dict[tuple[int, int], set] = {}
     for p in raw:
@@ -228,7 +251,46 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
     source = (f"{where}: {meta.get('command', '?')} ({meta.get('date', '?')}, {meta.get('device', '?')}); "
               f"time per layer minus the all-HBM stack's{' (the runs with spare slots)' if spare_slots else ''}, "
               f"misses per layer of the sync run")
+    if margin_run is not None:
+        m2 = margin_run.get("meta") or {}
+        source += (f"; the *_margin modes from {m2.get('command', '?')} ({m2.get('date', '?')}), prefetch margin "
+                   f"{margin}")
     try:
-        return StackCalibration(source=source, points=[MeasuredPoint(**p) for p in raw])
+        return StackCalibration(source=source, points=[MeasuredPoint(**p) for p in raw],
+                                prefetch_margin=margin if any(m in MARGIN_MODES for m in common) else None)
     except ValueError as exc:
         raise CalibrationError(f"{where}: {exc}") from None
+
+
+def _measured(data: Any, where: str, spare_slots: bool) -> dict[tuple, dict]:
+    """Per configuration (context, batch, hit) of a decode-stack run: batch, context, the sync run's misses per
+    layer and step, and each measured mode's exposed time (`spare_slots`: from the "mode+spare" rows)."""
+    if not isinstance(data, Mapping) or not isinstance(data.get("rows"), list):
+        raise CalibrationError(f"{where}: expected the JSON of benchmarks/decode_layers.py, a mapping with a 'rows' "
+                               f"list")
+    by_config: dict[tuple, dict[str, Mapping]] = {}
+    for i, row in enumerate(data["rows"]):
+        try:
+            key = (int(row["context"]), int(row["batch"]), float(row["target_hit"]))
+            by_config.setdefault(key, {})[str(row["variant"])] = row
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CalibrationError(f"{where}: rows[{i}]: not a decode-stack row ({exc!r})") from None
+    suffix = "+spare" if spare_slots else ""
+    if spare_slots and not any(v.endswith(suffix) for rows in by_config.values() for v in rows):
+        raise CalibrationError(f"{where}: no runs with spare slots (rows 'mode+spare': benchmarks/decode_layers.py "
+                               f"--spare 0,auto)")
+    raw = {}
+    for key, rows in sorted(by_config.items()):
+        context, batch, _hit = key
+        if "hbm" not in rows or "sync" not in rows:
+            continue
+        sync = rows["sync"]
+        per_layer = sync.get("misses_per_layer_step") or []
+        if not per_layer:
+            continue
+        hbm_us = float(rows["hbm"]["layer_us"])
+        exposed = {m: round(float(rows[m + suffix]["layer_us"]) - hbm_us, 3) for m in CALIBRATED_MODES
+                   if m not in MARGIN_MODES and m + suffix in rows and "layer_us" in rows[m + suffix]}
+        raw[key] = dict(batch=batch, context=context, misses=round(sum(per_layer) / len(per_layer), 3),
+                        exposed_us=exposed)
+    return raw

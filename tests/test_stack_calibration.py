@@ -35,6 +35,10 @@ from ess_sglang.stack_calibration import (
 ROOT = Path(__file__).resolve().parents[1]
 RUN_1819 = ROOT / "benchmarks" / "results" / "decode_layers_1819.json"
 RUN_2104 = ROOT / "benchmarks" / "results" / "decode_layers_2104.json"  # 21:04 UTC: modes without, with spare slots
+# 2026-11-30 01:35 / 01:37 UTC, one H200: the whole table (no layerwise) at prefetch margin 0 and 0.01, spare 0 / 0.1
+RUN_M0 = ROOT / "benchmarks" / "results" / "margin_calibration" / "m0" / "decode_layers.json"
+RUN_M001 = ROOT / "benchmarks" / "results" / "margin_calibration" / "m001" / "decode_layers.json"
+ONE_RUN_MODES = ("sync", "da", "dba", "prefetch", "prefetch2")  # what a run at one margin measures
 
 
 def _rows(context, batch, hit, misses, layer_us):
@@ -134,12 +138,12 @@ def test_policy_takes_prefetch_modes_from_a_calibration_inside_its_grid_only():
 
 
 def test_restrict_and_stack_settings_of_prefetch_modes():
-    modes = ["sync", "da", "dba", "prefetch", "prefetch2"]
+    modes = ["sync", "da", "dba", "prefetch", "prefetch2", "prefetch_margin", "prefetch2_margin"]
     assert tuple(modes) == MODES
     assert restrict_modes(modes, "full") == modes
-    assert restrict_modes(modes, "da") == ["sync", "da", "da", "sync", "sync"]  # prefetch is part of "full"
-    assert restrict_modes(modes, "none") == ["sync"] * 5
-    assert stack_settings(modes) == (["sync", "da", "dba", "sync", "sync"], [0, 0, 0, 1, 2])
+    assert restrict_modes(modes, "da") == ["sync", "da", "da"] + ["sync"] * 4  # prefetch is part of "full"
+    assert restrict_modes(modes, "none") == ["sync"] * 7
+    assert stack_settings(modes) == (["sync", "da", "dba"] + ["sync"] * 4, [0, 0, 0, 1, 2, 1, 2])
     with pytest.raises(ValueError, match="mode 'prefetch3' is not one of"):
         stack_settings(["prefetch3"])
 
@@ -165,7 +169,7 @@ def test_the_1819_run_picks_its_fastest_mode_at_every_measured_point():
     data = json.loads(RUN_1819.read_text())
     d = DeviceTimings(measured=calibration_from_decode_layers(data, str(RUN_1819)))
     assert d.measured.batches == [16, 64, 128] and d.measured.contexts == [32768, 131072]
-    assert d.measured.modes == MODES and len(d.measured.points) == 18
+    assert d.measured.modes == ONE_RUN_MODES and len(d.measured.points) == 18
     for p in d.measured.points:
         best = min(p.exposed_us, key=lambda m: (p.exposed_us[m], MODES.index(m)))
         assert choose_modes([p.misses], p.batch, p.context, d) == [best]
@@ -182,7 +186,7 @@ def test_the_runs_with_spare_slots_make_a_calibration_of_their_own():
     plain = calibration_from_decode_layers(data, "run")
     spare = calibration_from_decode_layers(data, "run", spare_slots=True)
     assert "spare slots" in spare.source and "spare slots" not in plain.source
-    assert len(spare.points) == len(plain.points) == 18 and spare.modes == plain.modes == MODES
+    assert len(spare.points) == len(plain.points) == 18 and spare.modes == plain.modes == ONE_RUN_MODES
     rows = {(r["context"], r["batch"], r["target_hit"], r["variant"]): r for r in data["rows"]}
     d = DeviceTimings(measured=spare)
     for p, q in zip(spare.points, plain.points, strict=True):
@@ -276,3 +280,83 @@ def test_committed_calibrated_example_is_valid_and_reproducible():
     args.trace, args.calibration = str(ROOT / args.trace), str(ROOT / args.calibration)
     again = make_profile(args)
     assert again.layers == prof.layers
+
+
+def test_a_run_at_a_margin_adds_the_margin_modes():
+    """Two runs of one call (margin 0, then 0.01; spare 0 and 0.1): the margin run's prefetch modes join as the
+    *_margin modes, against its own all-HBM rows; everything else (sync, da, dba, the misses that place a point) is
+    the first run's. The policy then picks prefetch2 with the margin at batch 64 / 32K / 0.95 (1.085 against 1.113 x
+    all-HBM with spare slots, benchmarks/RESULTS.md) and without it at 0.9 (1.160 against 1.204)."""
+    from ess_sglang.stack_calibration import load_calibration
+
+    m0, m1 = json.loads(RUN_M0.read_text()), json.loads(RUN_M001.read_text())
+    assert m0["meta"]["prefetch_margin"] == 0 and m1["meta"]["prefetch_margin"] == 0.01
+    plain = calibration_from_decode_layers(m0, "m0", spare_slots=True)
+    cal = load_calibration([RUN_M0, RUN_M001], spare_slots=True)
+    assert cal.modes == MODES and cal.prefetch_margin == 0.01 and plain.prefetch_margin is None
+    assert "prefetch margin 0.01" in cal.source and str(RUN_M001) in cal.source
+    rows1 = {(r["context"], r["batch"], r["target_hit"], r["variant"]): r for r in m1["rows"]}
+    for p, q in zip(cal.points, plain.points, strict=True):
+        assert p.misses == q.misses and all(p.exposed_us[m] == q.exposed_us[m] for m in ONE_RUN_MODES)
+        hit = next(k[2] for k in rows1 if k[:2] == (p.context, p.batch) and k[3] == "sync" and math.isclose(
+            sum(next(r for r in m0["rows"] if (r["context"], r["batch"], r["target_hit"], r["variant"]) ==
+                     (p.context, p.batch, k[2], "sync"))["misses_per_layer_step"]) / 4, p.misses, abs_tol=1e-3))
+        hbm = rows1[(p.context, p.batch, hit, "hbm")]["layer_us"]
+        for mode, measured_as in (("prefetch_margin", "prefetch"), ("prefetch2_margin", "prefetch2")):
+            want = rows1[(p.context, p.batch, hit, f"{measured_as}+spare")]["layer_us"] - hbm
+            assert p.exposed_us[mode] == pytest.approx(want, abs=1e-3)
+    d = DeviceTimings(measured=cal)
+    at = {(p.batch, p.context, round(1 - p.misses / (p.batch * 2048), 2)): p for p in cal.points}
+    near = lambda b, c, h: min((p for p in cal.points if (p.batch, p.context) == (b, c)),  # noqa: E731
+                               key=lambda p: abs(p.misses - (1 - h) * b * 2048))
+    assert at and choose_modes([near(64, 32768, 0.95).misses], 64, 32768, d) == ["prefetch2_margin"]
+    assert choose_modes([near(64, 32768, 0.9).misses], 64, 32768, d) == ["prefetch2"]
+
+
+def test_margin_runs_are_checked(tmp_path):
+    from ess_sglang.stack_calibration import load_calibration
+
+    with pytest.raises(CalibrationError, match="the first run must be at prefetch margin 0"):
+        load_calibration([RUN_M001, RUN_M0])
+    with pytest.raises(CalibrationError, match=r"the second run must be at a prefetch margin in \(0, 1\)"):
+        load_calibration([RUN_M0, RUN_M0])
+    with pytest.raises(CalibrationError, match="one decode-stack run, or two"):
+        load_calibration([RUN_M0, RUN_M001, RUN_M001])
+    with pytest.raises(CalibrationError, match=r"nope.json: no such file"):
+        load_calibration([RUN_M0, tmp_path / "nope.json"])
+    with pytest.raises(ValueError, match="prefetch_margin: the points measure 'prefetch_margin'"):
+        StackCalibration(source="s", points=[MeasuredPoint(batch=1, context=1, misses=0.0,
+                                                           exposed_us=dict(sync=1.0, prefetch_margin=1.0))] * 0 + [
+            MeasuredPoint(batch=1, context=1, misses=m, exposed_us=dict(sync=1.0, prefetch_margin=1.0))
+            for m in (0.0, 1.0)])
+
+
+def test_a_profile_from_a_margin_calibration_runs_the_margin_in_its_layers(tmp_path, capsys):
+    from ess_sglang.overlap_policy import layer_prefetch_margins, profile_from_mapping
+
+    out = tmp_path / "p.yaml"
+    argv = ["profile", "--synthetic", "--gen-layers", "3", "--gen-steps", "8", "--batch", "64", "--context", "32768",
+            "--top-k", "2048", "--calibration", str(RUN_M0), "--calibration-margin", str(RUN_M001),
+            "--calibration-spare", "--by", "mean", "--out", str(out)]
+    assert main(argv) == 0
+    prof = load_profile(out, num_layers=3)
+    assert "--calibration-margin" in prof.header.command and prof.device.measured.prefetch_margin == 0.01
+    for lp in prof.layers:  # every layer's choice is the fastest of the seven modes' times
+        times = {m: v for m, v in lp.exposed_us.as_dict().items() if v is not None}
+        assert set(times) == set(MODES)
+        assert lp.mode == min(times, key=lambda m: (times[m], MODES.index(m))) or lp.model_misses == 0
+    want = [0.01 if lp.mode.endswith("_margin") else 0.0 for lp in prof.layers]
+    assert layer_prefetch_margins(out, 3) == prof.prefetch_margins() == want
+    modes, chunks = layer_settings(out, 3)
+    assert chunks == [{"prefetch": 1, "prefetch_margin": 1, "prefetch2": 2, "prefetch2_margin": 2}.get(m, 0)
+                      for m in prof.modes()]
+    # a *_margin layer in a profile whose calibration gives no margin is refused, naming the layer
+    data = prof.model_dump(mode="python")
+    for i, lp in enumerate(data["layers"]):
+        lp["mode"] = "prefetch2_margin" if i == 1 else "sync"
+    data["device"]["measured"] = None
+    with pytest.raises(OverlapProfileError, match=r"layers\[1\]\.mode \(layer 1\): 'prefetch2_margin' runs the "
+                                                  r"calibration's threshold margin"):
+        profile_from_mapping(data, "p.yaml")
+    assert main(["profile", "--synthetic", "--calibration-margin", str(RUN_M001)]) == 2
+    assert "--calibration-margin: needs --calibration" in capsys.readouterr().err
