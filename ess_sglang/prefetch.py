@@ -10,11 +10,11 @@ not resident is a prefetch candidate. Candidates are taken most recent first, at
     cap(seq_len) = clamp(ceil(cap_fraction * seq_len), cap_min_tokens, width),   width = the static list width
 
 so the cap grows with context length and bounds the bytes a wrong guess can waste. With `margin` > 0 the bar a
-position must pass is lowered to threshold - margin x |threshold| (finite thresholds): more of the step's misses
-are caught, for more wasted bytes. The cache manager fetches them
-(`HotPoolCacheManager.prefetch`) on a side stream while the main stream runs the top-k; the exact resolve that
-follows finds them resident, counts them useful or wasted, and fetches whatever is still missing (exact backfill),
-so prefetching changes which entries are resident, never which entries attention reads.
+position must pass is lowered to threshold - margin x |threshold| (finite thresholds): more of the step's misses are
+caught, for more wasted bytes. The margin may differ per layer (an overlap profile's *_margin layers). The cache
+manager fetches them (`HotPoolCacheManager.prefetch`) on a side stream while the main stream runs the top-k; the
+exact resolve that follows finds them resident, counts them useful or wasted, and fetches whatever is still missing
+(exact backfill), so prefetching changes which entries are resident, never which entries attention reads.
 
 Everything here is fixed-shape torch ops on device tensors (no host synchronisation): it runs inside a CUDA graph.
 A row's threshold starts at +inf (nothing is prefetched before the row's first step); `reset_rows` restores that
@@ -24,6 +24,8 @@ when a request row is reused.
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Sequence
 
 import torch
 
@@ -37,18 +39,23 @@ _DEFAULTS = {name: EssConfig.model_fields[f"prefetch_{key}"].default
 class EchoPrefetcher:
     def __init__(self, num_layers: int, num_rows: int, max_context: int, alpha: float = _DEFAULTS["alpha"],
                  cap_fraction: float = _DEFAULTS["cap_fraction"], cap_min_tokens: int = _DEFAULTS["cap_min_tokens"],
-                 device: torch.device | str = "cpu", impl: str = "auto", margin: float = _DEFAULTS["margin"]):
+                 device: torch.device | str = "cpu", impl: str = "auto",
+                 margin: float | Sequence[float] = _DEFAULTS["margin"]):
         """Defaults: EssConfig's prefetch_ema_alpha, prefetch_cap_fraction, prefetch_cap_min_tokens and
-        prefetch_threshold_margin."""
+        prefetch_threshold_margin. `margin`: one for every layer, or one per layer."""
         if not 0 < alpha <= 1:
             raise ValueError(f"prefetch alpha must be in (0, 1], got {alpha}")
-        if not 0 <= margin < 1:
-            raise ValueError(f"prefetch margin must be in [0, 1), got {margin}")
+        per_layer = [margin] * num_layers if isinstance(margin, numbers.Real) else list(margin)
+        if len(per_layer) != num_layers:
+            raise ValueError(f"prefetch margin: one number or one per layer ({num_layers}), got {len(per_layer)}")
+        bad = [m for m in per_layer if isinstance(m, bool) or not isinstance(m, numbers.Real) or not 0 <= m < 1]
+        if bad:
+            raise ValueError(f"prefetch margin must be in [0, 1), got {bad[0]!r}")
         if not 0 <= cap_fraction <= 1 or cap_min_tokens < 0 or max_context <= 0:
             raise ValueError(f"prefetch cap: cap_fraction in [0, 1], cap_min_tokens >= 0 and max_context > 0 needed, "
                              f"got {cap_fraction}, {cap_min_tokens}, {max_context}")
         self.alpha = float(alpha)
-        self.margin = float(margin)
+        self.margins = tuple(float(m) for m in per_layer)  # per layer
         self.cap_fraction = float(cap_fraction)
         self.cap_min_tokens = int(cap_min_tokens)
         self.width = max(1, min(max_context, max(cap_min_tokens, math.ceil(cap_fraction * max_context))))
@@ -84,13 +91,15 @@ class EchoPrefetcher:
             rows = logits if logits.stride(-1) == 1 else logits.contiguous()
             return prefetch_candidates_triton(rows, self.threshold[layer], req_to_token,
                                               req_pool_indices, seq_lens, loc_to_slot, num_locations,
-                                              self._cap_fraction, self.cap_min_tokens, self.width, self.margin)
+                                              self._cap_fraction, self.cap_min_tokens, self.width,
+                                              self.margins[layer])
         B, _, T = logits.shape
         rows = req_pool_indices.long()
         row_ok = (rows >= 0) & (rows < req_to_token.shape[0])  # a row outside the table: no candidates
         rows = torch.where(row_ok, rows, 0)
         thr = self.threshold[layer, rows]
-        thr = torch.where(torch.isfinite(thr), thr - self.margin * thr.abs(), thr).view(B, 1, 1)
+        margin = self.margins[layer]
+        thr = torch.where(torch.isfinite(thr), thr - margin * thr.abs(), thr).view(B, 1, 1)
         above = (logits > thr).any(dim=1)  # [B, T]
         pos = torch.arange(T, device=logits.device).view(1, T)
         locs = req_to_token[rows, :T].long()

@@ -505,6 +505,32 @@ def test_prefetch_margin_lowers_the_bar_in_both_implementations():
         EchoPrefetcher(1, rows, T, margin=1.0)
 
 
+def test_prefetch_margins_per_layer():
+    """An overlap profile's *_margin layers prefetch with its margin, the others without: each layer's candidates
+    are those of a prefetcher with that layer's margin everywhere (both implementations)."""
+    g = torch.Generator().manual_seed(4)
+    B, T, rows = 2, 900, 3
+    req_to_token = torch.randint(0, 4000, (rows, T), generator=g).int()
+    logits = torch.randn(B, 1, T, generator=g) + 3
+    rpi, seq = torch.tensor([0, 2]), torch.tensor([T, 640])
+    loc_to_slot = torch.full((4001,), -1, dtype=torch.int32)
+    per_layer = EchoPrefetcher(2, rows, T, cap_fraction=1.0, cap_min_tokens=0, margin=[0.0, 0.2])
+    assert per_layer.margins == (0.0, 0.2)
+    per_layer.threshold.fill_(4.0)
+    for layer, margin in enumerate((0.0, 0.2)):
+        alone = EchoPrefetcher(2, rows, T, cap_fraction=1.0, cap_min_tokens=0, margin=margin)
+        alone.threshold.fill_(4.0)
+        args = (layer, logits, req_to_token, rpi, seq, loc_to_slot, 4000)
+        for impl in ("torch", "triton"):
+            assert torch.equal(per_layer.candidates(*args, impl=impl), alone.candidates(*args, impl="torch"))
+    assert int((per_layer.candidates(1, *args[1:]) >= 0).sum()) > int((per_layer.candidates(0, *args[1:]) >= 0).sum())
+    with pytest.raises(ValueError, match=r"one number or one per layer \(2\), got 3"):
+        EchoPrefetcher(2, rows, T, margin=[0.0, 0.1, 0.1])
+    for bad in ([0.0, -0.1], [0.0, True], [0.0, "0.1"]):
+        with pytest.raises(ValueError, match=r"margin must be in \[0, 1\)"):
+            EchoPrefetcher(2, rows, T, margin=bad)
+
+
 def test_prefetch_candidates_read_row_padded_logits_in_place():
     """DeepGEMM's logits are a view of a buffer with padded rows: the kernels read it through its row stride (no
     copy), and find what they find in a contiguous copy; the torch definition agrees."""

@@ -44,7 +44,7 @@ import torch
 
 from ess_sglang.cache_manager import FetchList, HotPoolCacheManager
 from ess_sglang.config import EssConfig
-from ess_sglang.overlap_policy import PREFETCH_CHUNKS, load_profile
+from ess_sglang.overlap_policy import MARGIN_MODES, PREFETCH_CHUNKS, load_profile
 from ess_sglang.prefetch import EchoPrefetcher
 from ess_sglang.streams import SideStream
 
@@ -64,22 +64,28 @@ class OverlapPlan:
     prefetch_layers: tuple[bool, ...]
     spare_slots: int
     note: str  # one line for the start-up log
+    prefetch_margins: tuple[float, ...] = ()  # per layer: its ECHO threshold margin (empty: every layer's is 0)
 
 
 def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: int, hot_slots_per_layer: int,
          page_size: int) -> OverlapPlan:
-    """Prefetching layers and spare slots per layer, from ``prefetch_overlap_level``, ``overlap_profile`` and
-    ``spare_slot_fraction``. DA and DBA need SGLang's attention call split, which the plugin does not do: a
-    profile's DA / DBA layers fetch synchronously (exact, like every mode); level ``da`` is refused at launch
-    (``cli_args.check_resolved``)."""
+    """Prefetching layers, their threshold margins and spare slots per layer, from ``prefetch_overlap_level``,
+    ``overlap_profile``, ``prefetch_threshold_margin`` and ``spare_slot_fraction``. A profile's *_margin layers run
+    its calibration's margin, every other layer ``prefetch_threshold_margin``. DA and DBA need SGLang's attention
+    call split, which the plugin does not do: a profile's DA / DBA layers fetch synchronously (exact, like every
+    mode); level ``da`` is refused at launch (``cli_args.check_resolved``)."""
     level = config.prefetch_overlap_level
     if level == "da":
         raise ValueError(DA_REFUSED)
+    margins = [config.prefetch_threshold_margin] * num_layers
     if level == "none":
         layers, why = [False] * num_layers, "prefetch_overlap_level none"
     elif config.overlap_profile is not None:
-        modes = load_profile(config.overlap_profile, num_layers).modes()
+        profile = load_profile(config.overlap_profile, num_layers)
+        modes = profile.modes()
         layers = [m in PREFETCH_CHUNKS for m in modes]
+        margins = [pm if m in MARGIN_MODES else dm for m, pm, dm in zip(modes, profile.prefetch_margins(), margins,
+                                                                        strict=True)]
         other = sorted({m for m in modes if m not in PREFETCH_CHUNKS and m != "sync"})
         why = f"overlap profile {config.overlap_profile}" + (
             f" ({', '.join(other)} layers fetch synchronously in the plugin)" if other else "")
@@ -91,9 +97,12 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
     wanted = math.ceil(fraction * top_k * max_running_requests / page_size) * page_size
     cap = int(hot_slots_per_layer * MAX_SPARE_SHARE) // page_size * page_size
     spare = min(wanted, cap)
-    note = (f"ECHO prefetch in {sum(layers)} of {num_layers} layers ({why}); {spare} spare slots per layer"
+    with_margin = sorted({m for m, on in zip(margins, layers, strict=True) if on and m > 0})
+    note = (f"ECHO prefetch in {sum(layers)} of {num_layers} layers ({why})"
+            + (f", threshold margin {' / '.join(f'{m:g}' for m in with_margin)}" if with_margin else "")
+            + f"; {spare} spare slots per layer"
             + (f" (asked {wanted}, capped at 1/8 of the hot pool)" if spare < wanted else ""))
-    return OverlapPlan(tuple(layers), spare, note)
+    return OverlapPlan(tuple(layers), spare, note, tuple(float(m) for m in margins))
 
 
 class DecodeOverlap:
@@ -114,7 +123,7 @@ class DecodeOverlap:
             self.prefetcher = EchoPrefetcher(self.num_layers, num_rows, max_context, alpha=config.prefetch_ema_alpha,
                                              cap_fraction=config.prefetch_cap_fraction,
                                              cap_min_tokens=config.prefetch_cap_min_tokens, device=manager.device,
-                                             margin=config.prefetch_threshold_margin)
+                                             margin=plan.prefetch_margins or config.prefetch_threshold_margin)
             n = max_batch * self.prefetcher.width
             self.fetch_list = manager.new_fetch_list(n)
             manager.reserve_scratch(n)

@@ -58,6 +58,34 @@ def test_plan_follows_the_overlap_profile(tmp_path):
     assert not any(_plan(overlap_profile=path, prefetch_overlap_level="none").prefetch_layers)
 
 
+def test_plan_runs_the_profiles_threshold_margin_in_its_margin_layers(tmp_path):
+    """A profile calibrated with a margin run (`ess profile --calibration-margin`): its *_margin layers prefetch with
+    the calibration's margin, its other prefetch layers with prefetch_threshold_margin; the prefetcher gets them."""
+    from ess_sglang.cli import main
+    from ess_sglang.overlap_policy import load_profile
+    from ess_sglang.sglang_plugin import echo
+
+    runs = Path("benchmarks/results/margin_calibration")
+    out = tmp_path / "p.yaml"
+    assert main(["profile", "--synthetic", "--gen-layers", "3", "--gen-steps", "8", "--batch", "64", "--context",
+                 "32768", "--top-k", "2048", "--calibration", str(runs / "m0" / "decode_layers.json"),
+                 "--calibration-margin", str(runs / "m001" / "decode_layers.json"), "--calibration-spare",
+                 "--out", str(out)]) == 0
+    modes = load_profile(out, 3).modes()
+    assert "prefetch2_margin" in modes and "prefetch2" in modes  # (the synthetic layers' misses differ)
+    p = _plan(layers=3, overlap_profile=str(out), prefetch_threshold_margin=0.002)
+    assert p.prefetch_layers == (True,) * 3
+    assert p.prefetch_margins == tuple(0.01 if m.endswith("_margin") else 0.002 for m in modes)
+    assert "threshold margin 0.002 / 0.01" in p.note
+    assert _plan(layers=3).prefetch_margins == (0.0,) * 3 and "margin" not in _plan(layers=3).note
+    from ess_sglang.cache_manager import HotPoolCacheManager
+    from ess_sglang.host_pool import HostTotalPool
+
+    m = HotPoolCacheManager(HostTotalPool(3, 4096, device="cpu"), 1024, device="cpu", max_selected=8 * 64)
+    overlap = echo.DecodeOverlap(m, p, 8, 4096, 8, EssConfig())
+    assert overlap.prefetcher.margins == p.prefetch_margins
+
+
 def test_launch_checks_name_the_overlap_problem(tmp_path):
     from ess_sglang.sglang_plugin.cli_args import overlap_problems
 
