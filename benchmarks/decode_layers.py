@@ -18,7 +18,9 @@ ESS stack over hot pools filled by the cache manager from a pinned host pool, in
                names: sync / da / dba from the analytic cost model, or, with `--calibration` (the JSON of an
                earlier run of this benchmark), whichever of sync / da / dba / prefetch / prefetch2 that run
                measured fastest at this batch, context and miss count (interpolated between its points);
-               layerwise+spare from that run's modes with spare slots, where it measured them
+               layerwise+spare from that run's modes with spare slots, where it measured them; with
+               `--calibration-margin` (a second run, at `--prefetch-margin m`) also prefetch / prefetch2 with
+               threshold margin m (modes prefetch_margin / prefetch2_margin), per layer
 
 With `--spare S[,S...]` every ESS mode also runs with spare slots per layer (variant "mode+spare"): free slots that
 `HotPoolCacheManager.refill_spares` evicts ahead of time, beside attention, so that a resolve whose misses they cover
@@ -70,6 +72,7 @@ from ess_sglang.overlap_policy import (
     DeviceTimings,
     ProfileHeader,
     build_profile,
+    layer_prefetch_margins,
     layer_settings,
     save_profile,
     spare_slots_for,
@@ -323,9 +326,9 @@ def pool_slots(args, batch: int, context: int, steps: int) -> int:
 
 
 def layerwise_settings(sync_misses, cfg: Config, slots: int, hit: float,
-                       timings: DeviceTimings) -> tuple[list[str], list[int]]:
-    """The layer-wise policy's per-layer (overlap modes, prefetch chunks): a profile of the sync run's misses per
-    layer, written as YAML and read back, as a deployment would run it."""
+                       timings: DeviceTimings) -> tuple[list[str], list[int], list[float]]:
+    """The layer-wise policy's per-layer (overlap modes, prefetch chunks, prefetch threshold margins): a profile of
+    the sync run's misses per layer, written as YAML and read back, as a deployment would run it."""
     misses = np.asarray([sync_misses], dtype=np.float64)
     header = ProfileHeader(command=f"benchmarks/decode_layers.py layerwise (context {cfg.context}, batch {cfg.batch}, "
                                    f"hit {hit})", date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -335,7 +338,8 @@ def layerwise_settings(sync_misses, cfg: Config, slots: int, hit: float,
                            chosen_by="mean")
     profile = build_profile(misses, np.full_like(misses, cfg.batch * TOP_K), header, timings)
     with tempfile.TemporaryDirectory() as d:
-        return layer_settings(save_profile(profile, os.path.join(d, "profile.yaml")), cfg.layers)
+        path = save_profile(profile, os.path.join(d, "profile.yaml"))
+        return (*layer_settings(path, cfg.layers), layer_prefetch_margins(path, cfg.layers))
 
 
 def run_config(pools, layers, context, batch, hit, args, timings, timings_spare) -> list[dict]:
@@ -359,12 +363,13 @@ def run_config(pools, layers, context, batch, hit, args, timings, timings_spare)
         spare = spare_slots(spare_size, batch, slots, sync_misses)
         resident = False
         layer_prefetch = None
+        margin = args.prefetch_margin
         if mode == "layerwise":  # the policy: all-resident lookups when everything fits, else the profile's modes
             if sync_misses is None:
                 raise SystemExit("--modes: layerwise needs sync before it (its misses make the profile)")
             resident = fits(cfg, slots)
-            modes, layer_prefetch = layerwise_settings(sync_misses, cfg, slots, hit,
-                                                       timings_spare if spare_size else timings)
+            modes, layer_prefetch, margin = layerwise_settings(sync_misses, cfg, slots, hit,
+                                                               timings_spare if spare_size else timings)
             prefetch = False
         elif mode in EXTRA_MODES:
             modes, prefetch = [mode.split("_")[0]] * layers, False
@@ -375,7 +380,7 @@ def run_config(pools, layers, context, batch, hit, args, timings, timings_spare)
         if "dba" in modes and batch < 2 or resident and spare_size:  # (all-resident: no misses, no spares)
             continue
         try:
-            ess = build_ess(pools, cfg, slots, modes, prefetch, spare=spare, margin=args.prefetch_margin,
+            ess = build_ess(pools, cfg, slots, modes, prefetch, spare=spare, margin=margin,
                             **dict(options, sync_copy="counted" if mode == "sync_counted" else "inline",
                                    prefetch_chunks=max(1, prefetch_chunks(mode)), prefetch_layers=layer_prefetch,
                                    dba_attention="split" if mode == "dba_split" else "whole",
@@ -388,7 +393,8 @@ def run_config(pools, layers, context, batch, hit, args, timings, timings_spare)
         r["all_resident"] = resident
         if variant == "sync":
             sync_misses = r["misses_per_layer_step"]
-        policy = {} if layer_prefetch is None else dict(layer_prefetch_chunks=list(layer_prefetch))
+        policy = {} if layer_prefetch is None else dict(layer_prefetch_chunks=list(layer_prefetch),
+                                                        layer_prefetch_margins=list(margin))
         rows.append(dict(base, variant=variant, spare_slots=spare, layer_modes=list(modes), **policy, **r,
                          ratio=r["step_us"] / t_hbm["step_us"]))
         del ess
@@ -403,10 +409,12 @@ def run_config(pools, layers, context, batch, hit, args, timings, timings_spare)
 
 def policy_modes(row) -> list[str]:
     """A row's per-layer modes in the overlap profile's names: a sync layer that prefetches in N chunks is
-    "prefetch" (N = 1) or "prefetchN"."""
-    chunks = row.get("layer_prefetch_chunks") or [0] * len(row.get("layer_modes", []))
-    return [m if not n else "prefetch" if n == 1 else f"prefetch{n}"
-            for m, n in zip(row.get("layer_modes", []), chunks, strict=True)]
+    "prefetch" (N = 1) or "prefetchN", with "_margin" where it runs a threshold margin."""
+    n_layers = len(row.get("layer_modes", []))
+    chunks = row.get("layer_prefetch_chunks") or [0] * n_layers
+    margins = row.get("layer_prefetch_margins") or [0.0] * n_layers
+    return [m if not n else ("prefetch" if n == 1 else f"prefetch{n}") + ("_margin" if g else "")
+            for m, n, g in zip(row.get("layer_modes", []), chunks, margins, strict=True)]
 
 
 def print_table(rows) -> None:
@@ -471,6 +479,9 @@ def main(argv=None) -> int:
     p.add_argument("--calibration", metavar="JSON", help="layerwise: choose the modes from the exposed times this "
                    "earlier run of the benchmark measured (sync / da / dba / prefetch / prefetch2) instead of the "
                    "analytic cost model")
+    p.add_argument("--calibration-margin", metavar="JSON", help="with --calibration (a run at margin 0): a run at "
+                   "--prefetch-margin m > 0, whose prefetch modes the policy may choose as prefetch_margin / "
+                   "prefetch2_margin (those layers then prefetch with margin m)")
     p.add_argument("--spare", default="0", help="spare slots per layer, as fractions of batch x top-k or 'auto' "
                    "(from the sync run's misses), e.g. 0,auto: every mode runs once per value (variant 'mode+spare' "
                    "where not 0)")
@@ -510,13 +521,15 @@ def main(argv=None) -> int:
     tokens = max(b * (c + steps) for c, b, _ in configs)
     pools = Pools(args.layers, tokens)
     timings = timings_spare = DeviceTimings()
+    if args.calibration_margin and not args.calibration:
+        p.error("--calibration-margin: needs --calibration (the run at margin 0)")
     if args.calibration:
-        timings = timings.model_copy(update={"measured": load_calibration(args.calibration)})
+        runs = [args.calibration] + ([args.calibration_margin] if args.calibration_margin else [])
+        timings = timings.model_copy(update={"measured": load_calibration(runs)})
         timings_spare = timings  # layerwise+spare: the calibration's runs with spare slots, where it has them
         if any(args.spare):
             try:
-                timings_spare = timings.model_copy(
-                    update={"measured": load_calibration(args.calibration, spare_slots=True)})
+                timings_spare = timings.model_copy(update={"measured": load_calibration(runs, spare_slots=True)})
             except CalibrationError as exc:
                 print(f"layerwise+spare chooses from the runs without spare slots: {exc}", flush=True)
     t0 = time.time()
@@ -539,6 +552,7 @@ def main(argv=None) -> int:
                 dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk, spare=args.spare,
                 prefetch_margin=args.prefetch_margin,
                 calibration=timings.measured.source if timings.measured is not None else None,
+                calibration_prefetch_margin=timings.measured.prefetch_margin if timings.measured is not None else None,
                 calibration_spare=timings_spare.measured.source if timings_spare.measured is not None else None)
     for c, b, h in configs:
         rows += run_config(pools, args.layers, c, b, h, args, timings, timings_spare)
