@@ -280,7 +280,8 @@ def calibrate_rho(pools, cfg, slots, target, warm, iters=7, topk="torch") -> tup
     return best
 
 
-def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 0.0, margin: float = 0.0) -> dict:
+def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 0.0, margin: float = 0.0,
+                      prefetch_indexer: str = "overlapped") -> dict:
     """Eager steps from the same state: ESS modes against the all-HBM stack (whole-batch and split attention)."""
     res = {}
     hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
@@ -299,7 +300,8 @@ def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 
     for name, modes, prefetch in variants:
         ess = build_ess(pools, cfg, slots, [modes] * cfg.layers, prefetch, margin=margin,
                         spare=spare_slots(spare_fraction, cfg.batch, slots) if name.endswith("+spare") else 0,
-                        prefetch_chunks=max(1, prefetch_chunks(name.removesuffix("+spare"))))
+                        prefetch_chunks=max(1, prefetch_chunks(name.removesuffix("+spare"))),
+                        prefetch_indexer=prefetch_indexer)
         reset_and_warm(ess, cfg)
         identical, identical_split, rel = True, True, 0.0
         for s in range(cfg.steps):
@@ -355,7 +357,8 @@ def run_config(pools, layers, context, batch, hit, args, timings, timings_spare)
     t_hbm = run_variant(hbm, cfg, queries, args.warm, is_ess=False)
     rows.append(dict(base, variant="hbm", **t_hbm, ratio=1.0))
     sync_misses = None
-    options = dict(dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk)
+    options = dict(dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk,
+                   prefetch_indexer=args.prefetch_indexer)
     for spare_size, mode in [(f, m) for f in args.spare for m in args.modes]:
         variant = f"{mode}+spare" if spare_size else mode
         if spare_size == "auto" and sync_misses is None:
@@ -487,6 +490,10 @@ def main(argv=None) -> int:
                    "where not 0)")
     p.add_argument("--prefetch-margin", type=float, default=0.0,
                    help="ECHO candidates above threshold - margin x |threshold| (EchoPrefetcher margin)")
+    p.add_argument("--prefetch-indexer", default="overlapped", choices=["serial", "overlapped"],
+                   help="prefetchN: the chunks' indexer launches one after the other on the main stream (serial), or "
+                   "all but the last on a high-priority stream of their own, the last at once on the main stream "
+                   "(overlapped: the last chunk's blocks fill the first launch's last wave)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -541,7 +548,8 @@ def main(argv=None) -> int:
     fixed = [f for f in args.spare if f not in (0, "auto")]
     correctness = dict(context=cfg0.context, batch=cfg0.batch, **check_correctness(
         pools, cfg0, slots0, cfg0.queries(rho0), args.warm,
-        spare_fraction=fixed[0] if fixed else 0.08 if "auto" in args.spare else 0.0, margin=args.prefetch_margin))
+        spare_fraction=fixed[0] if fixed else 0.08 if "auto" in args.spare else 0.0, margin=args.prefetch_margin,
+        prefetch_indexer=args.prefetch_indexer))
     print("correctness:", json.dumps(correctness), flush=True)
     rows = []
     os.makedirs(args.out, exist_ok=True)
@@ -550,7 +558,7 @@ def main(argv=None) -> int:
                 wall_s=time.time() - t0, layers=args.layers, heads=HEADS, index_heads=IHEADS, top_k=TOP_K,
                 ratio=args.ratio, warm=args.warm, steps=args.steps, pool_batch=args.pool_batch,
                 dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk, spare=args.spare,
-                prefetch_margin=args.prefetch_margin,
+                prefetch_margin=args.prefetch_margin, prefetch_indexer=args.prefetch_indexer,
                 calibration=timings.measured.source if timings.measured is not None else None,
                 calibration_prefetch_margin=timings.measured.prefetch_margin if timings.measured is not None else None,
                 calibration_spare=timings_spare.measured.source if timings_spare.measured is not None else None)

@@ -10,7 +10,8 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
        EMA of the k-th best score are fetched on the side stream while the main stream runs the top-k (ECHO;
        `ess_sglang.prefetch`); with `prefetch_chunks` > 1 the indexer runs over the batch in that many chunks and
        each chunk's candidates are fetched as soon as its logits exist, beside the next chunk's indexer (the last
-       chunk's beside the top-k);
+       chunk's beside the top-k); the chunks before the last launch on a high-priority stream of their own and the
+       last at once on the main stream (`prefetch_indexer="overlapped"`), so no SM idles between the launches;
     4. top-k positions (torch.topk, or the Triton kernel `ess_sglang.kernels.topk`); the k-th best score updates
        the prefetch threshold at the end of the layer, once the side stream has read it;
     5. resolve + fetch, then attention over hot-pool slots, in the layer's mode:
@@ -99,6 +100,10 @@ class StackOptions:
     # launch, the prefetch beside the top-k only)
     prefetch_layers: Sequence[int] | None = None  # instead of `prefetch`: per layer, 0 (no prefetch) or the number
     # of indexer chunks its prefetch runs in (the overlap profile's "prefetch" / "prefetch2" layers)
+    prefetch_indexer: str = "overlapped"  # with chunks: "serial" (the chunks' indexer launches one after the other
+    # on the main stream) or "overlapped" (every chunk but the last on a high-priority stream of their own, the last
+    # on the main stream at once: the block scheduler fills the first launch's last wave with the next one's blocks;
+    # 5-6 us a layer faster at batch 64-128, benchmarks/RESULTS.md)
     da_width: int = 256  # Attn1's table width (a multiple of 64 for FlashMLA)
     dba_split: float | Sequence[float] = 0.75  # chunk A's fraction of the batch (measured best), or every chunk's
     dba_attention: str = "whole"  # "whole": one attention over the batch (exact); "split": per half (hides more)
@@ -148,6 +153,8 @@ class StackOptions:
         self.layer_prefetch_fractions: tuple[tuple[float, ...] | None, ...] = tuple(per_layer)
         """Per layer: its prefetch's chunk fractions of the batch, or None where the layer does not prefetch."""
         self.any_prefetch = any(f is not None for f in per_layer)
+        if self.prefetch_indexer not in ("serial", "overlapped"):
+            raise ValueError(f"prefetch_indexer must be 'serial' or 'overlapped', got {self.prefetch_indexer!r}")
         if self.overlap_programs < 1:
             raise ValueError(f"overlap_programs must be >= 1, got {self.overlap_programs}")
 
@@ -353,6 +360,10 @@ class EssDecodeStack(_StackBase):
         manager.reserve_scratch(max(q_rows * options.top_k, max_batch * self.prefetcher.width if self.prefetcher
                                     else 0))
         self._side_inputs: list[torch.Tensor] = []  # tensors the side stream reads: alive until the layer joins it
+        # prefetch_indexer "overlapped": the stream of the indexer chunks before the last (high priority: their blocks
+        # are dispatched before the last chunk's, which fill their tail)
+        self._lead = torch.cuda.Stream(manager.device, priority=-1) if self.streams.cuda and \
+            options.prefetch_indexer == "overlapped" else None
         self._before_refill = None  # the side stream's mark before this layer's refill, if one was queued
 
     def step(self, batch: DecodeBatch, inputs: Sequence[LayerInputs], all_resident: bool = False) -> list[torch.Tensor]:
@@ -440,14 +451,27 @@ class EssDecodeStack(_StackBase):
         logits = torch.empty((B, x.q_index.shape[1], self.max_len), dtype=torch.float32, device=x.q_index.device)
         self._side_inputs.append(logits)
         pl = self.prefetch_list
-        for i, (lo, hi) in enumerate(chunk_bounds(B, fractions)):
+        bounds = chunk_bounds(B, fractions)
+        lead = self._lead if len(bounds) > 1 else None
+        if lead is not None:  # "overlapped": the chunks before the last start from here, on the lead stream
+            lead.wait_stream(torch.cuda.current_stream())
+        for i, (lo, hi) in enumerate(bounds):
             b, xi = _slice(batch, x, lo, hi)
-            chunk_logits = self._scores(layer, xi, b, out=logits[lo:hi])
-            with self.streams.on_side():
+            if lead is not None and i < len(bounds) - 1:
+                with torch.cuda.stream(lead):
+                    chunk_logits = self._scores(layer, xi, b, out=logits[lo:hi])
+                done = torch.cuda.Event()
+                done.record(lead)
+            else:
+                chunk_logits = self._scores(layer, xi, b, out=logits[lo:hi])
+                done = None
+            with self.streams.on_side(after=done):
                 cand = pf.candidates(layer, chunk_logits, b.req_to_token, b.req_pool_indices, b.seq_lens,
                                      self.m.loc_to_slot[layer], self.m.num_locations)
                 record = FetchList(pl.src[lo * W:hi * W], pl.dst[lo * W:hi * W], self._prefetch_counts[i:i + 1])
                 self.m.prefetch(layer, cand, record, programs=self.options.overlap_programs)
+        if lead is not None:
+            torch.cuda.current_stream().wait_stream(lead)  # the top-k reads every chunk's logits
         pos, kth = topk_with_scores(logits, self.options.top_k, self.topk_impl)
         # the threshold moves only once the side stream has read it (at the end of the layer)
         self._pending_thresholds.append((kth, batch.req_pool_indices))

@@ -17,11 +17,15 @@ class SideStream:
         # free up, instead of after every queued block of the main stream's big kernels (the indexer).
         self.side = torch.cuda.Stream(device, priority=-1) if self.cuda else None
 
-    def on_side(self):
-        """Work in this block runs on the side stream, after everything queued on the main stream so far."""
+    def on_side(self, after=None):
+        """Work in this block runs on the side stream, after everything queued on the main stream so far, or, given
+        `after` (an event recorded on another stream), after that event only."""
         if not self.cuda:
             return contextlib.nullcontext()
-        self.side.wait_stream(torch.cuda.current_stream())
+        if after is None:
+            self.side.wait_stream(torch.cuda.current_stream())
+        else:
+            self.side.wait_event(after)
         return torch.cuda.stream(self.side)
 
     def mark(self):

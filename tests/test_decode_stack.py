@@ -159,6 +159,12 @@ def test_prefetch_in_chunks_fetches_what_one_prefetch_over_the_batch_fetches():
             assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), f"step {s}"
 
 
+def test_prefetch_indexer_is_checked():
+    assert StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, prefetch_indexer="overlapped")
+    with pytest.raises(ValueError, match="prefetch_indexer must be 'serial' or 'overlapped', got 'split'"):
+        StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, prefetch_indexer="split")
+
+
 def test_prefetch_chunks_are_a_positive_count_or_fractions_summing_to_one():
     import numpy as np
 

@@ -90,7 +90,7 @@ def _inputs(w, s, q_index=None):
 
 
 def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand", prefetch_chunks=1,
-         prefetch_layers=None, spare=0):
+         prefetch_layers=None, spare=0, prefetch_indexer="serial"):
     slots = math.ceil(0.25 * B * CTX / 64) * 64
     m = HotPoolCacheManager(w["host"], slots, max_selected=B * TOPK, spare_slots=spare)
     recent = slots // B - 64
@@ -98,7 +98,8 @@ def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand"
         m.warm_up(layer, w["req_to_token"][:, CTX - recent:CTX].reshape(-1))
     pf = EchoPrefetcher(LAYERS, B, w["width"], device="cuda") if prefetch or prefetch_layers else None
     opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, dba_attention=dba_attention,
-                        new_tokens=new_tokens, prefetch_chunks=prefetch_chunks, prefetch_layers=prefetch_layers)
+                        new_tokens=new_tokens, prefetch_chunks=prefetch_chunks, prefetch_layers=prefetch_layers,
+                        prefetch_indexer=prefetch_indexer)
     return EssDecodeStack(m, w["index_cache"], w["width"], opts, max_batch=B, prefetcher=pf)
 
 
@@ -127,12 +128,15 @@ def reference(world):
     ("sync", 3, "whole", "on_demand"),
     # spare slots (1,024 per layer: about a step's misses here), refilled beside attention
     ("sync", False, "whole", "spare"), ("sync", 2, "whole", "spare"), ("dba", True, "whole", "spare"),
-    ("dba", False, "split", "spare"), ("da", False, "whole", "spare")])
+    ("dba", False, "split", "spare"), ("da", False, "whole", "spare"),
+    # the indexer chunks before the last on a high-priority stream of their own, the last on the main stream at once
+    ("sync", 3, "whole", "overlapped"), ("sync", 2, "whole", "spare, overlapped")])
 def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attention, new_tokens):
-    spare = 1024 if new_tokens == "spare" else 0
-    new_tokens = "on_demand" if spare else new_tokens
+    spare = 1024 if "spare" in new_tokens else 0
+    indexer = "overlapped" if "overlapped" in new_tokens else "serial"
+    new_tokens = "insert" if new_tokens == "insert" else "on_demand"
     ess = _ess(world, [mode] * LAYERS, bool(prefetch), dba_attention, new_tokens, prefetch_chunks=max(1, int(prefetch)),
-               spare=spare)
+               spare=spare, prefetch_indexer=indexer)
     worst = 0.0
     for s in range(STEPS):
         got = ess.step(_batch(world, s), _inputs(world, s))
@@ -159,11 +163,12 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
     ess.m.check_invariants()
 
 
-@pytest.mark.parametrize("modes,prefetch_chunks,spare", [
-    (["da", "dba"], 1, 0), (["sync", "da"], 1, 0), (["sync", "dba"], 2, 0),
-    (["sync", "sync"], (2, 0), 0),  # a tuple: per layer (a profile's)
-    (["sync", "dba"], 2, 1024), (["da", "sync"], (0, 2), 1024)])
-def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, spare):
+@pytest.mark.parametrize("modes,prefetch_chunks,spare,indexer", [
+    (["da", "dba"], 1, 0, "serial"), (["sync", "da"], 1, 0, "serial"), (["sync", "dba"], 2, 0, "serial"),
+    (["sync", "sync"], (2, 0), 0, "serial"),  # a tuple: per layer (a profile's)
+    (["sync", "dba"], 2, 1024, "serial"), (["da", "sync"], (0, 2), 1024, "serial"),
+    (["sync", "sync"], 3, 1024, "overlapped"), (["sync", "da"], (2, 0), 0, "overlapped")])
+def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, spare, indexer):
     """Capture a step with prefetch and mixed modes; replaying it over later steps gives what the all-HBM stack and
     the same steps run eagerly give (exact layers bit-identical; DA within 1e-2 of single-pass attention: graph and
     eager may split a layer's misses differently: equally old victims are taken in the order blocks reach the
@@ -173,7 +178,8 @@ def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, 
     q_index = [torch.zeros(B, 1, 64, 128, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
     per_layer = isinstance(prefetch_chunks, tuple)
     eager, graphed = (_ess(world, modes, prefetch=not per_layer, prefetch_chunks=1 if per_layer else prefetch_chunks,
-                           prefetch_layers=prefetch_chunks if per_layer else None, spare=spare) for _ in range(2))
+                           prefetch_layers=prefetch_chunks if per_layer else None, spare=spare,
+                           prefetch_indexer=indexer) for _ in range(2))
     for s in range(3):  # warm-up (Triton compiles) on both
         for st in (eager, graphed):
             st.step(_batch(world, s), _inputs(world, s))
