@@ -8,7 +8,9 @@ ESS stack over hot pools filled by the cache manager from a pinned host pool, in
     sync       resolve + copy, then attention
     prefetch   sync, plus ECHO prefetch of candidates above the EMA threshold while the top-k runs
     prefetchN  prefetch with the indexer run in N batch chunks (e.g. prefetch2): each chunk's prefetch starts as soon
-               as its logits exist, beside the next chunk's indexer (the last chunk's beside the top-k)
+               as its logits exist, beside the next chunk's indexer (the last chunk's beside the top-k); the chunks
+               before the last launch on a high-priority stream, the last at once on the main stream
+               (`--prefetch-indexer overlapped`, the default; `serial`: one after the other)
     da         dual attention (hits while misses copy; then misses; merged by LSE)
     dba        dual-batch (half A's resolve + copy behind half B's indexer, half B's behind half A's attention)
     layerwise  the policy: when every token of the batch fits the pools, the all-resident path (one lookup per
@@ -511,7 +513,14 @@ def main(argv=None) -> int:
             args.spare[0] != 0 and ("layerwise" in args.modes or "auto" in args.spare):
         p.error("--spare: distinct fractions in [0, 1) or 'auto'; with layerwise or auto, the first must be 0 (the "
                 "profile and the auto size need the sync run without spare slots)")
-    bad = [m for m in args.modes if m not in MODES + EXTRA_MODES and not prefetch_chunks(m)]
+
+    def known(mode: str) -> bool:
+        try:
+            return mode in MODES + EXTRA_MODES or bool(prefetch_chunks(mode))
+        except ValueError:
+            return False
+
+    bad = [m for m in args.modes if not known(m)]
     if bad:
         p.error(f"--modes: unknown mode {bad[0]!r} (of {MODES + EXTRA_MODES}, or prefetchN)")
     if not 0 <= args.prefetch_margin < 1:
@@ -524,21 +533,24 @@ def main(argv=None) -> int:
     small_hits = [float(x) for x in args.small_batch_hits.split(",")]
     configs = [(c, b, h) for c in contexts for b in batches for h in (hits if b >= 16 else small_hits)
                if not args.max_tokens or c * b <= args.max_tokens]
-    steps = args.warm + args.steps
-    tokens = max(b * (c + steps) for c, b, _ in configs)
-    pools = Pools(args.layers, tokens)
     timings = timings_spare = DeviceTimings()
     if args.calibration_margin and not args.calibration:
         p.error("--calibration-margin: needs --calibration (the run at margin 0)")
     if args.calibration:
         runs = [args.calibration] + ([args.calibration_margin] if args.calibration_margin else [])
-        timings = timings.model_copy(update={"measured": load_calibration(runs)})
+        try:
+            timings = timings.model_copy(update={"measured": load_calibration(runs)})
+        except CalibrationError as exc:
+            p.error(f"--calibration: {exc}")
         timings_spare = timings  # layerwise+spare: the calibration's runs with spare slots, where it has them
         if any(args.spare):
             try:
                 timings_spare = timings.model_copy(update={"measured": load_calibration(runs, spare_slots=True)})
             except CalibrationError as exc:
                 print(f"layerwise+spare chooses from the runs without spare slots: {exc}", flush=True)
+    steps = args.warm + args.steps
+    tokens = max(b * (c + steps) for c, b, _ in configs)
+    pools = Pools(args.layers, tokens)  # (after every argument and file is checked: pinned GBs)
     t0 = time.time()
     first = configs[0]
     cfg0 = Config(pools, args.layers, first[0], 16, steps, seed=7)

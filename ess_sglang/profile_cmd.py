@@ -5,7 +5,8 @@ The trace (a recorded ``.npz``, a synthetic one, or the demo model's own) is rep
 warm-up, then per step `begin_step`, and per layer `write_new_tokens` and `resolve`. The manager's device counters are
 snapshotted after every step, which gives the distinct misses and the lookups of every layer in every step. The cost
 model of `ess_sglang.overlap_policy` then picks sync / da / dba per layer (and prefetch / prefetch2 too, with a
-measured `--calibration`), and the profile is written as YAML::
+measured `--calibration`, and their threshold-margin variants with `--calibration-margin`), and the profile is written
+as YAML::
 
     ess profile --trace benchmarks/traces/smollm2-135m_sample.npz --ratio 0.2 --out configs/overlap/x.yaml
     ess profile --synthetic --gen-layers 16 --batch 64 --context 32768 --top-k 2048
@@ -341,8 +342,10 @@ def print_table(profile: OverlapProfile, stderr: bool = False) -> None:
                   highlight=False)
     if profile.device.measured is not None:
         where = "inside" if profile.device.measured.covers(h.batch, h.context) else "outside (analytic model used)"
+        margin = profile.device.measured.prefetch_margin
         console.print(f"calibration: batch {h.batch} / context {h.context} is {where} its grid of batches "
-                      f"{profile.device.measured.batches} x contexts {profile.device.measured.contexts}",
+                      f"{profile.device.measured.batches} x contexts {profile.device.measured.contexts}"
+                      + (f"; the *_margin modes prefetch with threshold margin {margin:g}" if margin else ""),
                       highlight=False)
 
 

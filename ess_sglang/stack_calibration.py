@@ -187,13 +187,14 @@ def load_calibration(path: str | Path | Sequence[str | Path], where: str | None 
     (`--prefetch-margin`), whose prefetch modes join as the *_margin modes. Every error is a CalibrationError
     starting with `where` (default: the path or paths)."""
     paths = [path] if isinstance(path, str | Path) else list(path)
-    where = where or ", ".join(str(p) for p in paths)
     if not 1 <= len(paths) <= 2:
-        raise CalibrationError(f"{where}: one decode-stack run, or two (margin 0, then a threshold margin), got "
-                               f"{len(paths)}")
+        raise CalibrationError(f"{where or 'calibration'}: one decode-stack run, or two (margin 0, then a threshold "
+                               f"margin), got {len(paths)}")
+    listed = ", ".join(str(p) for p in paths)
+    where = where or listed
     runs = []
     for p in paths:
-        at = where if len(paths) == 1 else f"{where}: {p}"
+        at = where if len(paths) == 1 else str(p) if where == listed else f"{where}: {p}"
         try:
             runs.append(json.loads(Path(p).read_text(encoding="utf-8")))
         except FileNotFoundError:
@@ -203,10 +204,31 @@ def load_calibration(path: str | Path | Sequence[str | Path], where: str | None 
     return calibration_from_decode_layers(runs[0], where, spare_slots, margin_run=runs[1] if len(runs) > 1 else None)
 
 
-def _run_margin(data: Any) -> float:
-    meta = data.get("meta") if isinstance(data, Mapping) else None
-    margin = (meta or {}).get("prefetch_margin", 0.0) or 0.0
-    return float(margin) if isinstance(margin, int | float) and not isinstance(margin, bool) else math.nan
+COMPARABLE_META = ("layers", "warm", "steps", "ratio", "pool_batch", "dba_split", "overlap_programs", "topk", "spare",
+                   "device", "prefetch_indexer")
+"""`meta` keys of a decode-stack run that the two runs of a margin calibration must share (what else they measure
+with), besides the margin itself."""
+
+
+def _meta(data: Any, where: str) -> Mapping:
+    if not isinstance(data, Mapping) or not isinstance(data.get("rows"), list):
+        raise CalibrationError(f"{where}: expected the JSON of benchmarks/decode_layers.py, a mapping with a 'rows' "
+                               f"list")
+    meta = data.get("meta")
+    if meta is None:
+        return {}
+    if not isinstance(meta, Mapping):
+        raise CalibrationError(f"{where}: meta: expected a mapping, got {type(meta).__name__}")
+    return meta
+
+
+def _run_margin(meta: Mapping, where: str) -> float:
+    margin = meta.get("prefetch_margin", 0.0)
+    if margin is None:
+        return 0.0
+    if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin < 1:
+        raise CalibrationError(f"{where}: meta.prefetch_margin: expected a number in [0, 1), got {margin!r}")
+    return float(margin)
 
 
 def calibration_from_decode_layers(data: Any, where: str = "decode-stack results", spare_slots: bool = False,
@@ -216,58 +238,69 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
     Every configuration (context, batch, hit) with an all-HBM row and a sync row with misses becomes a point; the
     configurations whose batch was measured at a single miss count (the small batches, whose tokens all fit) are left
     out, and so is every mode not measured at every remaining point. `spare_slots`: each mode's time from its run with
-    spare slots (row "mode+spare"). `margin_run`: the JSON of a run with `--prefetch-margin m` > 0 (this run's margin
-    must be 0): its prefetch modes, against its own all-HBM rows, become "prefetch_margin" / "prefetch2_margin" at
-    the configurations both runs measured."""
-    margin = None
+    spare slots (row "mode+spare"). The run must be at prefetch margin 0 (`meta.prefetch_margin`: its prefetch
+    modes run at margin 0). `margin_run`: the JSON of a run at `--prefetch-margin m` > 0 with the same settings
+    otherwise (`COMPARABLE_META`): its prefetch modes, against its own all-HBM rows, become "prefetch_margin" /
+    "prefetch2_margin", which must then be measured at every point."""
+    meta = _meta(data, where)
+    first = _run_margin(meta, where)
+    if first != 0:
+        raise CalibrationError(f"{where}: measured at prefetch margin {first} (meta.prefetch_margin), but its prefetch "
+                               f"modes would run at margin 0: give a run at margin 0, and this one as the margin run "
+                               f"(ess profile / decode_layers.py --calibration-margin)")
+    margin, meta2 = None, {}
     if margin_run is not None:
-        if _run_margin(data) != 0:
-            raise CalibrationError(f"{where}: the first run must be at prefetch margin 0 (meta.prefetch_margin), got "
-                                   f"{_run_margin(data)}")
-        margin = _run_margin(margin_run)
-        if not 0 < margin < 1:
-            raise CalibrationError(f"{where}: the second run must be at a prefetch margin in (0, 1) "
-                                   f"(meta.prefetch_margin; decode_layers.py --prefetch-margin), got {margin}")
+        meta2 = _meta(margin_run, f"{where} (margin run)")
+        margin = _run_margin(meta2, f"{where} (margin run)")
+        if margin == 0:
+            raise CalibrationError(f"{where}: the margin run must be at a prefetch margin in (0, 1) "
+                                   f"(meta.prefetch_margin; decode_layers.py --prefetch-margin), got 0")
+        differ = [k for k in COMPARABLE_META if meta.get(k) != meta2.get(k)]
+        if differ:
+            k = differ[0]
+            raise CalibrationError(f"{where}: the two runs differ in meta.{k} ({meta.get(k)!r} against "
+                                   f"{meta2.get(k)!r}): measure both with the same settings but the margin")
     raw = _measured(data, where, spare_slots)
     if margin_run is not None:
-        extra = _measured(margin_run, f"{where} (margin run)", spare_slots)
+        extra = _measured(margin_run, f"{where} (margin run)", spare_slots, with_misses=False)
         for key, p in raw.items():
-            for mode, measured_as in MARGIN_MODES.items():
-                if key in extra and measured_as in extra[key]["exposed_us"]:
-                    p["exposed_us"][mode] = extra[key]["exposed_us"][measured_as]
-    raw = list(raw.values())
+            got = extra[key]["exposed_us"] if key in extra else {}
+            p["exposed_us"].update({mode: got[as_mode] for mode, as_mode in MARGIN_MODES.items() if as_mode in got})
     # batches measured at one miss count only cannot be interpolated along misses: leave their whole batch out
     counts: dict[tuple[int, int], set] = {}
-    for p in raw:
+    for p in raw.values():
         counts.setdefault((p["batch"], p["context"]), set()).add(p["misses"])
     thin = {b for (b, _), m in counts.items() if len(m) < 2}
-    raw = [p for p in raw if p["batch"] not in thin]
+    raw = {key: p for key, p in raw.items() if p["batch"] not in thin}
     if not raw:
         raise CalibrationError(f"{where}: no configuration was measured at two or more hit rates with misses")
-    common = [m for m in CALIBRATED_MODES if all(m in p["exposed_us"] for p in raw)]
-    for p in raw:
+    common = [m for m in CALIBRATED_MODES if all(m in p["exposed_us"] for p in raw.values())]
+    if margin_run is not None and not any(m in MARGIN_MODES for m in common):
+        lacking = [key for key, p in raw.items() if not any(m in p["exposed_us"] for m in MARGIN_MODES)]
+        raise CalibrationError(f"{where}: the margin run measured neither prefetch nor prefetch2"
+                               f"{' with spare slots' if spare_slots else ''} at every point of the first run; "
+                               f"missing at (context, batch, hit) {lacking[0]}" + (f" and {len(lacking) - 1} more"
+                                                                                   if len(lacking) > 1 else ""))
+    for p in raw.values():
         p["exposed_us"] = {m: p["exposed_us"][m] for m in common}
-    meta = data.get("meta") or {}
     source = (f"{where}: {meta.get('command', '?')} ({meta.get('date', '?')}, {meta.get('device', '?')}); "
               f"time per layer minus the all-HBM stack's{' (the runs with spare slots)' if spare_slots else ''}, "
               f"misses per layer of the sync run")
-    if margin_run is not None:
-        m2 = margin_run.get("meta") or {}
-        source += (f"; the *_margin modes from {m2.get('command', '?')} ({m2.get('date', '?')}), prefetch margin "
-                   f"{margin}")
+    if margin is not None:
+        source += (f"; the *_margin modes from {meta2.get('command', '?')} ({meta2.get('date', '?')}), prefetch "
+                   f"margin {margin}")
     try:
-        return StackCalibration(source=source, points=[MeasuredPoint(**p) for p in raw],
-                                prefetch_margin=margin if any(m in MARGIN_MODES for m in common) else None)
+        return StackCalibration(source=source, points=[MeasuredPoint(**p) for p in raw.values()],
+                                prefetch_margin=margin)
     except ValueError as exc:
         raise CalibrationError(f"{where}: {exc}") from None
 
 
-def _measured(data: Any, where: str, spare_slots: bool) -> dict[tuple, dict]:
+def _measured(data: Any, where: str, spare_slots: bool, with_misses: bool = True) -> dict[tuple, dict]:
     """Per configuration (context, batch, hit) of a decode-stack run: batch, context, the sync run's misses per
-    layer and step, and each measured mode's exposed time (`spare_slots`: from the "mode+spare" rows)."""
-    if not isinstance(data, Mapping) or not isinstance(data.get("rows"), list):
-        raise CalibrationError(f"{where}: expected the JSON of benchmarks/decode_layers.py, a mapping with a 'rows' "
-                               f"list")
+    layer and step, and each measured mode's exposed time (`spare_slots`: from the "mode+spare" rows).
+    `with_misses=False` (a margin run, whose misses are not used): configurations without a sync row count too."""
+    _meta(data, where)
     by_config: dict[tuple, dict[str, Mapping]] = {}
     for i, row in enumerate(data["rows"]):
         try:
@@ -282,10 +315,9 @@ def _measured(data: Any, where: str, spare_slots: bool) -> dict[tuple, dict]:
     raw = {}
     for key, rows in sorted(by_config.items()):
         context, batch, _hit = key
-        if "hbm" not in rows or "sync" not in rows:
+        if "hbm" not in rows or with_misses and "sync" not in rows:
             continue
-        sync = rows["sync"]
-        per_layer = sync.get("misses_per_layer_step") or []
+        per_layer = (rows["sync"].get("misses_per_layer_step") or []) if with_misses else [math.nan]
         if not per_layer:
             continue
         hbm_us = float(rows["hbm"]["layer_us"])

@@ -306,27 +306,59 @@ def test_a_run_at_a_margin_adds_the_margin_modes():
             want = rows1[(p.context, p.batch, hit, f"{measured_as}+spare")]["layer_us"] - hbm
             assert p.exposed_us[mode] == pytest.approx(want, abs=1e-3)
     d = DeviceTimings(measured=cal)
-    at = {(p.batch, p.context, round(1 - p.misses / (p.batch * 2048), 2)): p for p in cal.points}
     near = lambda b, c, h: min((p for p in cal.points if (p.batch, p.context) == (b, c)),  # noqa: E731
                                key=lambda p: abs(p.misses - (1 - h) * b * 2048))
-    assert at and choose_modes([near(64, 32768, 0.95).misses], 64, 32768, d) == ["prefetch2_margin"]
+    assert choose_modes([near(64, 32768, 0.95).misses], 64, 32768, d) == ["prefetch2_margin"]
     assert choose_modes([near(64, 32768, 0.9).misses], 64, 32768, d) == ["prefetch2"]
 
 
 def test_margin_runs_are_checked(tmp_path):
     from ess_sglang.stack_calibration import load_calibration
 
-    with pytest.raises(CalibrationError, match="the first run must be at prefetch margin 0"):
+    m0, m1 = json.loads(RUN_M0.read_text()), json.loads(RUN_M001.read_text())
+    # a run at a margin alone, or first: its prefetch modes would run at margin 0
+    with pytest.raises(CalibrationError, match=r"measured at prefetch margin 0.01 .* give a run at margin 0, and this "
+                                               r"one as the margin run"):
+        load_calibration(RUN_M001)
+    with pytest.raises(CalibrationError, match="measured at prefetch margin 0.01"):
         load_calibration([RUN_M001, RUN_M0])
-    with pytest.raises(CalibrationError, match=r"the second run must be at a prefetch margin in \(0, 1\)"):
+    with pytest.raises(CalibrationError, match=r"the margin run must be at a prefetch margin in \(0, 1\)"):
         load_calibration([RUN_M0, RUN_M0])
     with pytest.raises(CalibrationError, match="one decode-stack run, or two"):
         load_calibration([RUN_M0, RUN_M001, RUN_M001])
-    with pytest.raises(CalibrationError, match=r"nope.json: no such file"):
+    with pytest.raises(CalibrationError, match=r"^nope\.json: no such file|/nope\.json: no such file"):
         load_calibration([RUN_M0, tmp_path / "nope.json"])
+
+    def margin_run(**changes):
+        run = json.loads(json.dumps(m1))
+        for k, v in changes.items():
+            if k == "rows":
+                run["rows"] = v(run["rows"])
+            else:
+                run["meta"][k] = v
+        return run
+
+    # the two runs must share every setting but the margin
+    with pytest.raises(CalibrationError, match=r"the two runs differ in meta.overlap_programs \(16 against 32\)"):
+        calibration_from_decode_layers(m0, "cal", margin_run=margin_run(overlap_programs=32))
+    with pytest.raises(CalibrationError, match=r"meta.prefetch_margin: expected a number in \[0, 1\), got 'x'"):
+        calibration_from_decode_layers(m0, "cal", margin_run=margin_run(prefetch_margin="x"))
+    with pytest.raises(CalibrationError, match="meta: expected a mapping, got list"):
+        calibration_from_decode_layers(dict(m0, meta=[]), "cal")
+    # a margin run that leaves out a point: refused, naming it (no silent fall-back to the margin-0 modes)
+    drop = lambda rows: [r for r in rows if (r["context"], r["batch"], r["target_hit"]) != (32768, 64, 0.95)]  # noqa
+    with pytest.raises(CalibrationError, match=r"measured neither prefetch nor prefetch2 with spare slots at every "
+                                               r"point of the first run; missing at \(context, batch, hit\) "
+                                               r"\(32768, 64, 0.95\)"):
+        calibration_from_decode_layers(m0, "cal", spare_slots=True, margin_run=margin_run(rows=drop))
+    # its sync rows are not needed (the misses are the first run's): a run of the prefetch modes alone will do
+    only_prefetch = margin_run(rows=lambda rows: [r for r in rows
+                                                  if not r["variant"].startswith(("sync", "da", "dba"))])
+    cal = calibration_from_decode_layers(m0, "cal", spare_slots=True, margin_run=only_prefetch)
+    assert cal.modes == MODES and cal.prefetch_margin == 0.01
+    assert cal == calibration_from_decode_layers(m0, "cal", spare_slots=True, margin_run=m1)
     with pytest.raises(ValueError, match="prefetch_margin: the points measure 'prefetch_margin'"):
-        StackCalibration(source="s", points=[MeasuredPoint(batch=1, context=1, misses=0.0,
-                                                           exposed_us=dict(sync=1.0, prefetch_margin=1.0))] * 0 + [
+        StackCalibration(source="s", points=[
             MeasuredPoint(batch=1, context=1, misses=m, exposed_us=dict(sync=1.0, prefetch_margin=1.0))
             for m in (0.0, 1.0)])
 
@@ -345,6 +377,7 @@ def test_a_profile_from_a_margin_calibration_runs_the_margin_in_its_layers(tmp_p
         times = {m: v for m, v in lp.exposed_us.as_dict().items() if v is not None}
         assert set(times) == set(MODES)
         assert lp.mode == min(times, key=lambda m: (times[m], MODES.index(m))) or lp.model_misses == 0
+    assert any(m.endswith("_margin") for m in prof.modes()) and not all(m.endswith("_margin") for m in prof.modes())
     want = [0.01 if lp.mode.endswith("_margin") else 0.0 for lp in prof.layers]
     assert layer_prefetch_margins(out, 3) == prof.prefetch_margins() == want
     modes, chunks = layer_settings(out, 3)
