@@ -44,7 +44,7 @@ import torch
 
 from ess_sglang.cache_manager import FetchList, HotPoolCacheManager
 from ess_sglang.config import EssConfig
-from ess_sglang.overlap_policy import MARGIN_MODES, PREFETCH_CHUNKS, load_profile
+from ess_sglang.overlap_policy import PREFETCH_CHUNKS, load_profile
 from ess_sglang.prefetch import EchoPrefetcher
 from ess_sglang.streams import SideStream
 
@@ -64,14 +64,18 @@ class OverlapPlan:
     prefetch_layers: tuple[bool, ...]
     spare_slots: int
     note: str  # one line for the start-up log
-    prefetch_margins: tuple[float, ...] = ()  # per layer: its ECHO threshold margin (empty: every layer's is 0)
+    prefetch_margins: tuple[float, ...] = ()  # per layer: its ECHO threshold margin (empty: DecodeOverlap gives every
+    # layer ess_config.prefetch_threshold_margin)
 
 
 def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: int, hot_slots_per_layer: int,
          page_size: int) -> OverlapPlan:
     """Prefetching layers, their threshold margins and spare slots per layer, from ``prefetch_overlap_level``,
-    ``overlap_profile``, ``prefetch_threshold_margin`` and ``spare_slot_fraction``. A profile's *_margin layers run
-    its calibration's margin, every other layer ``prefetch_threshold_margin``. DA and DBA need SGLang's attention
+    ``overlap_profile``, ``prefetch_threshold_margin`` and ``spare_slot_fraction``. A profile whose calibration
+    measured a margin (``ess profile --calibration-margin``) sets every layer's: its *_margin layers run that margin,
+    its other prefetch layers none (the policy chose them because margin 0 measured faster there), and
+    ``prefetch_threshold_margin`` is then not used (a warning says so if it is set); otherwise every layer runs
+    ``prefetch_threshold_margin``. DA and DBA need SGLang's attention
     call split, which the plugin does not do: a profile's DA / DBA layers fetch synchronously (exact, like every
     mode); level ``da`` is refused at launch (``cli_args.check_resolved``)."""
     level = config.prefetch_overlap_level
@@ -84,8 +88,13 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
         profile = load_profile(config.overlap_profile, num_layers)
         modes = profile.modes()
         layers = [m in PREFETCH_CHUNKS for m in modes]
-        margins = [pm if m in MARGIN_MODES else dm for m, pm, dm in zip(modes, profile.prefetch_margins(), margins,
-                                                                        strict=True)]
+        measured = profile.device.measured
+        if measured is not None and measured.prefetch_margin is not None:  # the profile chose each layer's margin
+            if config.prefetch_threshold_margin:
+                logger.warning("ESS: prefetch_threshold_margin %g is not used: overlap profile %s sets each layer's "
+                               "margin (its calibration measured margin 0 and %g)", config.prefetch_threshold_margin,
+                               config.overlap_profile, measured.prefetch_margin)
+            margins = profile.prefetch_margins()
         other = sorted({m for m in modes if m not in PREFETCH_CHUNKS and m != "sync"})
         why = f"overlap profile {config.overlap_profile}" + (
             f" ({', '.join(other)} layers fetch synchronously in the plugin)" if other else "")

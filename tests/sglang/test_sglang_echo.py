@@ -16,7 +16,8 @@ from ess_sglang.overlap_policy import OverlapProfileError
 
 pytest.importorskip("sglang")  # CI installs sglang==0.5.23; this only guards machines without it
 
-PROFILE = "configs/overlap/smollm2-135m_ratio0.2_h200-measured.yaml"  # 30 layers, prefetch / prefetch2
+PROFILE = str(Path(__file__).resolve().parents[2] / "configs" / "overlap" / "smollm2-135m_ratio0.2_h200-measured.yaml")
+# (30 layers, prefetch / prefetch2)
 
 
 def _plan(layers=30, top_k=2048, requests=64, hot=400_000, page=64, **cfg):
@@ -58,14 +59,16 @@ def test_plan_follows_the_overlap_profile(tmp_path):
     assert not any(_plan(overlap_profile=path, prefetch_overlap_level="none").prefetch_layers)
 
 
-def test_plan_runs_the_profiles_threshold_margin_in_its_margin_layers(tmp_path):
-    """A profile calibrated with a margin run (`ess profile --calibration-margin`): its *_margin layers prefetch with
-    the calibration's margin, its other prefetch layers with prefetch_threshold_margin; the prefetcher gets them."""
+def test_plan_runs_the_profiles_threshold_margin_in_its_margin_layers(tmp_path, caplog):
+    """A profile calibrated with a margin run (`ess profile --calibration-margin`) sets every layer's margin: its
+    *_margin layers prefetch with the calibration's margin, its other prefetch layers with none (margin 0 measured
+    faster there), whatever prefetch_threshold_margin says (a warning names it); the prefetcher gets them. A profile
+    without a margin calibration leaves every layer prefetch_threshold_margin."""
     from ess_sglang.cli import main
     from ess_sglang.overlap_policy import load_profile
     from ess_sglang.sglang_plugin import echo
 
-    runs = Path("benchmarks/results/margin_calibration")
+    runs = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "margin_calibration"
     out = tmp_path / "p.yaml"
     assert main(["profile", "--synthetic", "--gen-layers", "3", "--gen-steps", "8", "--batch", "64", "--context",
                  "32768", "--top-k", "2048", "--calibration", str(runs / "m0" / "decode_layers.json"),
@@ -73,17 +76,25 @@ def test_plan_runs_the_profiles_threshold_margin_in_its_margin_layers(tmp_path):
                  "--out", str(out)]) == 0
     modes = load_profile(out, 3).modes()
     assert "prefetch2_margin" in modes and "prefetch2" in modes  # (the synthetic layers' misses differ)
-    p = _plan(layers=3, overlap_profile=str(out), prefetch_threshold_margin=0.002)
+    with caplog.at_level(logging.WARNING, logger="ess_sglang.sglang_plugin"):
+        p = _plan(layers=3, overlap_profile=str(out), prefetch_threshold_margin=0.002)
+    assert "prefetch_threshold_margin 0.002 is not used" in caplog.text
     assert p.prefetch_layers == (True,) * 3
-    assert p.prefetch_margins == tuple(0.01 if m.endswith("_margin") else 0.002 for m in modes)
-    assert "threshold margin 0.002 / 0.01" in p.note
+    assert p.prefetch_margins == tuple(0.01 if m.endswith("_margin") else 0.0 for m in modes)
+    assert "threshold margin 0.01" in p.note and "0.002" not in p.note
     assert _plan(layers=3).prefetch_margins == (0.0,) * 3 and "margin" not in _plan(layers=3).note
+    # the 18:19 calibration (no margin run) chose prefetch / prefetch2 only: every layer runs the configured margin
+    plain = _plan(overlap_profile=PROFILE, prefetch_threshold_margin=0.002)
+    assert plain.prefetch_margins == (0.002,) * 30 and "threshold margin 0.002" in plain.note
     from ess_sglang.cache_manager import HotPoolCacheManager
     from ess_sglang.host_pool import HostTotalPool
 
     m = HotPoolCacheManager(HostTotalPool(3, 4096, device="cpu"), 1024, device="cpu", max_selected=8 * 64)
     overlap = echo.DecodeOverlap(m, p, 8, 4096, 8, EssConfig())
     assert overlap.prefetcher.margins == p.prefetch_margins
+    legacy = echo.OverlapPlan(p.prefetch_layers, p.spare_slots, p.note)  # no margins: the configured one everywhere
+    overlap = echo.DecodeOverlap(m, legacy, 8, 4096, 8, EssConfig(prefetch_threshold_margin=0.003))
+    assert overlap.prefetcher.margins == (0.003,) * 3
 
 
 def test_launch_checks_name_the_overlap_problem(tmp_path):
