@@ -11,7 +11,8 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
        `ess_sglang.prefetch`); with `prefetch_chunks` > 1 the indexer runs over the batch in that many chunks and
        each chunk's candidates are fetched as soon as its logits exist, beside the next chunk's indexer (the last
        chunk's beside the top-k); the chunks before the last launch on a high-priority stream of their own and the
-       last at once on the main stream (`prefetch_indexer="overlapped"`), so no SM idles between the launches;
+       last at once on the main stream (`prefetch_indexer="overlapped"`), so the last launch's blocks fill the first
+       one's last wave instead of waiting for it;
     4. top-k positions (torch.topk, or the Triton kernel `ess_sglang.kernels.topk`); the k-th best score updates
        the prefetch threshold at the end of the layer, once the side stream has read it;
     5. resolve + fetch, then attention over hot-pool slots, in the layer's mode:
@@ -99,7 +100,7 @@ class StackOptions:
     # chunks of these fractions of the batch), each chunk's prefetch beside the next chunk's indexer (1: one indexer
     # launch, the prefetch beside the top-k only)
     prefetch_layers: Sequence[int] | None = None  # instead of `prefetch`: per layer, 0 (no prefetch) or the number
-    # of indexer chunks its prefetch runs in (the overlap profile's "prefetch" / "prefetch2" layers)
+    # of indexer chunks its prefetch runs in (the overlap profile's prefetch* layers)
     prefetch_indexer: str = "overlapped"  # with chunks: "serial" (the chunks' indexer launches one after the other
     # on the main stream) or "overlapped" (every chunk but the last on a high-priority stream of their own, the last
     # on the main stream at once: the block scheduler fills the first launch's last wave with the next one's blocks;
@@ -362,7 +363,8 @@ class EssDecodeStack(_StackBase):
         self._side_inputs: list[torch.Tensor] = []  # tensors the side stream reads: alive until the layer joins it
         # prefetch_indexer "overlapped": the stream of the indexer chunks before the last (high priority: their blocks
         # are dispatched before the last chunk's, which fill their tail)
-        self._lead = torch.cuda.Stream(manager.device, priority=-1) if self.streams.cuda and \
+        chunked = any(f is not None and len(f) > 1 for f in options.layer_prefetch_fractions)
+        self._lead = torch.cuda.Stream(manager.device, priority=-1) if self.streams.cuda and chunked and \
             options.prefetch_indexer == "overlapped" else None
         self._before_refill = None  # the side stream's mark before this layer's refill, if one was queued
 
@@ -443,7 +445,10 @@ class EssDecodeStack(_StackBase):
         """Steps 2-4: indexer logits; prefetch above the threshold on the side stream; top-k on the main stream.
 
         With `prefetch_chunks` > 1 the indexer runs chunk by chunk over the batch into one logits tensor, and each
-        chunk's prefetch (into its own slice of the prefetch list) starts as soon as the chunk's logits exist."""
+        chunk's prefetch (into its own slice of the prefetch list) starts as soon as the chunk's logits exist. With
+        `prefetch_indexer="overlapped"` (on CUDA) the chunks before the last run on the lead stream, forked from the
+        main stream here (so every write their prefetch reads comes before), and each one's prefetch waits for its
+        event; the main stream joins the lead stream before the top-k."""
         pf, fractions = self.prefetcher, self.options.layer_prefetch_fractions[layer]
         if fractions is None:  # a layer that prefetches implies a prefetcher (checked in __init__)
             return self._select(layer, x, batch)

@@ -1,7 +1,7 @@
 """Per-layer overlap policy: which way each decode layer hides its miss fetch, chosen offline from a profile.
 
 Every decode layer resolves the indexer's exact top-k selection against its hot pool, and fetches the distinct
-misses over PCIe before attention reads them. Five modes, chosen per layer:
+misses over PCIe before attention reads them. Seven modes, chosen per layer:
 
     sync  resolve + fetch, then attention: nothing overlaps.
     da    dual attention: attention over the hits runs while the misses are in flight on a copy stream, then a
@@ -101,7 +101,9 @@ File layout (`save_profile` writes it, `load_profile` validates it)::
     device:  {entry_bytes, h2d_gbps, attention_us, indexer_topk_us, ..., note}
     layers:
     - {layer: 0, misses_mean, misses_p95, lookups_mean, hit_rate, model_misses, mode,
-       exposed_us: {sync, da, dba, prefetch, prefetch2}}     (null: the mode is not offered there)
+       exposed_us: {sync, da, dba, prefetch, prefetch2, prefetch_margin, prefetch2_margin}}
+                                                             (null: the mode is not offered there)
+    (device.measured, when calibrated: its source, points and prefetch_margin, the margin of the *_margin modes)
 
 Every error is an `OverlapProfileError` naming the file, the YAML key (``layers[3].mode``) and the layer.
 This module imports pydantic, numpy and pyyaml only (no torch): the runtime reads profiles before allocating.
@@ -132,7 +134,8 @@ from ess_sglang.stack_calibration import CALIBRATED_MODES, MARGIN_MODES, NonNegF
 
 MODES = CALIBRATED_MODES
 """What a layer may run, in the policy's order (ties go to the earlier). prefetch / prefetch2 are sync with ECHO
-prefetch (the indexer in one launch / in two batch chunks); only a measured calibration offers them."""
+prefetch (the indexer in one launch / in two batch chunks), *_margin the same with the calibration's threshold margin;
+only a measured calibration offers them."""
 PREFETCH_CHUNKS = {"prefetch": 1, "prefetch2": 2, "prefetch_margin": 1, "prefetch2_margin": 2}
 FORMAT_VERSION = 1
 OVERLAP_LEVELS = ("none", "da", "full")

@@ -45,6 +45,10 @@ class EchoPrefetcher:
         prefetch_threshold_margin. `margin`: one for every layer, or one per layer."""
         if not 0 < alpha <= 1:
             raise ValueError(f"prefetch alpha must be in (0, 1], got {alpha}")
+        if isinstance(margin, str | bytes):
+            raise ValueError(f"prefetch margin: a number in [0, 1) or one per layer, got {margin!r}")
+        if getattr(margin, "ndim", None) == 0:  # a 0-d tensor or numpy array: one number
+            margin = float(margin)
         per_layer = [margin] * num_layers if isinstance(margin, numbers.Real) else list(margin)
         if len(per_layer) != num_layers:
             raise ValueError(f"prefetch margin: one number or one per layer ({num_layers}), got {len(per_layer)}")

@@ -18,8 +18,9 @@ class SideStream:
         self.side = torch.cuda.Stream(device, priority=-1) if self.cuda else None
 
     def on_side(self, after=None):
-        """Work in this block runs on the side stream, after everything queued on the main stream so far, or, given
-        `after` (an event recorded on another stream), after that event only."""
+        """Work in this block runs on the side stream, after everything queued there before and everything queued
+        on the main stream so far; given `after` (an event recorded on another stream), after that event instead of
+        the main stream: the caller makes sure that the event follows every write the block reads."""
         if not self.cuda:
             return contextlib.nullcontext()
         if after is None:

@@ -1,5 +1,6 @@
 """The decode-layer stack in every overlap mode against the all-in-HBM stack (CPU: torch references, no streams)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -160,14 +161,14 @@ def test_prefetch_in_chunks_fetches_what_one_prefetch_over_the_batch_fetches():
 
 
 def test_prefetch_indexer_is_checked():
-    assert StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, prefetch_indexer="overlapped")
+    assert StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2).prefetch_indexer == "overlapped"
+    assert StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, prefetch_indexer="serial").prefetch_indexer \
+        == "serial"
     with pytest.raises(ValueError, match="prefetch_indexer must be 'serial' or 'overlapped', got 'split'"):
         StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, prefetch_indexer="split")
 
 
 def test_prefetch_chunks_are_a_positive_count_or_fractions_summing_to_one():
-    import numpy as np
-
     assert StackOptions(modes=["sync"], prefetch_chunks=2).prefetch_fractions == (0.5, 0.5)
     assert StackOptions(modes=["sync"], prefetch_chunks=np.int64(2)).prefetch_fractions == (0.5, 0.5)
     assert StackOptions(modes=["sync"], prefetch_chunks=(0.6, 0.4)).prefetch_fractions == (0.6, 0.4)
@@ -532,9 +533,13 @@ def test_prefetch_margins_per_layer():
     assert int((per_layer.candidates(1, *args[1:]) >= 0).sum()) > int((per_layer.candidates(0, *args[1:]) >= 0).sum())
     with pytest.raises(ValueError, match=r"one number or one per layer \(2\), got 3"):
         EchoPrefetcher(2, rows, T, margin=[0.0, 0.1, 0.1])
-    for bad in ([0.0, -0.1], [0.0, True], [0.0, "0.1"]):
+    for bad in ([0.0, -0.1], [0.0, True], [0.0, "0.1"], np.bool_(True), torch.tensor(1.5)):
         with pytest.raises(ValueError, match=r"margin must be in \[0, 1\)"):
             EchoPrefetcher(2, rows, T, margin=bad)
+    with pytest.raises(ValueError, match=r"a number in \[0, 1\) or one per layer, got '0.1'"):
+        EchoPrefetcher(2, rows, T, margin="0.1")
+    for one in (np.float32(0.25), np.array(0.25), torch.tensor(0.25)):  # one number for every layer
+        assert EchoPrefetcher(2, rows, T, margin=one).margins == (0.25, 0.25)
 
 
 def test_prefetch_candidates_read_row_padded_logits_in_place():
