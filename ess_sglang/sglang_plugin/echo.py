@@ -75,9 +75,9 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
     measured a margin (``ess profile --calibration-margin``) sets every layer's: its *_margin layers run that margin,
     its other prefetch layers none (the policy chose them because margin 0 measured faster there), and
     ``prefetch_threshold_margin`` is then not used (a warning says so if it is set); otherwise every layer runs
-    ``prefetch_threshold_margin``. DA and DBA need SGLang's attention
-    call split, which the plugin does not do: a profile's DA / DBA layers fetch synchronously (exact, like every
-    mode); level ``da`` is refused at launch (``cli_args.check_resolved``)."""
+    ``prefetch_threshold_margin``. DA and DBA need SGLang's attention call split, which the plugin does not do: a
+    profile's DA / DBA layers fetch synchronously (exact, like every mode); level ``da`` is refused at launch
+    (``cli_args.check_resolved``)."""
     level = config.prefetch_overlap_level
     if level == "da":
         raise ValueError(DA_REFUSED)
