@@ -76,6 +76,7 @@ from ess_sglang.overlap_policy import (
     build_profile,
     layer_prefetch_margins,
     layer_settings,
+    load_profile,
     save_profile,
     spare_slots_for,
 )
@@ -342,8 +343,8 @@ def layerwise_settings(sync_misses, cfg: Config, slots: int, hit: float,
                            chosen_by="mean")
     profile = build_profile(misses, np.full_like(misses, cfg.batch * TOP_K), header, timings)
     with tempfile.TemporaryDirectory() as d:
-        path = save_profile(profile, os.path.join(d, "profile.yaml"))
-        return (*layer_settings(path, cfg.layers), layer_prefetch_margins(path, cfg.layers))
+        read_back = load_profile(save_profile(profile, os.path.join(d, "profile.yaml")), cfg.layers)
+    return (*layer_settings(read_back, cfg.layers), layer_prefetch_margins(read_back, cfg.layers))
 
 
 def run_config(pools, layers, context, batch, hit, args, timings, timings_spare) -> list[dict]:

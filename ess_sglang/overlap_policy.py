@@ -606,16 +606,21 @@ def load_profile(path: str | Path, num_layers: int | None = None) -> OverlapProf
     return _check_count(profile_from_mapping(read_yaml(path), where), num_layers, where)
 
 
-def modes_for_layers(path_or_profile: str | Path | OverlapProfile, num_layers: int) -> list[str]:
-    """The mode (one of MODES) of each of the model's `num_layers` decode layers, in layer order
-    (`stack_settings` turns them into the decode stack's options)."""
+def _profile_of(path_or_profile: str | Path | OverlapProfile, num_layers: int) -> OverlapProfile:
+    """The profile given, or read from the path given, checked to list the model's `num_layers` layers."""
     _check_num_layers(num_layers)
     if isinstance(path_or_profile, OverlapProfile):
-        return _check_count(path_or_profile, num_layers, "overlap profile").modes()
+        return _check_count(path_or_profile, num_layers, "overlap profile")
     if not isinstance(path_or_profile, str | Path):
         raise OverlapProfileError(f"overlap profile: expected a path or an OverlapProfile, got "
                                   f"{type(path_or_profile).__name__}")
-    return load_profile(path_or_profile, num_layers).modes()
+    return load_profile(path_or_profile, num_layers)
+
+
+def modes_for_layers(path_or_profile: str | Path | OverlapProfile, num_layers: int) -> list[str]:
+    """The mode (one of MODES) of each of the model's `num_layers` decode layers, in layer order
+    (`stack_settings` turns them into the decode stack's options)."""
+    return _profile_of(path_or_profile, num_layers).modes()
 
 
 def layer_settings(path_or_profile: str | Path | OverlapProfile, num_layers: int,
@@ -628,7 +633,4 @@ def layer_settings(path_or_profile: str | Path | OverlapProfile, num_layers: int
 def layer_prefetch_margins(path_or_profile: str | Path | OverlapProfile, num_layers: int) -> list[float]:
     """Each decode layer's ECHO threshold margin from a profile (`OverlapProfile.prefetch_margins`): pass them as
     `EchoPrefetcher(margin=...)`; a layer that does not prefetch ignores its value."""
-    _check_num_layers(num_layers)
-    if isinstance(path_or_profile, OverlapProfile):
-        return _check_count(path_or_profile, num_layers, "overlap profile").prefetch_margins()
-    return load_profile(path_or_profile, num_layers).prefetch_margins()
+    return _profile_of(path_or_profile, num_layers).prefetch_margins()

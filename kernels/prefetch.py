@@ -149,8 +149,8 @@ def prefetch_candidates_triton(logits: torch.Tensor, thresholds: torch.Tensor, r
                                num_locations: int, cap_fraction: torch.Tensor, cap_min_tokens: int,
                                width: int, margin: float = 0.0) -> torch.Tensor:
     """K1-K3 over logits [B, Q, T] (T <= the table width); thresholds [rows] (by request row), lowered by `margin` x
-    their magnitude where finite (`EchoPrefetcher.bar`); caps as in `candidates_from_tiles`. Returns int64 KV
-    locations [B * width], most recent first per request, -1 padded."""
+    their magnitude where finite (as `EchoPrefetcher.candidates` defines); caps as in `candidates_from_tiles`.
+    Returns int64 KV locations [B * width], most recent first per request, -1 padded."""
     B, Q, T = logits.shape
     if logits.stride(-1) != 1 or req_to_token.stride(1) != 1:
         raise ValueError("prefetch_candidates_triton wants logits and req_to_token rows contiguous")
@@ -158,10 +158,9 @@ def prefetch_candidates_triton(logits: torch.Tensor, thresholds: torch.Tensor, r
     tiles = tc.counts.shape[1]
     if B and T:
         _count_kernel[(B, tiles)](logits, logits.stride(0), logits.stride(1), Q, T, thresholds, float(margin),
-                                  req_pool_indices,
-                                  seq_lens, req_to_token, req_to_token.stride(0), req_to_token.shape[0],
-                                  req_to_token.shape[1], loc_to_slot, num_locations, tc.counts, tc.kept, tiles,
-                                  TILE=TILE)
+                                  req_pool_indices, seq_lens, req_to_token, req_to_token.stride(0),
+                                  req_to_token.shape[0], req_to_token.shape[1], loc_to_slot, num_locations, tc.counts,
+                                  tc.kept, tiles, TILE=TILE)
     return candidates_from_tiles(tc, seq_lens, cap_fraction, cap_min_tokens, width)
 
 
