@@ -105,6 +105,9 @@ class StackOptions:
     # on the main stream) or "overlapped" (every chunk but the last on a high-priority stream of their own, the last
     # on the main stream at once: the block scheduler fills the first launch's last wave with the next one's blocks;
     # 5-6 us a layer faster at batch 64-128, benchmarks/RESULTS.md)
+    threshold_update: str = "main"  # prefetch: where the EMA of the k-th best score is folded in: "main" (one launch
+    # on the main stream at the layer's end) or "side" (on the side stream beside attention, after the layer's
+    # settle: it only has to follow the layer's candidate reads, which are on that stream)
     da_width: int = 256  # Attn1's table width (a multiple of 64 for FlashMLA)
     dba_split: float | Sequence[float] = 0.75  # chunk A's fraction of the batch (measured best), or every chunk's
     dba_attention: str = "whole"  # "whole": one attention over the batch (exact); "split": per half (hides more)
@@ -156,6 +159,8 @@ class StackOptions:
         self.any_prefetch = any(f is not None for f in per_layer)
         if self.prefetch_indexer not in ("serial", "overlapped"):
             raise ValueError(f"prefetch_indexer must be 'serial' or 'overlapped', got {self.prefetch_indexer!r}")
+        if self.threshold_update not in ("main", "side"):
+            raise ValueError(f"threshold_update must be 'main' or 'side', got {self.threshold_update!r}")
         if self.overlap_programs < 1:
             raise ValueError(f"overlap_programs must be >= 1, got {self.overlap_programs}")
 
@@ -406,9 +411,7 @@ class EssDecodeStack(_StackBase):
         st.wait(self._before_refill)  # 7. (everything, where no refill was queued)
         self._before_refill = None
         self._side_inputs.clear()  # the side stream is done with them: the allocator may reuse their memory now
-        for kth, rows in self._pending_thresholds:  # ECHO: fold this step's k-th best scores into the thresholds
-            self.prefetcher.update(layer, kth, rows)
-        self._pending_thresholds.clear()
+        self._fold_thresholds(layer)  # (nothing left pending where "side" folded them beside attention)
         return out
 
     # -------------------------------------------------------------------------------------------- pieces
@@ -431,6 +434,18 @@ class EssDecodeStack(_StackBase):
         if self.options.layer_prefetch_fractions[layer] is not None:  # (then the stack has a prefetcher)
             with self.streams.on_side():
                 self.m.settle_prefetch(layer)
+                if self.options.threshold_update == "side":
+                    self._side_inputs.extend(kth for kth, _ in self._pending_thresholds)
+                    self._fold_thresholds(layer)
+
+    def _fold_thresholds(self, layer: int) -> None:
+        """ECHO: fold the k-th best scores of the layer's top-k(s) so far into its thresholds (on the current
+        stream). The layer's candidate reads must come before: the main stream's layer end, or, with
+        threshold_update "side", the side stream after the settle, which follows every candidate kernel queued there
+        (in DBA, a chunk's settle folds that chunk's rows, which the later chunks' candidates do not read)."""
+        for kth, rows in self._pending_thresholds:
+            self.prefetcher.update(layer, kth, rows)
+        self._pending_thresholds.clear()
 
     def _refill_beside(self, layer: int) -> None:
         """Queue the refill of the layer's spare slots last on the side stream (beside attention), and remember what

@@ -248,6 +248,28 @@ def test_dual_attention_equals_single_pass_up_to_rounding(da_width, spare):
     ess.m.check_invariants()
 
 
+@pytest.mark.parametrize("modes,chunks", [(("sync", "da"), 1), (("dba", "sync"), 2), (("sync", "dba"), (0.7, 0.3))])
+def test_threshold_update_beside_attention_equals_the_update_at_the_layer_end(modes, chunks):
+    # "side" folds each top-k's k-th best scores into the thresholds after the settle (in DBA, chunk by chunk)
+    # instead of at the layer's end: the same thresholds, prefetches, counters and outputs after every step
+    runs = []
+    for where in ("main", "side"):
+        ess, hbm, table, rows, locs = build(modes, prefetch=True, prefetch_chunks=chunks, threshold_update=where,
+                                            dba_attention="whole")
+        states = []
+        for batch, inputs in steps(6, table, rows, locs):
+            out = ess.step(batch, inputs)
+            assert not ess._pending_thresholds
+            states.append((out, ess.prefetcher.threshold.clone(), ess.m.counters.clone()))
+        runs.append(states)
+    assert runs[0][-1][2].sum(0)[Counter.PREFETCHED] > 0
+    for s, (want, got) in enumerate(zip(*runs, strict=True)):
+        assert all(torch.equal(a, b) for a, b in zip(want[0], got[0], strict=True)), f"step {s}: outputs"
+        assert torch.equal(want[1], got[1]) and torch.equal(want[2], got[2]), f"step {s}: thresholds, counters"
+    with pytest.raises(ValueError, match="threshold_update must be 'main' or 'side', got 'attention'"):
+        StackOptions(modes=["sync"], prefetch=True, threshold_update="attention")
+
+
 def test_prefetch_waste_stays_under_the_cap_and_the_threshold_follows_the_kth_score():
     ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, cap_fraction=0.02)
     pf = ess.prefetcher
