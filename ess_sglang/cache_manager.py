@@ -149,7 +149,8 @@ def _check_hot_entries(hot: torch.Tensor | Sequence[torch.Tensor], layers: int, 
 class HotPoolCacheManager:
     def __init__(self, host_pool: HostTotalPool, slots_per_layer: int, device: torch.device | str | None = None,
                  max_selected: int = 0, copy_impl: str = "auto", resolve_impl: str = "auto",
-                 hot_entries: torch.Tensor | Sequence[torch.Tensor] | None = None, spare_slots: int = 0):
+                 hot_entries: torch.Tensor | Sequence[torch.Tensor] | None = None, spare_slots: int = 0,
+                 resolve_pdl: bool = False):
         """`max_selected` sizes scratch tensors for the largest selection (batch x q_tokens x top_k) one call sees.
 
         `resolve_impl`: "triton" (the fused kernels of ess_sglang.kernels.resolve), "torch" (plain torch ops, the
@@ -162,19 +163,29 @@ class HotPoolCacheManager:
         `spare_slots`: free slots per layer that `refill_spares` keeps set aside for the resolves (0: none, every
         miss evicts at its resolve). Size it to the misses of one step of a layer: more holds fewer entries resident,
         fewer leaves the excess to an LRU scan at resolve time.
+        `resolve_pdl`: the fused resolve's kernels after its lookup use programmatic dependent launch (sm_90+; the
+        Triton path only).
         """
         if slots_per_layer <= 0:
             raise ValueError(f"slots_per_layer must be > 0, got {slots_per_layer}")
         if isinstance(spare_slots, bool) or not isinstance(spare_slots, int) or not 0 <= spare_slots < slots_per_layer:
             raise ValueError(f"spare_slots must be an integer in [0, slots_per_layer = {slots_per_layer}), "
                              f"got {spare_slots!r}")
+        dev = torch.device(device) if device is not None else host_pool.device
+        if resolve_impl == "auto":
+            resolve_impl = "triton" if dev.type == "cuda" else "torch"
+        if resolve_impl not in ("triton", "torch"):
+            raise ValueError(f"resolve_impl must be 'auto', 'triton' or 'torch', got {resolve_impl!r}")
+        if resolve_pdl and (resolve_impl != "triton" or dev.type != "cuda"
+                            or torch.cuda.get_device_capability(dev)[0] < 9):
+            raise ValueError(f"resolve_pdl: programmatic dependent launch needs the Triton resolve on a CUDA GPU of "
+                             f"compute capability 9.0 or newer, got resolve_impl {resolve_impl!r} on {dev}")
         self.host = host_pool
         self.copy_impl = copy_impl
-        self.device = torch.device(device) if device is not None else host_pool.device
+        self.device = dev
         L, S, T = host_pool.num_layers, slots_per_layer, host_pool.num_tokens
         self.num_layers, self.slots_per_layer, self.num_locations = L, S, T
         self.entry_bytes = host_pool.entry_bytes
-        dev = self.device
         if hot_entries is None:
             hot_entries = torch.zeros((L, S, self.entry_bytes), dtype=torch.uint8, device=dev)
         else:
@@ -197,12 +208,9 @@ class HotPoolCacheManager:
         self._ones = torch.ones(S, dtype=torch.int64, device=dev)
         self._age_ids = torch.arange(AGE_BUCKETS, dtype=torch.int64, device=dev)
         self._entry_ids = torch.arange(max(max_selected, 1), dtype=torch.int64, device=dev)
-        if resolve_impl == "auto":
-            resolve_impl = "triton" if dev.type == "cuda" else "torch"
-        if resolve_impl not in ("triton", "torch"):
-            raise ValueError(f"resolve_impl must be 'auto', 'triton' or 'torch', got {resolve_impl!r}")
         self.resolve_impl = resolve_impl
-        self._fused = FusedResolver(S, max_selected, dev, num_spare=spare_slots) if resolve_impl == "triton" else None
+        self._fused = FusedResolver(S, max_selected, dev, num_spare=spare_slots, pdl=resolve_pdl) \
+            if resolve_impl == "triton" else None
         # persistent programs of a deferred fetch when the caller names none: enough to fill the GPU
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
         self.copy_programs = 4 * sms if sms else 2

@@ -67,6 +67,17 @@ _NEVER = tl.constexpr(-(1 << 31))
 
 
 @triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """Programmatic dependent launch (sm_90+), first thing in a kernel compiled with PDL: wait until the previous
+    kernel of the stream has finished and its writes are visible (a no-op where this launch did not ask for PDL),
+    then let the next kernel launch: its programs are scheduled while this one runs, and wait here in turn, so the
+    launch gap between the resolve's kernels overlaps their work. Waiting first keeps at most one launch ahead."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _victims_needed(scr_ptr, taken_ptr, num_spare, REFILL: tl.constexpr):
     """Victims the LRU scan must find: a refill replaces the spare slots taken; a resolve needs one per winner the
     spare slots left did not cover."""
@@ -83,7 +94,8 @@ def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, wid
                    num_slots, MODE: tl.constexpr, COUNT: tl.constexpr, PROTECT: tl.constexpr, LIST: tl.constexpr,
                    SPARE_ONLY: tl.constexpr,
                    C_LOOKUPS: tl.constexpr, C_HITS: tl.constexpr, C_BAD: tl.constexpr, C_FETCH_A: tl.constexpr,
-                   C_FETCH_B: tl.constexpr, BLOCK: tl.constexpr):
+                   C_FETCH_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     if MODE == 0:  # positions within each request, translated through its own row of the request table
@@ -150,7 +162,8 @@ def _age(stamp_ptr, s, ms, clock, A: tl.constexpr):
 
 @triton.jit
 def _ages_kernel(stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, num_slots, REFILL: tl.constexpr,
-                 A: tl.constexpr, SBLOCK: tl.constexpr):
+                 A: tl.constexpr, SBLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
     if _victims_needed(scr_ptr, taken_ptr, num_spare, REFILL) > 0:  # else every program returns at once
         s = tl.program_id(0) * SBLOCK + tl.arange(0, SBLOCK)
         ms = s < num_slots
@@ -162,7 +175,8 @@ def _ages_kernel(stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, num_slots,
 
 @triton.jit
 def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, taken_ptr, num_spare, num_slots,
-                    REFILL: tl.constexpr, A: tl.constexpr, BLOCK: tl.constexpr):
+                    REFILL: tl.constexpr, A: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
     need = _victims_needed(scr_ptr, taken_ptr, num_spare, REFILL)
     if need > 0:  # none needed: no victims, and no stamp is read
         a = tl.arange(0, A)
@@ -204,7 +218,8 @@ def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_pt
                    pend_count_ptr, taken_ptr, num_spare, n, COPY: tl.constexpr, PEND: tl.constexpr, WORDS: tl.constexpr,
                    BLOCK_WORDS: tl.constexpr, C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr,
                    C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr, STAMP_BACK: tl.constexpr, ROWS: tl.constexpr,
-                   CLEAR: tl.constexpr):
+                   CLEAR: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
     # Persistent: a fixed grid walks the overflow ROWS at a time (the grid does not grow with the selection, of
     # which the misses are a few percent)
     pid, programs = tl.program_id(0), tl.num_programs(0)
@@ -292,7 +307,8 @@ def _refill_kernel(scr_ptr, victims_ptr, l2s_ptr, s2l_ptr, stamp_ptr, spare_ptr,
 def _finish_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, n, num_slots,
                    pend_src_ptr, pend_dst_ptr, pend_count_ptr, REFILL: tl.constexpr, SPARE_ONLY: tl.constexpr,
                    PEND: tl.constexpr, CLOSE: tl.constexpr, STAMP_BACK: tl.constexpr, SCR: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
     # CLOSE: program 0 moves the counts and clears the scratch (read for the last time in K4 / R4). A spare-only
     # resolve closes in a second, one-program launch: here every program reads the counts, to clear its part of the
     # fetch list K1 wrote (-1 past its count)
@@ -340,7 +356,13 @@ class FusedResolver:
     `num_spare` spare slots."""
 
     def __init__(self, num_slots: int, max_entries: int, device: torch.device,
-                 assign_programs: tuple[int, int] | None = None, num_spare: int = 0):
+                 assign_programs: tuple[int, int] | None = None, num_spare: int = 0, pdl: bool = False):
+        """`pdl`: the resolve's kernels after the lookup are launched with programmatic dependent launch (sm_90+,
+        CUDA only): each one's programs are scheduled while the one before runs and wait for it on the device."""
+        if pdl and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9):
+            raise ValueError(f"pdl: programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or "
+                             f"newer, got {device}")
+        self.pdl = pdl
         self.num_slots = num_slots
         self.num_spare = num_spare
         # persistent programs of the assign kernel (without, with the inline copy): 4 and 1 per SM, the best measured
@@ -373,15 +395,22 @@ class FusedResolver:
         self.took_slot = torch.empty(n, dtype=torch.int64, device=d)
         self.locs = torch.empty(n, dtype=torch.int64, device=d)
 
+    def _pdl(self, on: bool) -> dict:
+        """Launch arguments of a resolve kernel: PDL compiles its wait-and-release prologue in (a no-op wait where
+        the launch itself does not ask for PDL), launch_pdl asks for it."""
+        on = on and self.pdl
+        return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
+
     def _scans(self, stamp: torch.Tensor, clock: torch.Tensor, spare_taken: torch.Tensor, refill: bool) -> None:
         """K2 + K3 (R2 + R3): the LRU victims, when any are needed (otherwise both launches return at once)."""
         S = self.num_slots
         _ages_kernel[(triton.cdiv(S, self.age_block),)](stamp, clock, self.scratch, spare_taken, self.num_spare, S,
                                                         REFILL=refill, A=AGE_BUCKETS, SBLOCK=self.age_block,
-                                                        num_warps=self.age_warps)
+                                                        num_warps=self.age_warps, **self._pdl(not refill))
         _victims_kernel[(triton.cdiv(S, self.victim_block),)](stamp, clock, self.scratch, self.victims, spare_taken,
                                                               self.num_spare, S, REFILL=refill, A=AGE_BUCKETS,
-                                                              BLOCK=self.victim_block, num_warps=self.victim_warps)
+                                                              BLOCK=self.victim_block, num_warps=self.victim_warps,
+                                                              **self._pdl(not refill))
 
     def run(self, *, src: torch.Tensor, mode: int, l2s: torch.Tensor, s2l: torch.Tensor, stamp: torch.Tensor,
             clock: torch.Tensor, counters: torch.Tensor, count: bool, fetch_counters: tuple[int, int],
@@ -428,7 +457,9 @@ class FusedResolver:
             counters, self.scratch, self.over_loc, self.over_idx, spare, spare_taken, self.num_spare, took_loc,
             took_slot, l2s.shape[0] - 1, S, MODE=mode, COUNT=count, PROTECT=protect,
             LIST=copy or pend, SPARE_ONLY=spare_only, C_LOOKUPS=counter_ids["LOOKUPS"], C_HITS=counter_ids["HITS"],
-            C_BAD=counter_ids["BAD_INDICES"], C_FETCH_A=fa, C_FETCH_B=fb, BLOCK=self.lookup_block)
+            C_BAD=counter_ids["BAD_INDICES"], C_FETCH_A=fa, C_FETCH_B=fb, BLOCK=self.lookup_block,
+            # (launched plainly after the top-k and the stream joins; compiled with PDL, it lets K2 launch early)
+            PDL=self.pdl and not spare_only)
         # entries per program of the finish and of the fetch list's clearing: 256 at batch 1-16, up to 1024 at 64-128
         block = block_for(n, 256, 1024, 128)
         if spare_only:
@@ -436,7 +467,7 @@ class FusedResolver:
                 _finish_kernel[(1 if close else triton.cdiv(n, block),)](
                     self.locs, out, l2s, stamp, clock, self.scratch, spare_taken, self.num_spare, 0 if close else n,
                     S, pend_src, pend_dst, pend_count, REFILL=False, SPARE_ONLY=True, PEND=pend, CLOSE=close,
-                    STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block)
+                    STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block, PDL=False)
             return out
         self._scans(stamp, clock, spare_taken, refill=False)
         # the inline copy is fastest with one program per SM, the bookkeeping alone with four (benchmarks/NOTES.md)
@@ -447,11 +478,12 @@ class FusedResolver:
             src_w, dst_w, pend_src, pend_dst, pend_count, spare_taken, self.num_spare, n, COPY=copy, PEND=pend,
             WORDS=words, BLOCK_WORDS=triton.next_power_of_2(words), C_FETCH_A=fa, C_FETCH_B=fb,
             C_EVICT=counter_ids["EVICTIONS"], C_OVERFLOW=counter_ids["OVERFLOW"], STAMP_BACK=0 if protect else 1,
-            ROWS=ROWS, CLEAR=block, num_warps=NUM_WARPS)
+            ROWS=ROWS, CLEAR=block, num_warps=NUM_WARPS, **self._pdl(True))
         _finish_kernel[(triton.cdiv(n, block),)](self.locs, out, l2s, stamp, clock, self.scratch, spare_taken,
                                                  self.num_spare, n, S, pend_src, pend_dst, pend_count, REFILL=False,
                                                  SPARE_ONLY=False, PEND=pend, CLOSE=True,
-                                                 STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block)
+                                                 STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block,
+                                                 **self._pdl(True))
         return out
 
     def refill(self, *, l2s: torch.Tensor, s2l: torch.Tensor, stamp: torch.Tensor, clock: torch.Tensor,
@@ -467,4 +499,5 @@ class FusedResolver:
                                                 num_warps=NUM_WARPS)
         _finish_kernel[(1,)](self.locs, self.took_slot, l2s, stamp, clock, self.scratch, spare_taken, self.num_spare,
                              0, self.num_slots, self.over_loc, self.over_loc, self.over_loc, REFILL=True,
-                             SPARE_ONLY=False, PEND=False, CLOSE=True, STAMP_BACK=0, SCR=SCR_SIZE, BLOCK=16)
+                             SPARE_ONLY=False, PEND=False, CLOSE=True, STAMP_BACK=0, SCR=SCR_SIZE, BLOCK=16,
+                             PDL=False)

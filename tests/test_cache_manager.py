@@ -634,6 +634,14 @@ def test_bad_spare_slots_fail_before_any_allocation(bad):
         HotPoolCacheManager(host, 256, device="cpu", spare_slots=bad)
 
 
+@pytest.mark.parametrize("resolve_impl", ["torch", "triton", "auto"])
+def test_resolve_pdl_needs_the_triton_resolve_on_a_cuda_gpu(resolve_impl):
+    host = HostTotalPool(1, 64, device="cpu")
+    with pytest.raises(ValueError, match="resolve_pdl: programmatic dependent launch needs the Triton resolve on a "
+                                         "CUDA GPU"):
+        HotPoolCacheManager(host, 256, device="cpu", resolve_impl=resolve_impl, resolve_pdl=True)
+
+
 def test_a_prefetch_with_spare_slots_takes_only_those(impl):
     """With spare slots a prefetch never scans or evicts: its first misses take the spare slots, the rest are not
     prefetched (-1, no overflow counted, their claims given back); the exact resolve fetches what it selects."""
