@@ -101,6 +101,13 @@ def prefetch_chunks(mode: str) -> int:
     return int(n or 1)
 
 
+def chunk_fractions(mode: str, fractions: tuple[float, ...] | None) -> int | tuple[float, ...]:
+    """StackOptions.prefetch_chunks of a mode: its chunk count, or `fractions` (--prefetch-fractions) for the
+    prefetchN modes with N = their number."""
+    n = max(1, prefetch_chunks(mode))
+    return fractions if fractions is not None and len(fractions) == n else n
+
+
 class Pools:
     """Host pool, device latent store and indexer cache for up to `tokens` tokens, filled once with valid entries."""
 
@@ -183,8 +190,9 @@ def spare_slots(size: float | str, batch: int, slots: int, sync_misses=None) -> 
 
 
 def build_ess(pools: Pools, cfg: Config, slots: int, modes, prefetch: bool, spare: int = 0, margin: float = 0.0,
-              **options) -> EssDecodeStack:
-    m = HotPoolCacheManager(pools.host, slots, max_selected=cfg.batch * TOP_K, spare_slots=spare)
+              resolve_pdl: bool = False, **options) -> EssDecodeStack:
+    m = HotPoolCacheManager(pools.host, slots, max_selected=cfg.batch * TOP_K, spare_slots=spare,
+                            resolve_pdl=resolve_pdl)
     per_layer = options.get("prefetch_layers")
     pf = EchoPrefetcher(cfg.layers, cfg.batch, cfg.width, device="cuda", margin=margin) \
         if prefetch or any(per_layer or ()) else None
@@ -284,7 +292,8 @@ def calibrate_rho(pools, cfg, slots, target, warm, iters=7, topk="torch") -> tup
 
 
 def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 0.0, margin: float = 0.0,
-                      prefetch_indexer: str = "overlapped") -> dict:
+                      prefetch_indexer: str = "overlapped", threshold_update: str = "main",
+                      prefetch_fractions: tuple[float, ...] | None = None, resolve_pdl: bool = False) -> dict:
     """Eager steps from the same state: ESS modes against the all-HBM stack (whole-batch and split attention)."""
     res = {}
     hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
@@ -303,8 +312,9 @@ def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 
     for name, modes, prefetch in variants:
         ess = build_ess(pools, cfg, slots, [modes] * cfg.layers, prefetch, margin=margin,
                         spare=spare_slots(spare_fraction, cfg.batch, slots) if name.endswith("+spare") else 0,
-                        prefetch_chunks=max(1, prefetch_chunks(name.removesuffix("+spare"))),
-                        prefetch_indexer=prefetch_indexer)
+                        prefetch_chunks=chunk_fractions(name.removesuffix("+spare"), prefetch_fractions),
+                        prefetch_indexer=prefetch_indexer, threshold_update=threshold_update,
+                        resolve_pdl=resolve_pdl)
         reset_and_warm(ess, cfg)
         identical, identical_split, rel = True, True, 0.0
         for s in range(cfg.steps):
@@ -361,7 +371,7 @@ def run_config(pools, layers, context, batch, hit, args, timings, timings_spare)
     rows.append(dict(base, variant="hbm", **t_hbm, ratio=1.0))
     sync_misses = None
     options = dict(dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk,
-                   prefetch_indexer=args.prefetch_indexer)
+                   prefetch_indexer=args.prefetch_indexer, threshold_update=args.threshold_update)
     for spare_size, mode in [(f, m) for f in args.spare for m in args.modes]:
         variant = f"{mode}+spare" if spare_size else mode
         if spare_size == "auto" and sync_misses is None:
@@ -387,8 +397,10 @@ def run_config(pools, layers, context, batch, hit, args, timings, timings_spare)
             continue
         try:
             ess = build_ess(pools, cfg, slots, modes, prefetch, spare=spare, margin=margin,
+                            resolve_pdl=args.resolve_pdl,
                             **dict(options, sync_copy="counted" if mode == "sync_counted" else "inline",
-                                   prefetch_chunks=max(1, prefetch_chunks(mode)), prefetch_layers=layer_prefetch,
+                                   prefetch_chunks=chunk_fractions(mode, args.prefetch_fractions),
+                                   prefetch_layers=layer_prefetch,
                                    dba_attention="split" if mode == "dba_split" else "whole",
                                    new_tokens="insert" if mode == "sync_insert" else "on_demand"))
             r = run_variant(ess, cfg, queries, args.warm, is_ess=True, all_resident=resident)
@@ -497,6 +509,14 @@ def main(argv=None) -> int:
                    help="prefetchN: the chunks' indexer launches one after the other on the main stream (serial), or "
                    "all but the last on a high-priority stream of their own, the last at once on the main stream "
                    "(overlapped: the last chunk's blocks fill the first launch's last wave)")
+    p.add_argument("--prefetch-fractions", metavar="F,F,...",
+                   help="prefetchN modes with N of these: the indexer chunks are these fractions of the batch (summing "
+                   "to 1, e.g. 0.6,0.4) instead of N equal ones; layerwise keeps equal chunks")
+    p.add_argument("--threshold-update", default="main", choices=["main", "side"],
+                   help="prefetch: the EMA threshold update at the layer's end on the main stream, or on the side "
+                   "stream beside attention")
+    p.add_argument("--resolve-pdl", action="store_true",
+                   help="the fused resolve's kernels after its lookup with programmatic dependent launch")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -526,6 +546,12 @@ def main(argv=None) -> int:
         p.error(f"--modes: unknown mode {bad[0]!r} (of {MODES + EXTRA_MODES}, or prefetchN)")
     if not 0 <= args.prefetch_margin < 1:
         p.error(f"--prefetch-margin: must be in [0, 1), got {args.prefetch_margin}")
+    if args.prefetch_fractions is not None:
+        try:
+            args.prefetch_fractions = tuple(float(f) for f in args.prefetch_fractions.split(","))
+            StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=args.prefetch_fractions)
+        except ValueError as exc:
+            p.error(f"--prefetch-fractions: {exc}")
     split = [float(f) for f in args.dba_split.split(",")]
     args.dba_split = split[0] if len(split) == 1 else tuple(split)
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -562,7 +588,8 @@ def main(argv=None) -> int:
     correctness = dict(context=cfg0.context, batch=cfg0.batch, **check_correctness(
         pools, cfg0, slots0, cfg0.queries(rho0), args.warm,
         spare_fraction=fixed[0] if fixed else 0.08 if "auto" in args.spare else 0.0, margin=args.prefetch_margin,
-        prefetch_indexer=args.prefetch_indexer))
+        prefetch_indexer=args.prefetch_indexer, threshold_update=args.threshold_update,
+        prefetch_fractions=args.prefetch_fractions, resolve_pdl=args.resolve_pdl))
     print("correctness:", json.dumps(correctness), flush=True)
     rows = []
     os.makedirs(args.out, exist_ok=True)
@@ -572,6 +599,8 @@ def main(argv=None) -> int:
                 ratio=args.ratio, warm=args.warm, steps=args.steps, pool_batch=args.pool_batch,
                 dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk, spare=args.spare,
                 prefetch_margin=args.prefetch_margin, prefetch_indexer=args.prefetch_indexer,
+                prefetch_fractions=args.prefetch_fractions, threshold_update=args.threshold_update,
+                resolve_pdl=args.resolve_pdl,
                 calibration=timings.measured.source if timings.measured is not None else None,
                 calibration_prefetch_margin=timings.measured.prefetch_margin if timings.measured is not None else None,
                 calibration_spare=timings_spare.measured.source if timings_spare.measured is not None else None)

@@ -205,7 +205,8 @@ def load_calibration(path: str | Path | Sequence[str | Path], where: str | None 
 
 
 COMPARABLE_META = ("layers", "warm", "steps", "ratio", "pool_batch", "dba_split", "overlap_programs", "topk", "spare",
-                   "device", "prefetch_indexer")
+                   "device", "prefetch_indexer", "prefetch_fractions", "threshold_update",
+                   "resolve_pdl")
 """`meta` keys of a decode-stack run that the two runs of a margin calibration must share (what else they measure
 with), besides the margin itself."""
 

@@ -90,16 +90,16 @@ def _inputs(w, s, q_index=None):
 
 
 def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand", prefetch_chunks=1,
-         prefetch_layers=None, spare=0, prefetch_indexer="serial"):
+         prefetch_layers=None, spare=0, prefetch_indexer="serial", threshold_update="main", resolve_pdl=False):
     slots = math.ceil(0.25 * B * CTX / 64) * 64
-    m = HotPoolCacheManager(w["host"], slots, max_selected=B * TOPK, spare_slots=spare)
+    m = HotPoolCacheManager(w["host"], slots, max_selected=B * TOPK, spare_slots=spare, resolve_pdl=resolve_pdl)
     recent = slots // B - 64
     for layer in range(LAYERS):
         m.warm_up(layer, w["req_to_token"][:, CTX - recent:CTX].reshape(-1))
     pf = EchoPrefetcher(LAYERS, B, w["width"], device="cuda") if prefetch or prefetch_layers else None
     opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, dba_attention=dba_attention,
                         new_tokens=new_tokens, prefetch_chunks=prefetch_chunks, prefetch_layers=prefetch_layers,
-                        prefetch_indexer=prefetch_indexer)
+                        prefetch_indexer=prefetch_indexer, threshold_update=threshold_update)
     return EssDecodeStack(m, w["index_cache"], w["width"], opts, max_batch=B, prefetcher=pf)
 
 
@@ -130,13 +130,19 @@ def reference(world):
     ("sync", False, "whole", "spare"), ("sync", 2, "whole", "spare"), ("dba", True, "whole", "spare"),
     ("dba", False, "split", "spare"), ("da", False, "whole", "spare"),
     # the indexer chunks before the last on a high-priority stream of their own, the last on the main stream at once
-    ("sync", 3, "whole", "overlapped"), ("sync", 2, "whole", "spare, overlapped")])
+    ("sync", 3, "whole", "overlapped"), ("sync", 2, "whole", "spare, overlapped"),
+    # the thresholds' EMA update on the side stream beside attention (DBA: chunk by chunk)
+    ("sync", 2, "whole", "spare, overlapped, side"), ("dba", True, "whole", "side"),
+    # the resolve's kernels after its lookup with programmatic dependent launch
+    ("sync", False, "whole", "pdl"), ("sync", 2, "whole", "spare, overlapped, pdl"), ("da", False, "whole", "pdl"),
+    ("dba", True, "whole", "spare, pdl")])
 def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attention, new_tokens):
     spare = 1024 if "spare" in new_tokens else 0
     indexer = "overlapped" if "overlapped" in new_tokens else "serial"
+    update = "side" if "side" in new_tokens else "main"
     new_tokens = "insert" if new_tokens == "insert" else "on_demand"
     ess = _ess(world, [mode] * LAYERS, bool(prefetch), dba_attention, new_tokens, prefetch_chunks=max(1, int(prefetch)),
-               spare=spare, prefetch_indexer=indexer)
+               spare=spare, prefetch_indexer=indexer, threshold_update=update, resolve_pdl="pdl" in new_tokens)
     worst = 0.0
     for s in range(STEPS):
         got = ess.step(_batch(world, s), _inputs(world, s))
@@ -160,6 +166,8 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
     if prefetch:  # useful > 0: the settle ran after the exact resolve stamped this step's selection
         assert int(c[Counter.PREFETCHED]) > 0 and int(c[Counter.PREFETCH_USEFUL]) > 0
         assert int(c[Counter.PREFETCH_USEFUL]) + int(c[Counter.PREFETCH_WASTED]) == int(c[Counter.PREFETCHED])
+        rows = _batch(world, 0).req_pool_indices.long()
+        assert bool(torch.isfinite(ess.prefetcher.threshold[:, rows]).all())  # every row's EMA was updated
     ess.m.check_invariants()
 
 
@@ -167,7 +175,9 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
     (["da", "dba"], 1, 0, "serial"), (["sync", "da"], 1, 0, "serial"), (["sync", "dba"], 2, 0, "serial"),
     (["sync", "sync"], (2, 0), 0, "serial"),  # a tuple: per layer (a profile's)
     (["sync", "dba"], 2, 1024, "serial"), (["da", "sync"], (0, 2), 1024, "serial"),
-    (["sync", "sync"], 3, 1024, "overlapped"), (["sync", "da"], (2, 0), 0, "overlapped")])
+    (["sync", "sync"], 3, 1024, "overlapped"), (["sync", "da"], (2, 0), 0, "overlapped"),
+    (["dba", "da"], 2, 1024, "overlapped, side"),  # side: the thresholds' update beside attention
+    (["sync", "dba"], 2, 1024, "overlapped, pdl"), (["sync", "sync"], 1, 0, "serial, pdl")])  # pdl: in the resolve
 def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, spare, indexer):
     """Capture a step with prefetch and mixed modes; replaying it over later steps gives what the all-HBM stack and
     the same steps run eagerly give (exact layers bit-identical; DA within 1e-2 of single-pass attention: graph and
@@ -179,7 +189,9 @@ def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, 
     per_layer = isinstance(prefetch_chunks, tuple)
     eager, graphed = (_ess(world, modes, prefetch=not per_layer, prefetch_chunks=1 if per_layer else prefetch_chunks,
                            prefetch_layers=prefetch_chunks if per_layer else None, spare=spare,
-                           prefetch_indexer=indexer) for _ in range(2))
+                           prefetch_indexer=indexer.split(",")[0],
+                           threshold_update="side" if "side" in indexer else "main",
+                           resolve_pdl="pdl" in indexer) for _ in range(2))
     for s in range(3):  # warm-up (Triton compiles) on both
         for st in (eager, graphed):
             st.step(_batch(world, s), _inputs(world, s))
