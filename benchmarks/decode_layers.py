@@ -190,7 +190,7 @@ def spare_slots(size: float | str, batch: int, slots: int, sync_misses=None) -> 
 
 
 def build_ess(pools: Pools, cfg: Config, slots: int, modes, prefetch: bool, spare: int = 0, margin: float = 0.0,
-              resolve_pdl: bool = False, **options) -> EssDecodeStack:
+              resolve_pdl: bool | None = None, **options) -> EssDecodeStack:
     m = HotPoolCacheManager(pools.host, slots, max_selected=cfg.batch * TOP_K, spare_slots=spare,
                             resolve_pdl=resolve_pdl)
     per_layer = options.get("prefetch_layers")
@@ -293,7 +293,7 @@ def calibrate_rho(pools, cfg, slots, target, warm, iters=7, topk="torch") -> tup
 
 def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 0.0, margin: float = 0.0,
                       prefetch_indexer: str = "overlapped", threshold_update: str = "main",
-                      prefetch_fractions: tuple[float, ...] | None = None, resolve_pdl: bool = False) -> dict:
+                      prefetch_fractions: tuple[float, ...] | None = None, resolve_pdl: bool | None = None) -> dict:
     """Eager steps from the same state: ESS modes against the all-HBM stack (whole-batch and split attention)."""
     res = {}
     hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
@@ -512,11 +512,12 @@ def main(argv=None) -> int:
     p.add_argument("--prefetch-fractions", metavar="F,F,...",
                    help="prefetchN modes with N of these: the indexer chunks are these fractions of the batch (summing "
                    "to 1, e.g. 0.6,0.4) instead of N equal ones; layerwise keeps equal chunks")
-    p.add_argument("--threshold-update", default="main", choices=["main", "side"],
+    p.add_argument("--threshold-update", default="side", choices=["main", "side"],
                    help="prefetch: the EMA threshold update at the layer's end on the main stream, or on the side "
                    "stream beside attention")
-    p.add_argument("--resolve-pdl", action="store_true",
-                   help="the fused resolve's kernels after its lookup with programmatic dependent launch")
+    p.add_argument("--resolve-pdl", default="auto", choices=["auto", "on", "off"],
+                   help="the fused resolve's kernels after its lookup with programmatic dependent launch (auto: on "
+                   "sm_90+)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -546,6 +547,7 @@ def main(argv=None) -> int:
         p.error(f"--modes: unknown mode {bad[0]!r} (of {MODES + EXTRA_MODES}, or prefetchN)")
     if not 0 <= args.prefetch_margin < 1:
         p.error(f"--prefetch-margin: must be in [0, 1), got {args.prefetch_margin}")
+    args.resolve_pdl = {"auto": torch.cuda.get_device_capability()[0] >= 9, "on": True, "off": False}[args.resolve_pdl]
     if args.prefetch_fractions is not None:
         try:
             args.prefetch_fractions = tuple(float(f) for f in args.prefetch_fractions.split(","))

@@ -150,7 +150,7 @@ class HotPoolCacheManager:
     def __init__(self, host_pool: HostTotalPool, slots_per_layer: int, device: torch.device | str | None = None,
                  max_selected: int = 0, copy_impl: str = "auto", resolve_impl: str = "auto",
                  hot_entries: torch.Tensor | Sequence[torch.Tensor] | None = None, spare_slots: int = 0,
-                 resolve_pdl: bool = False):
+                 resolve_pdl: bool | None = None):
         """`max_selected` sizes scratch tensors for the largest selection (batch x q_tokens x top_k) one call sees.
 
         `resolve_impl`: "triton" (the fused kernels of ess_sglang.kernels.resolve), "torch" (plain torch ops, the
@@ -163,8 +163,9 @@ class HotPoolCacheManager:
         `spare_slots`: free slots per layer that `refill_spares` keeps set aside for the resolves (0: none, every
         miss evicts at its resolve). Size it to the misses of one step of a layer: more holds fewer entries resident,
         fewer leaves the excess to an LRU scan at resolve time.
-        `resolve_pdl`: the fused resolve's kernels after its lookup use programmatic dependent launch (sm_90+; the
-        Triton path only).
+        `resolve_pdl`: the fused resolve's kernels after its lookup use programmatic dependent launch (sm_90+, the
+        Triton path only; 5-7 us a layer less at batch 64-128 / 32K together with the side-stream threshold update,
+        benchmarks/RESULTS.md). None: wherever it can (the Triton resolve on a GPU of compute capability 9.0+).
         """
         if slots_per_layer <= 0:
             raise ValueError(f"slots_per_layer must be > 0, got {slots_per_layer}")
@@ -176,8 +177,10 @@ class HotPoolCacheManager:
             resolve_impl = "triton" if dev.type == "cuda" else "torch"
         if resolve_impl not in ("triton", "torch"):
             raise ValueError(f"resolve_impl must be 'auto', 'triton' or 'torch', got {resolve_impl!r}")
-        if resolve_pdl and (resolve_impl != "triton" or dev.type != "cuda"
-                            or torch.cuda.get_device_capability(dev)[0] < 9):
+        pdl_ok = resolve_impl == "triton" and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+        if resolve_pdl is None:
+            resolve_pdl = pdl_ok
+        if resolve_pdl and not pdl_ok:
             raise ValueError(f"resolve_pdl: programmatic dependent launch needs the Triton resolve on a CUDA GPU of "
                              f"compute capability 9.0 or newer, got resolve_impl {resolve_impl!r} on {dev}")
         self.host = host_pool

@@ -105,9 +105,10 @@ class StackOptions:
     # on the main stream) or "overlapped" (every chunk but the last on a high-priority stream of their own, the last
     # on the main stream at once: the block scheduler fills the first launch's last wave with the next one's blocks;
     # 5-6 us a layer faster at batch 64-128, benchmarks/RESULTS.md)
-    threshold_update: str = "main"  # prefetch: where the EMA of the k-th best score is folded in: "main" (one launch
-    # on the main stream at the layer's end) or "side" (on the side stream beside attention, after the layer's
-    # settle: it only has to follow the layer's candidate reads, which are on that stream)
+    threshold_update: str = "side"  # prefetch: where the EMA of the k-th best score is folded in: "side" (on the
+    # side stream beside attention, after the layer's settle: it only has to follow the layer's candidate reads, which
+    # are on that stream) or "main" (one launch on the main stream at the layer's end; with the resolve's PDL, 5-7 us a
+    # layer slower at batch 64-128 / 32K, benchmarks/RESULTS.md)
     da_width: int = 256  # Attn1's table width (a multiple of 64 for FlashMLA)
     dba_split: float | Sequence[float] = 0.75  # chunk A's fraction of the batch (measured best), or every chunk's
     dba_attention: str = "whole"  # "whole": one attention over the batch (exact); "split": per half (hides more)
