@@ -14,16 +14,18 @@ graph, and everything below is fixed-shape device work):
      over PCIe on the critical path. (The write-back also protects it: a prefetched new token counts as useful in
      3d even in the rare step whose top-k does not select it, at most one entry per request and layer.)
   2. ``metadata.topk_transform``: the top-k positions [rows, k] (HiSparse forces the unfused top-k: positions).
-     [tap, after] each row's k-th best score (the lowest logit among its selected positions), kept until 3b.
+     [tap, after] each row's k-th best score (the lowest logit among its selected positions), kept until 3d.
   3. ``DeepseekSparseAttnBackend.forward_decode``: SGLang writes the token into its new-token slot, then
      ``EssCoordinator.swap_in_selected_pages``:
-       a. the main stream waits for the side stream: the prefetch has landed and has read the threshold, and the
-          previous layer's refill is done (it shares the resolve's scratch buffers);
-       b. the pending k-th scores move the layer's thresholds;
+       a. the main stream waits for the side stream: the prefetch has landed, and the previous layer's refill is
+          done (it shares the resolve's scratch buffers);
+       b. (nothing: the thresholds move in d, off the main stream);
        c. the token is written back to the host pool; the exact resolve: lookup, spare slots then LRU victims,
           fetch of whatever is still missing (exact backfill: attention reads exactly the selected entries);
        d. on the side stream, beside attention: the prefetched entries counted useful or wasted
-          (``settle_prefetch``), the spare slots taken in this step refilled (``refill_spares``);
+          (``settle_prefetch``), the pending k-th scores folded into the layer's thresholds (after the prefetch's
+          candidate reads, which are on that stream), the spare slots taken in this step refilled
+          (``refill_spares``);
        e. in the last layer the main stream waits for the side stream: nothing stays queued past the step (the
           graph ends there, and warm-up and release run between steps).
   4. FlashMLA over the returned device-pool rows.
@@ -170,7 +172,7 @@ class DecodeOverlap:
     def note_selection(self, layer: int, logits: torch.Tensor, positions: torch.Tensor,
                        req_pool_indices: torch.Tensor) -> None:
         """Each row's k-th best score: the lowest logit among its selected positions (-1: none; a row with nothing
-        selected gives +inf, which leaves a threshold at +inf). Folded into the thresholds at swap-in."""
+        selected gives +inf, which leaves a threshold at +inf). Folded into the thresholds beside attention."""
         B = min(logits.shape[0], positions.shape[0], req_pool_indices.shape[0])
         pos = positions[:B].long()
         ok = (pos >= 0) & (pos < logits.shape[-1])
@@ -180,18 +182,21 @@ class DecodeOverlap:
 
     # ------------------------------------------------------------------------------------------ 3. swap-in
     def before_resolve(self, layer: int) -> None:
-        """3a-b: wait for the side stream, then move the thresholds."""
+        """3a: wait for the side stream (the layer's prefetch, the previous layer's refill)."""
         self.streams.wait()
         self._side_reads.clear()
-        pending = self._pending.pop(layer, None)
-        if pending is not None and self.prefetcher is not None:
-            self.prefetcher.update(layer, *pending)
 
     def after_resolve(self, layer: int) -> None:
-        """3d-e: settle and refill beside attention; the last layer joins the side stream."""
-        if self.prefetches(layer) or self.m.num_spare:
+        """3d-e: settle, move the thresholds and refill beside attention; the last layer joins the side stream."""
+        pending = self._pending.pop(layer, None)
+        if pending is not None and self.prefetcher is None:
+            pending = None
+        if pending is not None or self.prefetches(layer) or self.m.num_spare:
             with self.streams.on_side():
                 self.m.settle_prefetch(layer)  # (nothing to count where the tap did not prefetch)
+                if pending is not None:  # after this layer's candidate reads, queued before on this stream
+                    self._side_reads.extend(pending)
+                    self.prefetcher.update(layer, *pending)
                 if self.m.num_spare:
                     self.m.refill_spares(layer)
         if layer == self.num_layers - 1:

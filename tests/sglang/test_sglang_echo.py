@@ -222,3 +222,35 @@ def test_a_step_cut_short_between_prefetch_and_settle_leaves_nothing_behind():
     c = m.counters.sum(0)
     assert int(c[Counter.PREFETCHED]) > 0
     assert int(c[Counter.PREFETCH_USEFUL] + c[Counter.PREFETCH_WASTED]) == int(c[Counter.PREFETCHED])
+
+
+def test_the_thresholds_move_beside_attention_after_the_resolve():
+    """The k-th best scores noted after the top-k move the layer's thresholds in after_resolve (on the side stream,
+    behind the layer's candidate reads), not before the resolve; a layer's note is used once."""
+    import torch
+
+    from ess_sglang.cache_manager import HotPoolCacheManager
+    from ess_sglang.host_pool import HostTotalPool
+    from ess_sglang.sglang_plugin import echo
+
+    T, rows = 512, 2
+    m = HotPoolCacheManager(HostTotalPool(2, rows * T), 1024, max_selected=256)
+    config = EssConfig(top_k=64, prefetch_min_batch=1, prefetch_ema_alpha=0.5)
+    overlap = echo.DecodeOverlap(m, _plan(layers=2, top_k=64, requests=rows, hot=1024), rows, T, rows, config)
+    table = torch.arange(rows * T, dtype=torch.int64).view(rows, T)
+    rpi, lens = torch.tensor([1, 0]), torch.tensor([T, 300])
+    logits = torch.arange(rows * T, dtype=torch.float32).view(rows, T)
+    positions = torch.tensor([[5, 9, -1], [7, 3, 2]])
+    m.begin_step()
+    overlap.prefetch(0, logits, rpi, lens, table)
+    overlap.note_selection(0, logits, positions, rpi)
+    overlap.before_resolve(0)
+    assert bool(torch.isinf(overlap.prefetcher.threshold).all())  # not moved before the resolve
+    m.resolve(0, torch.zeros((rows, 1, 64), dtype=torch.int32), table, rpi, lens)
+    overlap.after_resolve(0)
+    # row 1 (batch entry 0): the lowest selected logit 5; row 0 (batch entry 1): T + 2
+    assert overlap.prefetcher.threshold[0].tolist() == [T + 2.0, 5.0]
+    assert bool(torch.isinf(overlap.prefetcher.threshold[1]).all())
+    overlap.before_resolve(0)
+    overlap.after_resolve(0)  # no new note: the thresholds stay
+    assert overlap.prefetcher.threshold[0].tolist() == [T + 2.0, 5.0]
