@@ -146,6 +146,23 @@ def _check_hot_entries(hot: torch.Tensor | Sequence[torch.Tensor], layers: int, 
                              f"{device}, got {v.dtype} {tuple(v.shape)} on {v.device}")
 
 
+def resolve_settings(resolve_impl: str, resolve_pdl: bool | None, device: torch.device) -> tuple[str, bool]:
+    """The resolve's implementation and PDL setting on `device`, or a ValueError naming what cannot run there:
+    resolve_impl "auto" is the Triton path on CUDA, torch elsewhere; resolve_pdl None is on wherever it can run (the
+    Triton resolve on a GPU of compute capability 9.0+). Allocates nothing: callers check it first."""
+    if resolve_impl == "auto":
+        resolve_impl = "triton" if device.type == "cuda" else "torch"
+    if resolve_impl not in ("triton", "torch"):
+        raise ValueError(f"resolve_impl must be 'auto', 'triton' or 'torch', got {resolve_impl!r}")
+    if resolve_pdl is not None and not isinstance(resolve_pdl, bool):
+        raise ValueError(f"resolve_pdl must be true, false or unset (None), got {resolve_pdl!r}")
+    pdl_ok = resolve_impl == "triton" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    if resolve_pdl and not pdl_ok:
+        raise ValueError(f"resolve_pdl: programmatic dependent launch needs the Triton resolve on a CUDA GPU of "
+                         f"compute capability 9.0 or newer, got resolve_impl {resolve_impl!r} on {device}")
+    return resolve_impl, pdl_ok if resolve_pdl is None else resolve_pdl
+
+
 class HotPoolCacheManager:
     def __init__(self, host_pool: HostTotalPool, slots_per_layer: int, device: torch.device | str | None = None,
                  max_selected: int = 0, copy_impl: str = "auto", resolve_impl: str = "auto",
@@ -173,16 +190,7 @@ class HotPoolCacheManager:
             raise ValueError(f"spare_slots must be an integer in [0, slots_per_layer = {slots_per_layer}), "
                              f"got {spare_slots!r}")
         dev = torch.device(device) if device is not None else host_pool.device
-        if resolve_impl == "auto":
-            resolve_impl = "triton" if dev.type == "cuda" else "torch"
-        if resolve_impl not in ("triton", "torch"):
-            raise ValueError(f"resolve_impl must be 'auto', 'triton' or 'torch', got {resolve_impl!r}")
-        pdl_ok = resolve_impl == "triton" and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
-        if resolve_pdl is None:
-            resolve_pdl = pdl_ok
-        if resolve_pdl and not pdl_ok:
-            raise ValueError(f"resolve_pdl: programmatic dependent launch needs the Triton resolve on a CUDA GPU of "
-                             f"compute capability 9.0 or newer, got resolve_impl {resolve_impl!r} on {dev}")
+        resolve_impl, resolve_pdl = resolve_settings(resolve_impl, resolve_pdl, dev)
         self.host = host_pool
         self.copy_impl = copy_impl
         self.device = dev

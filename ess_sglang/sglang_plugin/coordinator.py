@@ -125,12 +125,13 @@ class LayerViews:
 
 def build_cache_manager(host: HostPoolView, slots: int, hot_views: LayerViews, device: torch.device,
                         max_selected: int, copy_impl: str = "auto", resolve_impl: str = "auto",
-                        spare_slots: int = 0):
+                        spare_slots: int = 0, resolve_pdl: bool | None = None):
     """A HotPoolCacheManager whose hot pools are `hot_views` (regions of SGLang's device pool)."""
     from ess_sglang.cache_manager import HotPoolCacheManager
 
     return HotPoolCacheManager(host, slots, device=device, max_selected=max_selected, copy_impl=copy_impl,
-                               resolve_impl=resolve_impl, hot_entries=hot_views, spare_slots=spare_slots)
+                               resolve_impl=resolve_impl, hot_entries=hot_views, spare_slots=spare_slots,
+                               resolve_pdl=resolve_pdl)
 
 
 def _contiguous(indices: torch.Tensor) -> int | None:
@@ -165,6 +166,10 @@ class EssCoordinator:
                  max_running_requests: int | None = None, pin_memory: bool | None = None, copy_impl: str = "auto",
                  host_pool: Any = None, resolve_impl: str = "auto"):
         dev = torch.device(device)
+        from ess_sglang.cache_manager import resolve_settings
+
+        # what the resolve can run on this device: checked before SGLang's pools are touched or the host pool pinned
+        resolve_impl, self.resolve_pdl = resolve_settings(resolve_impl, getattr(config, "resolve_pdl", None), dev)
         self.config = config
         self.device = dev
         self.req_to_token_pool = req_to_token_pool
@@ -212,7 +217,7 @@ class EssCoordinator:
         self.overlap_plan = echo.plan(config, L, top_k, self.max_running_requests, hot_slots_per_layer, page)
         self.manager = build_cache_manager(self.host, hot_slots_per_layer, views, dev, max_selected=rows * top_k,
                                            copy_impl=copy_impl, resolve_impl=resolve_impl,
-                                           spare_slots=self.overlap_plan.spare_slots)
+                                           spare_slots=self.overlap_plan.spare_slots, resolve_pdl=self.resolve_pdl)
         self.max_selected = rows * top_k
         self.overlap = echo.DecodeOverlap(self.manager, self.overlap_plan, rows, width, rows, config)
 

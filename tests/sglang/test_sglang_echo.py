@@ -254,3 +254,18 @@ def test_the_thresholds_move_beside_attention_after_the_resolve():
     overlap.before_resolve(0)
     overlap.after_resolve(0)  # no new note: the thresholds stay
     assert overlap.prefetcher.threshold[0].tolist() == [T + 2.0, 5.0]
+
+
+def test_resolve_pdl_off_sm90_is_refused_before_any_pool_is_touched():
+    """ess_config.resolve_pdl true where it cannot run (here: on CPU) fails first thing: the coordinator gets None
+    for SGLang's pools, so any allocation or read of them would raise something else."""
+    import pytest
+
+    from ess_sglang.sglang_plugin.coordinator import EssCoordinator
+
+    with pytest.raises(ValueError, match="resolve_pdl: programmatic dependent launch needs the Triton resolve on a "
+                                         "CUDA GPU of compute capability 9.0 or newer"):
+        EssCoordinator(req_to_token_pool=None, token_to_kv_pool_allocator=None, config=EssConfig(resolve_pdl=True),
+                       hot_slots_per_layer=64, host_tokens=64, device="cpu", top_k=64)
+    with pytest.raises(ValueError, match="resolve_pdl"):
+        EssConfig(resolve_pdl="yes")
