@@ -14,10 +14,12 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
        last at once on the main stream (`prefetch_indexer="overlapped"`), so the last launch's blocks fill the first
        one's last wave instead of waiting for it;
     4. top-k positions (torch.topk, or the Triton kernel `ess_sglang.kernels.topk`); the k-th best score updates
-       the prefetch threshold at the end of the layer, once the side stream has read it;
+       the prefetch threshold on the side stream beside attention, behind the layer's candidate reads there
+       (`threshold_update="side"`; "main": at the end of the layer on the main stream);
     5. resolve + fetch, then attention over hot-pool slots, in the layer's mode:
        sync  resolve (lookup, protect, evict, assign; the assign kernel copies each miss host -> hot slot as it
-             assigns it), then attend (`sync_copy="counted"`: a separate persistent copy over the miss list). Exact.
+             assigns it; on sm_90+ the kernels after the lookup use programmatic dependent launch), then attend
+             (`sync_copy="counted"`: a separate persistent copy over the miss list). Exact.
        da    dual attention: resolve without copying; the misses are copied on the side stream while attention
              runs over the hits (Attn0); then attention over the misses (Attn1, a narrow table of `da_width`
              entries per query row); the two are merged with their log-sum-exps. Rows with more misses than

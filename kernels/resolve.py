@@ -25,6 +25,12 @@ or the layer's slots (S), with every count kept on the device:
                   won read the winner's slot (from the map, or through the claim from the winner's table entry);
                   the spare count moves
 
+With `pdl` (programmatic dependent launch, sm_90+: `HotPoolCacheManager(resolve_pdl=...)`, on by default there) K2-K5
+are launched with the PDL attribute and begin with `griddepcontrol.wait` then `launch_dependents` (`_pdl_enter`); K1 is
+launched plainly (after the top-k and the stream joins) but releases K2 the same way. Each kernel's programs are then
+scheduled while the one before runs, and the launch gaps overlap work; the order of every read and write is the
+same (a kernel waits for the whole previous grid and its writes before it reads anything).
+
 A prefetch with spare slots (`spare_only`) takes spare slots only: K1 lists its spare-slot winners in the fetch list
 itself, K2-K4 are not launched, and K5 gives overflowed claims back (those entries are not prefetched; the exact
 resolve fetches them if selected) and clears the rest of the fetch list; a one-program launch then moves the counts.
