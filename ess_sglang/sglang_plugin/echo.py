@@ -140,6 +140,7 @@ class DecodeOverlap:
             manager.reserve_scratch(n)
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (k-th scores, request rows)
         self._side_reads: list[torch.Tensor] = []  # what the side stream reads: alive until the main stream waits
+        self._folding: tuple[torch.Tensor, torch.Tensor] | None = None  # the layer's note, between 3a and 3d
 
     def prefetches(self, layer: int, batch: int | None = None) -> bool:
         """Whether the layer prefetches (in a decode batch of `batch` requests: not below `prefetch_min_batch`).
@@ -162,6 +163,7 @@ class DecodeOverlap:
         W = pf.width
         self._side_reads.extend((logits, req_pool_indices, visible_lens))
         self.m.settle_pending_prefetch()  # a step cut short before its settle (an exception) leaves nothing behind
+        self._pending.pop(layer, None)  # (nor a k-th score noted in it)
         with self.streams.on_side():
             cand = pf.candidates(layer, scores, req_to_host_pool, req_pool_indices[:B], visible_lens[:B],
                                  self.m.loc_to_slot[layer], self.m.num_locations)
@@ -182,15 +184,15 @@ class DecodeOverlap:
 
     # ------------------------------------------------------------------------------------------ 3. swap-in
     def before_resolve(self, layer: int) -> None:
-        """3a: wait for the side stream (the layer's prefetch, the previous layer's refill)."""
+        """3a: wait for the side stream (the layer's prefetch, the previous layer's refill); take the layer's noted
+        k-th scores (used once: a resolve that raises leaves none behind for a later step)."""
         self.streams.wait()
         self._side_reads.clear()
+        self._folding = self._pending.pop(layer, None) if self.prefetcher is not None else None
 
     def after_resolve(self, layer: int) -> None:
         """3d-e: settle, move the thresholds and refill beside attention; the last layer joins the side stream."""
-        pending = self._pending.pop(layer, None)
-        if pending is not None and self.prefetcher is None:
-            pending = None
+        pending, self._folding = self._folding, None
         if pending is not None or self.prefetches(layer) or self.m.num_spare:
             with self.streams.on_side():
                 self.m.settle_prefetch(layer)  # (nothing to count where the tap did not prefetch)
@@ -201,6 +203,8 @@ class DecodeOverlap:
                     self.m.refill_spares(layer)
         if layer == self.num_layers - 1:
             self.streams.wait()
+            self._side_reads.clear()  # (nothing the side stream reads outlives the step: graphs share a memory pool)
+            self._pending.clear()  # notes of layers whose resolve did not run (a step cut short) are stale now
 
     def forget_rows(self, rows: Sequence[int] | torch.Tensor) -> None:
         """Request rows that a new request will take: their thresholds start again at +inf."""

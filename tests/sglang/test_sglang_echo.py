@@ -251,9 +251,21 @@ def test_the_thresholds_move_beside_attention_after_the_resolve():
     # row 1 (batch entry 0): the lowest selected logit 5; row 0 (batch entry 1): T + 2
     assert overlap.prefetcher.threshold[0].tolist() == [T + 2.0, 5.0]
     assert bool(torch.isinf(overlap.prefetcher.threshold[1]).all())
+    assert not overlap._pending and overlap._folding is None  # the note was used
     overlap.before_resolve(0)
     overlap.after_resolve(0)  # no new note: the thresholds stay
     assert overlap.prefetcher.threshold[0].tolist() == [T + 2.0, 5.0]
+    overlap.note_selection(0, logits, torch.tensor([[1, 9, -1], [7, 3, 4]]), rpi)  # k-th scores 1 and T + 3
+    overlap.before_resolve(0)
+    overlap.after_resolve(0)
+    assert overlap.prefetcher.threshold[0].tolist() == [(T + 2.0 + T + 3.0) / 2, 3.0]  # EMA, alpha 0.5
+    # a note whose resolve never ran (the step was cut short) is dropped at the step's end, not folded later
+    overlap.note_selection(0, logits, torch.tensor([[0, 0, 0], [0, 0, 0]]), rpi)
+    overlap.before_resolve(1)
+    overlap.after_resolve(1)  # the last layer: joins the side stream, drops stale notes
+    overlap.before_resolve(0)
+    overlap.after_resolve(0)
+    assert overlap.prefetcher.threshold[0].tolist() == [(T + 2.0 + T + 3.0) / 2, 3.0]
 
 
 def test_resolve_pdl_off_sm90_is_refused_before_any_pool_is_touched():
