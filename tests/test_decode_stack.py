@@ -160,6 +160,19 @@ def test_prefetch_in_chunks_fetches_what_one_prefetch_over_the_batch_fetches():
             assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), f"step {s}"
 
 
+def test_the_last_chunks_copy_takes_its_own_program_count():
+    ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=3, last_chunk_programs=5)
+    programs = []
+    prefetch = ess.m.prefetch
+    ess.m.prefetch = lambda layer, locs_, record, programs_=programs, prefetch=prefetch, **kw: (
+        programs_.append(kw["programs"]), prefetch(layer, locs_, record, **kw))[1]
+    batch, inputs = next(steps(1, table, rows, locs))
+    ess.step(batch, inputs)
+    assert programs == [32, 32, 5] * LAYERS  # (overlap_programs' default for the others)
+    with pytest.raises(ValueError, match="last_chunk_programs must be >= 1 or None, got 0"):
+        StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, last_chunk_programs=0)
+
+
 def test_prefetch_indexer_is_checked():
     assert StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2).prefetch_indexer == "overlapped"
     assert StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, prefetch_indexer="serial").prefetch_indexer \
@@ -248,6 +261,17 @@ def test_dual_attention_equals_single_pass_up_to_rounding(da_width, spare):
     ess.m.check_invariants()
 
 
+def _record_calls(ess):
+    """A list that collects, in call order, "update" (a threshold update), "attend" and each layer's index as the
+    layer starts."""
+    events = []
+    update, attend, forward = ess.prefetcher.update, ess._attend, ess.forward_layer
+    ess.prefetcher.update = lambda layer, *a: (events.append("update"), update(layer, *a))[1]
+    ess._attend = lambda *a: (events.append("attend"), attend(*a))[1]
+    ess.forward_layer = lambda layer, *a: (events.append(layer), forward(layer, *a))[1]
+    return events
+
+
 @pytest.mark.parametrize("modes,chunks", [(("sync", "da"), 1), (("dba", "sync"), 2), (("sync", "dba"), (0.7, 0.3))])
 def test_threshold_update_beside_attention_equals_the_update_at_the_layer_end(modes, chunks):
     # "side" folds each top-k's k-th best scores into the thresholds after the settle (in DBA, chunk by chunk)
@@ -256,11 +280,21 @@ def test_threshold_update_beside_attention_equals_the_update_at_the_layer_end(mo
     for where in ("main", "side"):
         ess, hbm, table, rows, locs = build(modes, prefetch=True, prefetch_chunks=chunks, threshold_update=where,
                                             dba_attention="whole")
+        events = _record_calls(ess)  # in program order (the CPU runs the streams' work in the order it is queued)
         states = []
         for batch, inputs in steps(6, table, rows, locs):
+            events.clear()
             out = ess.step(batch, inputs)
             assert not ess._pending_thresholds
             states.append((out, ess.prefetcher.threshold.clone(), ess.m.counters.clone()))
+            # per layer: each top-k folded once, "side" before the layer's last attention, "main" after it
+            starts = [events.index(layer) for layer in range(LAYERS)] + [len(events)]
+            for layer in range(LAYERS):
+                seq = events[starts[layer] + 1:starts[layer + 1]]
+                assert seq.count("update") == (2 if modes[layer] == "dba" else 1), (where, layer, seq)
+                last_attend = len(seq) - 1 - seq[::-1].index("attend")
+                before = [i < last_attend for i, e in enumerate(seq) if e == "update"]
+                assert all(before) if where == "side" else not any(before), (where, layer, seq)
         runs.append(states)
     assert runs[0][-1][2].sum(0)[Counter.PREFETCHED] > 0
     for s, (want, got) in enumerate(zip(*runs, strict=True)):

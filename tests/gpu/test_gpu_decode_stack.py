@@ -90,7 +90,7 @@ def _inputs(w, s, q_index=None):
 
 
 def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand", prefetch_chunks=1,
-         prefetch_layers=None, spare=0, prefetch_indexer="serial", threshold_update="main", resolve_pdl=False):
+         prefetch_layers=None, spare=0, prefetch_indexer="serial", threshold_update="side", resolve_pdl=None):
     slots = math.ceil(0.25 * B * CTX / 64) * 64
     m = HotPoolCacheManager(w["host"], slots, max_selected=B * TOPK, spare_slots=spare, resolve_pdl=resolve_pdl)
     recent = slots // B - 64
@@ -131,18 +131,19 @@ def reference(world):
     ("dba", False, "split", "spare"), ("da", False, "whole", "spare"),
     # the indexer chunks before the last on a high-priority stream of their own, the last on the main stream at once
     ("sync", 3, "whole", "overlapped"), ("sync", 2, "whole", "spare, overlapped"),
-    # the thresholds' EMA update on the side stream beside attention (DBA: chunk by chunk)
-    ("sync", 2, "whole", "spare, overlapped, side"), ("dba", True, "whole", "side"),
-    # the resolve's kernels after its lookup with programmatic dependent launch
-    ("sync", False, "whole", "pdl"), ("sync", 2, "whole", "spare, overlapped, pdl"), ("da", False, "whole", "pdl"),
-    ("dba", True, "whole", "spare, pdl")])
+    # every case above runs the defaults: the thresholds' EMA update beside attention (DBA: chunk by chunk) and the
+    # resolve's kernels after its lookup with programmatic dependent launch; the alternatives:
+    ("sync", 2, "whole", "spare, overlapped, main, nopdl"), ("dba", True, "whole", "main"),
+    ("sync", False, "whole", "nopdl"), ("da", False, "whole", "spare, nopdl")])
 def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attention, new_tokens):
     spare = 1024 if "spare" in new_tokens else 0
     indexer = "overlapped" if "overlapped" in new_tokens else "serial"
-    update = "side" if "side" in new_tokens else "main"
+    update = "main" if "main" in new_tokens else "side"
     new_tokens = "insert" if new_tokens == "insert" else "on_demand"
     ess = _ess(world, [mode] * LAYERS, bool(prefetch), dba_attention, new_tokens, prefetch_chunks=max(1, int(prefetch)),
-               spare=spare, prefetch_indexer=indexer, threshold_update=update, resolve_pdl="pdl" in new_tokens)
+               spare=spare, prefetch_indexer=indexer, threshold_update=update,
+               resolve_pdl=False if "nopdl" in new_tokens else None)
+    assert ess.m._fused.pdl == ("nopdl" not in new_tokens)  # (the H200: on by default)
     worst = 0.0
     for s in range(STEPS):
         got = ess.step(_batch(world, s), _inputs(world, s))
@@ -176,8 +177,9 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
     (["sync", "sync"], (2, 0), 0, "serial"),  # a tuple: per layer (a profile's)
     (["sync", "dba"], 2, 1024, "serial"), (["da", "sync"], (0, 2), 1024, "serial"),
     (["sync", "sync"], 3, 1024, "overlapped"), (["sync", "da"], (2, 0), 0, "overlapped"),
-    (["dba", "da"], 2, 1024, "overlapped, side"),  # side: the thresholds' update beside attention
-    (["sync", "dba"], 2, 1024, "overlapped, pdl"), (["sync", "sync"], 1, 0, "serial, pdl")])  # pdl: in the resolve
+    (["dba", "da"], 2, 1024, "overlapped"),
+    # the alternatives to the defaults: the thresholds' update at the layer's end, no PDL in the resolve
+    (["sync", "dba"], 2, 1024, "overlapped, main, nopdl")])
 def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, spare, indexer):
     """Capture a step with prefetch and mixed modes; replaying it over later steps gives what the all-HBM stack and
     the same steps run eagerly give (exact layers bit-identical; DA within 1e-2 of single-pass attention: graph and
@@ -190,8 +192,8 @@ def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, 
     eager, graphed = (_ess(world, modes, prefetch=not per_layer, prefetch_chunks=1 if per_layer else prefetch_chunks,
                            prefetch_layers=prefetch_chunks if per_layer else None, spare=spare,
                            prefetch_indexer=indexer.split(",")[0],
-                           threshold_update="side" if "side" in indexer else "main",
-                           resolve_pdl="pdl" in indexer) for _ in range(2))
+                           threshold_update="main" if "main" in indexer else "side",
+                           resolve_pdl=False if "nopdl" in indexer else None) for _ in range(2))
     for s in range(3):  # warm-up (Triton compiles) on both
         for st in (eager, graphed):
             st.step(_batch(world, s), _inputs(world, s))
@@ -213,6 +215,9 @@ def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, 
                     assert err <= 1e-2, f"{name}: step {s} layer {layer}: {err}"
             else:
                 assert torch.equal(outs[layer], exact) and torch.equal(want[layer], exact), f"step {s} layer {layer}"
+    # the thresholds moved in the graph as in the eager run (the update is in the capture, wherever it is queued)
+    assert torch.equal(graphed.prefetcher.threshold, eager.prefetcher.threshold)
+    assert bool(torch.isfinite(graphed.prefetcher.threshold).any())
     c = graphed.m.counters.sum(0).cpu()
     assert int(c[Counter.PREFETCHED]) > 0 and int(c[Counter.PREFETCH_USEFUL]) > 0  # settled after the exact resolve
     assert int(c[Counter.PREFETCH_USEFUL]) + int(c[Counter.PREFETCH_WASTED]) == int(c[Counter.PREFETCHED])
