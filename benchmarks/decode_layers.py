@@ -371,7 +371,8 @@ def run_config(pools, layers, context, batch, hit, args, timings, timings_spare)
     rows.append(dict(base, variant="hbm", **t_hbm, ratio=1.0))
     sync_misses = None
     options = dict(dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk,
-                   prefetch_indexer=args.prefetch_indexer, threshold_update=args.threshold_update)
+                   prefetch_indexer=args.prefetch_indexer, threshold_update=args.threshold_update,
+                   last_chunk_programs=args.last_chunk_programs)
     for spare_size, mode in [(f, m) for f in args.spare for m in args.modes]:
         variant = f"{mode}+spare" if spare_size else mode
         if spare_size == "auto" and sync_misses is None:
@@ -515,6 +516,9 @@ def main(argv=None) -> int:
     p.add_argument("--threshold-update", default="side", choices=["main", "side"],
                    help="prefetch: the EMA threshold update at the layer's end on the main stream, or on the side "
                    "stream beside attention")
+    p.add_argument("--last-chunk-programs", type=int, default=None,
+                   help="prefetchN: the last chunk's copy (beside the top-k) with this many programs instead of "
+                   "--overlap-programs")
     p.add_argument("--resolve-pdl", default="auto", choices=["auto", "on", "off"],
                    help="the fused resolve's kernels after its lookup with programmatic dependent launch (auto: on "
                    "sm_90+)")
@@ -547,13 +551,19 @@ def main(argv=None) -> int:
         p.error(f"--modes: unknown mode {bad[0]!r} (of {MODES + EXTRA_MODES}, or prefetchN)")
     if not 0 <= args.prefetch_margin < 1:
         p.error(f"--prefetch-margin: must be in [0, 1), got {args.prefetch_margin}")
-    args.resolve_pdl = {"auto": torch.cuda.get_device_capability()[0] >= 9, "on": True, "off": False}[args.resolve_pdl]
+    sm90 = torch.cuda.get_device_capability()[0] >= 9
+    if args.resolve_pdl == "on" and not sm90:
+        p.error("--resolve-pdl on: programmatic dependent launch needs a GPU of compute capability 9.0 or newer")
+    args.resolve_pdl = {"auto": sm90, "on": True, "off": False}[args.resolve_pdl]
     if args.prefetch_fractions is not None:
         try:
             args.prefetch_fractions = tuple(float(f) for f in args.prefetch_fractions.split(","))
             StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=args.prefetch_fractions)
         except ValueError as exc:
             p.error(f"--prefetch-fractions: {exc}")
+        if not any(known(m) and prefetch_chunks(m) == len(args.prefetch_fractions) for m in args.modes):
+            p.error(f"--prefetch-fractions: {len(args.prefetch_fractions)} fractions, but no prefetch"
+                    f"{len(args.prefetch_fractions)} mode in --modes runs that many chunks")
     split = [float(f) for f in args.dba_split.split(",")]
     args.dba_split = split[0] if len(split) == 1 else tuple(split)
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -602,6 +612,7 @@ def main(argv=None) -> int:
                 dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk, spare=args.spare,
                 prefetch_margin=args.prefetch_margin, prefetch_indexer=args.prefetch_indexer,
                 prefetch_fractions=args.prefetch_fractions, threshold_update=args.threshold_update,
+                last_chunk_programs=args.last_chunk_programs,
                 resolve_pdl=args.resolve_pdl,
                 calibration=timings.measured.source if timings.measured is not None else None,
                 calibration_prefetch_margin=timings.measured.prefetch_margin if timings.measured is not None else None,

@@ -206,7 +206,7 @@ def load_calibration(path: str | Path | Sequence[str | Path], where: str | None 
 
 COMPARABLE_META = ("layers", "warm", "steps", "ratio", "pool_batch", "dba_split", "overlap_programs", "topk", "spare",
                    "device", "prefetch_indexer", "prefetch_fractions", "threshold_update",
-                   "resolve_pdl")
+                   "resolve_pdl", "last_chunk_programs")
 """`meta` keys of a decode-stack run that the two runs of a margin calibration must share (what else they measure
 with), besides the margin itself."""
 
@@ -244,6 +244,11 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
     otherwise (`COMPARABLE_META`): its prefetch modes, against its own all-HBM rows, become "prefetch_margin" /
     "prefetch2_margin", which must then be measured at every point."""
     meta = _meta(data, where)
+    for m, w in ((meta, where), (_meta(margin_run, f"{where} (margin run)") if margin_run is not None else {}, "")):
+        if m.get("prefetch_fractions") is not None:
+            raise CalibrationError(f"{w or where + ' (margin run)'}: measured with uneven indexer chunks "
+                                   f"(meta.prefetch_fractions {m['prefetch_fractions']!r}), but a profile's prefetch2 "
+                                   f"layers run equal chunks: calibrate without --prefetch-fractions")
     first = _run_margin(meta, where)
     if first != 0:
         raise CalibrationError(f"{where}: measured at prefetch margin {first} (meta.prefetch_margin), but its prefetch "

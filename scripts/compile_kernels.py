@@ -57,14 +57,14 @@ for mode in (0, 1):
                                       num_slots=I64),
               dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, LIST=listed, SPARE_ONLY=spare_only, C_LOOKUPS=0,
                    C_HITS=1, C_BAD=5,
-                   C_FETCH_A=2, C_FETCH_B=3, BLOCK=256, PDL=not spare_only and protect))
+                   C_FETCH_A=2, C_FETCH_B=3, BLOCK=256, PDL=not spare_only))
 for copy, pend in ((True, False), (False, True), (True, True), (False, False)):
     check(kr._assign_kernel, dict(scr_ptr=P32, victims_ptr=P32, over_loc_ptr=P64, over_idx_ptr=P32, took_loc_ptr=P64,
                                   took_slot_ptr=P64, l2s_ptr=P32, s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64,
                                   out_ptr=P32, cnt_ptr=P64, src_ptr=P32, dst_ptr=P32, pend_src_ptr=P64,
                                   pend_dst_ptr=P64, pend_count_ptr=P64, taken_ptr=P64, num_spare=I64, n=I64),
           dict(COPY=copy, PEND=pend, WORDS=164, BLOCK_WORDS=256, C_FETCH_A=2, C_FETCH_B=3, C_EVICT=8, C_OVERFLOW=6,
-               STAMP_BACK=0 if copy else 1, ROWS=4, CLEAR=1024, PDL=copy))
+               STAMP_BACK=0 if copy else 1, ROWS=4, CLEAR=1024, PDL=copy or pend))
 check(kf._copy_rows_counted_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64,
                                          count_ptr=P64, n_rows=I64),
       dict(WORDS=164, SRC_STRIDE=164, DST_STRIDE=164, BLOCK_WORDS=256, ROWS=8, PROGRAMS=32))

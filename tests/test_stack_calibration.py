@@ -65,6 +65,21 @@ def _run():
     return dict(meta=dict(command="python benchmarks/decode_layers.py", date="2026-11-29", device="test"), rows=rows)
 
 
+def test_a_run_with_uneven_indexer_chunks_is_no_calibration():
+    # a profile's prefetch2 layers run equal chunks: a run measured at --prefetch-fractions would misrate them
+    run = _run()
+    run["meta"]["prefetch_fractions"] = [0.6, 0.4]
+    with pytest.raises(CalibrationError, match=r"run\.json: measured with uneven indexer chunks "
+                                               r"\(meta\.prefetch_fractions \[0\.6, 0\.4\]\)"):
+        calibration_from_decode_layers(run, "run.json")
+    plain = _run()
+    run["meta"]["prefetch_margin"] = 0.01
+    with pytest.raises(CalibrationError, match=r"run\.json \(margin run\): measured with uneven indexer chunks"):
+        calibration_from_decode_layers(plain, "run.json", margin_run=run)
+    run["meta"]["prefetch_fractions"] = None  # (what decode_layers.py records without the flag)
+    calibration_from_decode_layers(_run(), "run.json")
+
+
 def test_points_from_benchmark_rows_and_exact_at_measured_points():
     cal = calibration_from_decode_layers(_run(), "run.json")
     assert cal.batches == [16, 64] and cal.contexts == [32768, 131072]  # batch 1 has one miss count only
