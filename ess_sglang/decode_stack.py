@@ -115,6 +115,8 @@ class StackOptions:
     dba_split: float | Sequence[float] = 0.75  # chunk A's fraction of the batch (measured best), or every chunk's
     dba_attention: str = "whole"  # "whole": one attention over the batch (exact); "split": per half (hides more)
     overlap_programs: int = 32  # persistent programs of a copy that overlaps compute (the rest of the SMs compute)
+    last_chunk_programs: int | None = None  # prefetch in chunks: the last chunk's copy (beside the top-k) with this
+    # many programs instead of overlap_programs (None: the same)
     sync_copy: str = "inline"  # sync mode: "inline" (in the resolve's assign kernel: measured faster) or "counted"
     new_tokens: str = DEFAULT_NEW_TOKENS  # "on_demand": only written back, and fetched like any miss when selected
     # (one resolve fewer a layer: 1.243 against 1.261 x all-HBM at batch 64 / 32K, 1.122 against 1.127 at 128 / 128K,
@@ -166,6 +168,8 @@ class StackOptions:
             raise ValueError(f"threshold_update must be 'main' or 'side', got {self.threshold_update!r}")
         if self.overlap_programs < 1:
             raise ValueError(f"overlap_programs must be >= 1, got {self.overlap_programs}")
+        if self.last_chunk_programs is not None and self.last_chunk_programs < 1:
+            raise ValueError(f"last_chunk_programs must be >= 1 or None, got {self.last_chunk_programs}")
 
 
 def _fractions(name: str, chunks: int | Sequence[float]) -> tuple[float, ...]:
@@ -492,7 +496,9 @@ class EssDecodeStack(_StackBase):
                 cand = pf.candidates(layer, chunk_logits, b.req_to_token, b.req_pool_indices, b.seq_lens,
                                      self.m.loc_to_slot[layer], self.m.num_locations)
                 record = FetchList(pl.src[lo * W:hi * W], pl.dst[lo * W:hi * W], self._prefetch_counts[i:i + 1])
-                self.m.prefetch(layer, cand, record, programs=self.options.overlap_programs)
+                last = i == len(bounds) - 1 and len(bounds) > 1 and self.options.last_chunk_programs is not None
+                self.m.prefetch(layer, cand, record, programs=self.options.last_chunk_programs if last
+                                else self.options.overlap_programs)
         if lead is not None:
             torch.cuda.current_stream().wait_stream(lead)  # the top-k reads every chunk's logits
         pos, kth = topk_with_scores(logits, self.options.top_k, self.topk_impl)
