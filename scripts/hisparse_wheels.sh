@@ -6,9 +6,11 @@
 #                                                  0.5.23 pins apache-tvm-ffi==0.1.11 (checked below); its only
 #                                                  dependency, typing-extensions, comes with torch. gpu_run.sh installs
 #                                                  it with the other .whl/*.whl.
-#   .whl/hisparse/sglang-0.5.23-cp312-*.whl        the sglang wheel (~39 MB), NOT installed: gpu_run.sh globs only
-#                                                  .whl/*.whl. hisparse_kernel.py extracts sglang/kernels/jit/include/
-#                                                  and csrc/kvcacheio/ from it at run time and compiles hisparse.cuh.
+#   .whl/hisparse/sglang-0.5.23-cp312-*.whl        the sglang wheel trimmed to what the GPU run reads (its kernel
+#                                                  sources and METADATA: the whole wheel is ~39 MB), NOT installed:
+#                                                  gpu_run.sh globs only .whl/*.whl. hisparse_kernel.py extracts
+#                                                  sglang/kernels/jit/include/ and csrc/kvcacheio/ from it at run time
+#                                                  and compiles hisparse.cuh.
 #
 # hisparse.cuh's include closure needs nothing else: sgl_kernel/* (in the sglang wheel), tvm/ffi/* and dlpack/* (in the
 # tvm-ffi wheel), and CUDA / C++ headers (the GPU machine's toolkit). The check at the end follows the includes through
@@ -56,6 +58,17 @@ with tempfile.TemporaryDirectory() as tmp:
     print(f"hisparse_wheels: {whl.name}: sglang {src.version}, pins apache-tvm-ffi{src.requires_tvm_ffi}; "
           f"hisparse.cuh includes {len(cl.files) - 1} sglang headers and {len(cl.external)} tvm-ffi/dlpack headers, "
           f"all present; left to the toolkit: {', '.join(sorted(n for n in cl.system if '/' in n or '.h' in n))}")
+# The GPU run reads only the kernel's sources and METADATA from the sglang wheel (hisparse_kernel.extract_wheel): keep
+# those alone (a few hundred KB; the whole wheel, ~39 MB, crowds the 64 MiB carry), under the same name.
+with zipfile.ZipFile(whl) as zin:
+    keep = [zin.getinfo(n) for n in zin.namelist()
+            if n.startswith(hk.EXTRACT_PREFIXES) or re.fullmatch(r"sglang-[^/]+\.dist-info/METADATA", n)]
+    trimmed = whl.with_name(whl.name + ".part")
+    with zipfile.ZipFile(trimmed, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in keep:
+            zout.writestr(info, zin.read(info))
+trimmed.replace(whl)
+print(f"hisparse_wheels: kept {len(keep)} members of {whl.name} ({whl.stat().st_size // 1024} KiB)")
 EOF
 ls -l .whl .whl/hisparse
 size=$(du -sb .whl | cut -f1)
