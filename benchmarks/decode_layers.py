@@ -293,7 +293,8 @@ def calibrate_rho(pools, cfg, slots, target, warm, iters=7, topk="torch") -> tup
 
 def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 0.0, margin: float = 0.0,
                       prefetch_indexer: str = "overlapped", threshold_update: str = "main",
-                      prefetch_fractions: tuple[float, ...] | None = None, resolve_pdl: bool | None = None) -> dict:
+                      prefetch_fractions: tuple[float, ...] | None = None, resolve_pdl: bool | None = None,
+                      **last_chunk) -> dict:
     """Eager steps from the same state: ESS modes against the all-HBM stack (whole-batch and split attention)."""
     res = {}
     hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
@@ -314,7 +315,7 @@ def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 
                         spare=spare_slots(spare_fraction, cfg.batch, slots) if name.endswith("+spare") else 0,
                         prefetch_chunks=chunk_fractions(name.removesuffix("+spare"), prefetch_fractions),
                         prefetch_indexer=prefetch_indexer, threshold_update=threshold_update,
-                        resolve_pdl=resolve_pdl)
+                        resolve_pdl=resolve_pdl, **last_chunk)
         reset_and_warm(ess, cfg)
         identical, identical_split, rel = True, True, 0.0
         for s in range(cfg.steps):
@@ -372,7 +373,7 @@ def run_config(pools, layers, context, batch, hit, args, timings, timings_spare)
     sync_misses = None
     options = dict(dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk,
                    prefetch_indexer=args.prefetch_indexer, threshold_update=args.threshold_update,
-                   last_chunk_programs=args.last_chunk_programs)
+                   last_chunk_programs=args.last_chunk_programs, last_chunk_margin=args.last_chunk_margin)
     for spare_size, mode in [(f, m) for f in args.spare for m in args.modes]:
         variant = f"{mode}+spare" if spare_size else mode
         if spare_size == "auto" and sync_misses is None:
@@ -519,6 +520,8 @@ def main(argv=None) -> int:
     p.add_argument("--last-chunk-programs", type=int, default=None,
                    help="prefetchN: the last chunk's copy (beside the top-k) with this many programs instead of "
                    "--overlap-programs")
+    p.add_argument("--last-chunk-margin", type=float, default=None,
+                   help="prefetchN: the last chunk's threshold margin (beside the top-k) instead of --prefetch-margin")
     p.add_argument("--resolve-pdl", default="auto", choices=["auto", "on", "off"],
                    help="the fused resolve's kernels after its lookup with programmatic dependent launch (auto: on "
                    "sm_90+)")
@@ -551,6 +554,8 @@ def main(argv=None) -> int:
         p.error(f"--modes: unknown mode {bad[0]!r} (of {MODES + EXTRA_MODES}, or prefetchN)")
     if not 0 <= args.prefetch_margin < 1:
         p.error(f"--prefetch-margin: must be in [0, 1), got {args.prefetch_margin}")
+    if args.last_chunk_margin is not None and not 0 <= args.last_chunk_margin < 1:
+        p.error(f"--last-chunk-margin: must be in [0, 1), got {args.last_chunk_margin}")
     sm90 = torch.cuda.get_device_capability()[0] >= 9
     if args.resolve_pdl == "on" and not sm90:
         p.error("--resolve-pdl on: programmatic dependent launch needs a GPU of compute capability 9.0 or newer")
@@ -601,7 +606,8 @@ def main(argv=None) -> int:
         pools, cfg0, slots0, cfg0.queries(rho0), args.warm,
         spare_fraction=fixed[0] if fixed else 0.08 if "auto" in args.spare else 0.0, margin=args.prefetch_margin,
         prefetch_indexer=args.prefetch_indexer, threshold_update=args.threshold_update,
-        prefetch_fractions=args.prefetch_fractions, resolve_pdl=args.resolve_pdl))
+        prefetch_fractions=args.prefetch_fractions, resolve_pdl=args.resolve_pdl,
+        last_chunk_programs=args.last_chunk_programs, last_chunk_margin=args.last_chunk_margin))
     print("correctness:", json.dumps(correctness), flush=True)
     rows = []
     os.makedirs(args.out, exist_ok=True)
@@ -612,7 +618,7 @@ def main(argv=None) -> int:
                 dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk, spare=args.spare,
                 prefetch_margin=args.prefetch_margin, prefetch_indexer=args.prefetch_indexer,
                 prefetch_fractions=args.prefetch_fractions, threshold_update=args.threshold_update,
-                last_chunk_programs=args.last_chunk_programs,
+                last_chunk_programs=args.last_chunk_programs, last_chunk_margin=args.last_chunk_margin,
                 resolve_pdl=args.resolve_pdl,
                 calibration=timings.measured.source if timings.measured is not None else None,
                 calibration_prefetch_margin=timings.measured.prefetch_margin if timings.measured is not None else None,

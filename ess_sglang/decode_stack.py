@@ -116,7 +116,9 @@ class StackOptions:
     dba_attention: str = "whole"  # "whole": one attention over the batch (exact); "split": per half (hides more)
     overlap_programs: int = 32  # persistent programs of a copy that overlaps compute (the rest of the SMs compute)
     last_chunk_programs: int | None = None  # prefetch in chunks: the last chunk's copy (beside the top-k) with this
-    # many programs instead of overlap_programs (None: the same)
+    # many programs instead of overlap_programs (None: the same; 8 measured much slower than 16, benchmarks/RESULTS.md)
+    last_chunk_margin: float | None = None  # prefetch in chunks: the last chunk's threshold margin instead of the
+    # layer's (None: the layer's), e.g. 0: fewer wasted copies beside the top-k, more misses left to the exact resolve
     sync_copy: str = "inline"  # sync mode: "inline" (in the resolve's assign kernel: measured faster) or "counted"
     new_tokens: str = DEFAULT_NEW_TOKENS  # "on_demand": only written back, and fetched like any miss when selected
     # (one resolve fewer a layer: 1.243 against 1.261 x all-HBM at batch 64 / 32K, 1.122 against 1.127 at 128 / 128K,
@@ -170,6 +172,9 @@ class StackOptions:
             raise ValueError(f"overlap_programs must be >= 1, got {self.overlap_programs}")
         if self.last_chunk_programs is not None and self.last_chunk_programs < 1:
             raise ValueError(f"last_chunk_programs must be >= 1 or None, got {self.last_chunk_programs}")
+        m = self.last_chunk_margin
+        if m is not None and (isinstance(m, bool) or not isinstance(m, numbers.Real) or not 0 <= m < 1):
+            raise ValueError(f"last_chunk_margin must be in [0, 1) or None, got {m!r}")
 
 
 def _fractions(name: str, chunks: int | Sequence[float]) -> tuple[float, ...]:
@@ -492,13 +497,15 @@ class EssDecodeStack(_StackBase):
             else:
                 chunk_logits = self._scores(layer, xi, b, out=logits[lo:hi])
                 done = None
+            last = i == len(bounds) - 1 and len(bounds) > 1  # the chunk whose prefetch runs beside the top-k
+            opts = self.options
             with self.streams.on_side(after=done):
                 cand = pf.candidates(layer, chunk_logits, b.req_to_token, b.req_pool_indices, b.seq_lens,
-                                     self.m.loc_to_slot[layer], self.m.num_locations)
+                                     self.m.loc_to_slot[layer], self.m.num_locations,
+                                     margin=opts.last_chunk_margin if last else None)
                 record = FetchList(pl.src[lo * W:hi * W], pl.dst[lo * W:hi * W], self._prefetch_counts[i:i + 1])
-                last = i == len(bounds) - 1 and len(bounds) > 1 and self.options.last_chunk_programs is not None
-                self.m.prefetch(layer, cand, record, programs=self.options.last_chunk_programs if last
-                                else self.options.overlap_programs)
+                self.m.prefetch(layer, cand, record, programs=opts.last_chunk_programs
+                                if last and opts.last_chunk_programs is not None else opts.overlap_programs)
         if lead is not None:
             torch.cuda.current_stream().wait_stream(lead)  # the top-k reads every chunk's logits
         pos, kth = topk_with_scores(logits, self.options.top_k, self.topk_impl)

@@ -80,14 +80,19 @@ class EchoPrefetcher:
 
     def candidates(self, layer: int, logits: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                    seq_lens: torch.Tensor, loc_to_slot: torch.Tensor, num_locations: int,
-                   impl: str | None = None) -> torch.Tensor:
+                   impl: str | None = None, margin: float | None = None) -> torch.Tensor:
         """KV locations to prefetch for one layer: int64 [B * width], -1 padded.
 
         logits [B, Q, T] (T <= the table width); loc_to_slot: the layer's token -> slot map (with its sink element).
         impl: "triton" (two launches, `ess_sglang.kernels.prefetch`), "torch" (the definition below), "auto"
-        (triton on CUDA); None: the prefetcher's own `impl`.
+        (triton on CUDA); None: the prefetcher's own `impl`. margin: this call's threshold margin instead of the
+        layer's (None: the layer's).
         """
         impl = self.impl if impl is None else impl
+        if margin is None:
+            margin = self.margins[layer]
+        elif isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= margin < 1:
+            raise ValueError(f"prefetch margin must be in [0, 1), got {margin!r}")
         if impl == "triton" or (impl == "auto" and logits.is_cuda):
             from ess_sglang.kernels.prefetch import prefetch_candidates_triton
             # the kernels take row strides: only a strided last dimension is copied (DeepGEMM's logits are a view
@@ -95,14 +100,12 @@ class EchoPrefetcher:
             rows = logits if logits.stride(-1) == 1 else logits.contiguous()
             return prefetch_candidates_triton(rows, self.threshold[layer], req_to_token,
                                               req_pool_indices, seq_lens, loc_to_slot, num_locations,
-                                              self._cap_fraction, self.cap_min_tokens, self.width,
-                                              self.margins[layer])
+                                              self._cap_fraction, self.cap_min_tokens, self.width, float(margin))
         B, _, T = logits.shape
         rows = req_pool_indices.long()
         row_ok = (rows >= 0) & (rows < req_to_token.shape[0])  # a row outside the table: no candidates
         rows = torch.where(row_ok, rows, 0)
         thr = self.threshold[layer, rows]
-        margin = self.margins[layer]
         thr = torch.where(torch.isfinite(thr), thr - margin * thr.abs(), thr).view(B, 1, 1)
         above = (logits > thr).any(dim=1)  # [B, T]
         pos = torch.arange(T, device=logits.device).view(1, T)

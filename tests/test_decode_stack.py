@@ -568,6 +568,41 @@ def test_prefetch_margin_lowers_the_bar_in_both_implementations():
         EchoPrefetcher(1, rows, T, margin=1.0)
 
 
+def test_a_calls_margin_overrides_the_layers_in_both_implementations():
+    g = torch.Generator().manual_seed(4)
+    B, T, rows = 2, 900, 3
+    req_to_token = torch.randint(0, 4000, (rows, T), generator=g).int()
+    logits = torch.randn(B, 1, T, generator=g) + 3
+    args = (0, logits, req_to_token, torch.tensor([0, 2]), torch.tensor([T, 600]),
+            torch.full((4001,), -1, dtype=torch.int32), 4000)
+    with_margin = EchoPrefetcher(1, rows, T, cap_fraction=1.0, cap_min_tokens=0, margin=0.2)
+    plain = EchoPrefetcher(1, rows, T, cap_fraction=1.0, cap_min_tokens=0)
+    for pf in (with_margin, plain):
+        pf.threshold[0] = torch.tensor([4.0, 0.0, 3.5])
+    for impl in ("torch", "triton"):
+        assert torch.equal(with_margin.candidates(*args, impl=impl, margin=0.0), plain.candidates(*args, impl=impl))
+        assert torch.equal(plain.candidates(*args, impl=impl, margin=0.2), with_margin.candidates(*args, impl=impl))
+    assert not torch.equal(plain.candidates(*args), with_margin.candidates(*args))  # (the margin matters here)
+    for bad in (1.0, -0.1, True, "0"):
+        with pytest.raises(ValueError, match="prefetch margin must be in"):
+            plain.candidates(*args, margin=bad)
+
+
+def test_the_last_chunk_takes_its_own_margin():
+    ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=3, last_chunk_margin=0.0)
+    margins = []
+    candidates = ess.prefetcher.candidates
+    ess.prefetcher.candidates = lambda *a, margins_=margins, **kw: (margins_.append(kw.get("margin")),
+                                                                    candidates(*a, **kw))[1]
+    for batch, inputs in steps(2, table, rows, locs):
+        got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    assert margins == [None, None, 0.0] * LAYERS * 2  # the layer's margin, but 0 for the chunk beside the top-k
+    for bad in (1.0, -0.5, True):
+        with pytest.raises(ValueError, match="last_chunk_margin must be in"):
+            StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, last_chunk_margin=bad)
+
+
 def test_prefetch_margins_per_layer():
     """An overlap profile's *_margin layers prefetch with its margin, the others without: each layer's candidates
     are those of a prefetcher with that layer's margin everywhere (both implementations)."""
