@@ -64,7 +64,7 @@ import torch
 from ess_sglang.cache_manager import FetchList, HotPoolCacheManager, positions_to_locations
 from ess_sglang.config import DEFAULT_NEW_TOKENS, new_token_mode
 from ess_sglang.formats import QK_HEAD_DIM
-from ess_sglang.prefetch import EchoPrefetcher
+from ess_sglang.prefetch import EchoPrefetcher, is_margin
 from ess_sglang.reference.dsa import latent_store_rows, sparse_mla_flashmla, sparse_mla_reference
 from ess_sglang.reference.dsa import topk_with_scores as reference_topk
 from ess_sglang.streams import SideStream
@@ -172,9 +172,8 @@ class StackOptions:
             raise ValueError(f"overlap_programs must be >= 1, got {self.overlap_programs}")
         if self.last_chunk_programs is not None and self.last_chunk_programs < 1:
             raise ValueError(f"last_chunk_programs must be >= 1 or None, got {self.last_chunk_programs}")
-        m = self.last_chunk_margin
-        if m is not None and (isinstance(m, bool) or not isinstance(m, numbers.Real) or not 0 <= m < 1):
-            raise ValueError(f"last_chunk_margin must be in [0, 1) or None, got {m!r}")
+        if self.last_chunk_margin is not None and not is_margin(self.last_chunk_margin):
+            raise ValueError(f"last_chunk_margin must be in [0, 1) or None, got {self.last_chunk_margin!r}")
 
 
 def _fractions(name: str, chunks: int | Sequence[float]) -> tuple[float, ...]:

@@ -36,6 +36,11 @@ _DEFAULTS = {name: EssConfig.model_fields[f"prefetch_{key}"].default
                                ("cap_min_tokens", "cap_min_tokens"), ("margin", "threshold_margin"))}
 
 
+def is_margin(value: object) -> bool:
+    """A valid threshold margin: a real number (not a bool) in [0, 1)."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 <= value < 1
+
+
 class EchoPrefetcher:
     def __init__(self, num_layers: int, num_rows: int, max_context: int, alpha: float = _DEFAULTS["alpha"],
                  cap_fraction: float = _DEFAULTS["cap_fraction"], cap_min_tokens: int = _DEFAULTS["cap_min_tokens"],
@@ -52,7 +57,7 @@ class EchoPrefetcher:
         per_layer = [margin] * num_layers if isinstance(margin, numbers.Real) else list(margin)
         if len(per_layer) != num_layers:
             raise ValueError(f"prefetch margin: one number or one per layer ({num_layers}), got {len(per_layer)}")
-        bad = [m for m in per_layer if isinstance(m, bool) or not isinstance(m, numbers.Real) or not 0 <= m < 1]
+        bad = [m for m in per_layer if not is_margin(m)]
         if bad:
             raise ValueError(f"prefetch margin must be in [0, 1), got {bad[0]!r}")
         if not 0 <= cap_fraction <= 1 or cap_min_tokens < 0 or max_context <= 0:
@@ -91,7 +96,7 @@ class EchoPrefetcher:
         impl = self.impl if impl is None else impl
         if margin is None:
             margin = self.margins[layer]
-        elif isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= margin < 1:
+        elif not is_margin(margin):
             raise ValueError(f"prefetch margin must be in [0, 1), got {margin!r}")
         if impl == "triton" or (impl == "auto" and logits.is_cuda):
             from ess_sglang.kernels.prefetch import prefetch_candidates_triton
