@@ -357,6 +357,12 @@ def _finish_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr_ptr, tak
     tl.store(out_ptr + i, slot, mask=lost)
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Whether the resolve's kernels can use programmatic dependent launch on `device`: a CUDA GPU of compute
+    capability 9.0 or newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 class FusedResolver:
     """Scratch buffers and launches of the fused path for selections of up to `max_entries` entries and up to
     `num_spare` spare slots."""
@@ -365,7 +371,7 @@ class FusedResolver:
                  assign_programs: tuple[int, int] | None = None, num_spare: int = 0, pdl: bool = False):
         """`pdl`: the resolve's kernels after the lookup are launched with programmatic dependent launch (sm_90+,
         CUDA only): each one's programs are scheduled while the one before runs and wait for it on the device."""
-        if pdl and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9):
+        if pdl and not pdl_supported(device):
             raise ValueError(f"pdl: programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or "
                              f"newer, got {device}")
         self.pdl = pdl
