@@ -116,6 +116,11 @@ def _read_metadata(root: Path) -> tuple[str | None, str | None]:
     return None, None
 
 
+def wheel_member_needed(name: str) -> bool:
+    """Whether a member of the sglang wheel is one the kernel build reads: its sources or the METADATA."""
+    return name.startswith(EXTRACT_PREFIXES) or re.fullmatch(r"sglang-[^/]+\.dist-info/METADATA", name) is not None
+
+
 def extract_wheel(wheel: Path, cache_dir: Path | None = None) -> SglangSources:
     """Extract the kernel's sources (and METADATA) from an sglang wheel into `cache_dir`; returns where they are.
 
@@ -134,8 +139,7 @@ def extract_wheel(wheel: Path, cache_dir: Path | None = None) -> SglangSources:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             with zipfile.ZipFile(wheel) as z:
-                names = [n for n in z.namelist()
-                         if n.startswith(EXTRACT_PREFIXES) or re.fullmatch(r"sglang-[^/]+\.dist-info/METADATA", n)]
+                names = [n for n in z.namelist() if wheel_member_needed(n)]
                 if not any(n == CUH_RELPATH for n in names):
                     raise HiSparseBuildError(f"{wheel} has no {CUH_RELPATH}: not an sglang {SGLANG_VERSION} wheel?")
                 for n in names:

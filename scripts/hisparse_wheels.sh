@@ -61,8 +61,7 @@ with tempfile.TemporaryDirectory() as tmp:
 # The GPU run reads only the kernel's sources and METADATA from the sglang wheel (hisparse_kernel.extract_wheel): keep
 # those alone (a few hundred KB; the whole wheel, ~39 MB, crowds the 64 MiB carry), under the same name.
 with zipfile.ZipFile(whl) as zin:
-    keep = [zin.getinfo(n) for n in zin.namelist()
-            if n.startswith(hk.EXTRACT_PREFIXES) or re.fullmatch(r"sglang-[^/]+\.dist-info/METADATA", n)]
+    keep = [zin.getinfo(n) for n in zin.namelist() if hk.wheel_member_needed(n)]
     trimmed = whl.with_name(whl.name + ".part")
     with zipfile.ZipFile(trimmed, "w", zipfile.ZIP_DEFLATED) as zout:
         for info in keep:
