@@ -244,20 +244,21 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
     otherwise (`COMPARABLE_META`): its prefetch modes, against its own all-HBM rows, become "prefetch_margin" /
     "prefetch2_margin", which must then be measured at every point."""
     meta = _meta(data, where)
-    for m, w in ((meta, where), (_meta(margin_run, f"{where} (margin run)") if margin_run is not None else {}, "")):
+    where2 = f"{where} (margin run)"
+    meta2 = _meta(margin_run, where2) if margin_run is not None else {}
+    for m, w in ((meta, where), (meta2, where2)):
         if m.get("prefetch_fractions") is not None:
-            raise CalibrationError(f"{w or where + ' (margin run)'}: measured with uneven indexer chunks "
-                                   f"(meta.prefetch_fractions {m['prefetch_fractions']!r}), but a profile's prefetch2 "
-                                   f"layers run equal chunks: calibrate without --prefetch-fractions")
+            raise CalibrationError(f"{w}: measured with uneven indexer chunks (meta.prefetch_fractions "
+                                   f"{m['prefetch_fractions']!r}), but a profile's prefetch2 layers run equal chunks: "
+                                   f"calibrate without --prefetch-fractions")
     first = _run_margin(meta, where)
     if first != 0:
         raise CalibrationError(f"{where}: measured at prefetch margin {first} (meta.prefetch_margin), but its prefetch "
                                f"modes would run at margin 0: give a run at margin 0, and this one as the margin run "
                                f"(ess profile / decode_layers.py --calibration-margin)")
-    margin, meta2 = None, {}
+    margin = None
     if margin_run is not None:
-        meta2 = _meta(margin_run, f"{where} (margin run)")
-        margin = _run_margin(meta2, f"{where} (margin run)")
+        margin = _run_margin(meta2, where2)
         if margin == 0:
             raise CalibrationError(f"{where}: the margin run must be at a prefetch margin in (0, 1) "
                                    f"(meta.prefetch_margin; decode_layers.py --prefetch-margin), got 0")
@@ -268,7 +269,7 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
                                    f"{meta2.get(k)!r}): measure both with the same settings but the margin")
     raw = _measured(data, where, spare_slots)
     if margin_run is not None:
-        extra = _measured(margin_run, f"{where} (margin run)", spare_slots, with_misses=False)
+        extra = _measured(margin_run, where2, spare_slots, with_misses=False)
         for key, p in raw.items():
             got = extra[key]["exposed_us"] if key in extra else {}
             p["exposed_us"].update({mode: got[as_mode] for mode, as_mode in MARGIN_MODES.items() if as_mode in got})
