@@ -291,11 +291,17 @@ def calibrate_rho(pools, cfg, slots, target, warm, iters=7, topk="torch") -> tup
     return best
 
 
+def stack_knobs(args) -> dict:
+    """The StackOptions every ESS variant of a run takes from the command line (and the run's meta records)."""
+    return dict(prefetch_indexer=args.prefetch_indexer, threshold_update=args.threshold_update,
+                last_chunk_programs=args.last_chunk_programs, last_chunk_margin=args.last_chunk_margin)
+
+
 def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 0.0, margin: float = 0.0,
-                      prefetch_indexer: str = "overlapped", threshold_update: str = "main",
                       prefetch_fractions: tuple[float, ...] | None = None, resolve_pdl: bool | None = None,
-                      **last_chunk) -> dict:
-    """Eager steps from the same state: ESS modes against the all-HBM stack (whole-batch and split attention)."""
+                      **knobs) -> dict:
+    """Eager steps from the same state: ESS modes against the all-HBM stack (whole-batch and split attention).
+    `knobs`: `stack_knobs` of the run."""
     res = {}
     hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
                          StackOptions(modes=["sync"] * cfg.layers, top_k=TOP_K))
@@ -314,8 +320,7 @@ def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 
         ess = build_ess(pools, cfg, slots, [modes] * cfg.layers, prefetch, margin=margin,
                         spare=spare_slots(spare_fraction, cfg.batch, slots) if name.endswith("+spare") else 0,
                         prefetch_chunks=chunk_fractions(name.removesuffix("+spare"), prefetch_fractions),
-                        prefetch_indexer=prefetch_indexer, threshold_update=threshold_update,
-                        resolve_pdl=resolve_pdl, **last_chunk)
+                        resolve_pdl=resolve_pdl, **knobs)
         reset_and_warm(ess, cfg)
         identical, identical_split, rel = True, True, 0.0
         for s in range(cfg.steps):
@@ -372,8 +377,7 @@ def run_config(pools, layers, context, batch, hit, args, timings, timings_spare)
     rows.append(dict(base, variant="hbm", **t_hbm, ratio=1.0))
     sync_misses = None
     options = dict(dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk,
-                   prefetch_indexer=args.prefetch_indexer, threshold_update=args.threshold_update,
-                   last_chunk_programs=args.last_chunk_programs, last_chunk_margin=args.last_chunk_margin)
+                   **stack_knobs(args))
     for spare_size, mode in [(f, m) for f in args.spare for m in args.modes]:
         variant = f"{mode}+spare" if spare_size else mode
         if spare_size == "auto" and sync_misses is None:
@@ -605,9 +609,7 @@ def main(argv=None) -> int:
     correctness = dict(context=cfg0.context, batch=cfg0.batch, **check_correctness(
         pools, cfg0, slots0, cfg0.queries(rho0), args.warm,
         spare_fraction=fixed[0] if fixed else 0.08 if "auto" in args.spare else 0.0, margin=args.prefetch_margin,
-        prefetch_indexer=args.prefetch_indexer, threshold_update=args.threshold_update,
-        prefetch_fractions=args.prefetch_fractions, resolve_pdl=args.resolve_pdl,
-        last_chunk_programs=args.last_chunk_programs, last_chunk_margin=args.last_chunk_margin))
+        prefetch_fractions=args.prefetch_fractions, resolve_pdl=args.resolve_pdl, **stack_knobs(args)))
     print("correctness:", json.dumps(correctness), flush=True)
     rows = []
     os.makedirs(args.out, exist_ok=True)
@@ -616,10 +618,8 @@ def main(argv=None) -> int:
                 wall_s=time.time() - t0, layers=args.layers, heads=HEADS, index_heads=IHEADS, top_k=TOP_K,
                 ratio=args.ratio, warm=args.warm, steps=args.steps, pool_batch=args.pool_batch,
                 dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk, spare=args.spare,
-                prefetch_margin=args.prefetch_margin, prefetch_indexer=args.prefetch_indexer,
-                prefetch_fractions=args.prefetch_fractions, threshold_update=args.threshold_update,
-                last_chunk_programs=args.last_chunk_programs, last_chunk_margin=args.last_chunk_margin,
-                resolve_pdl=args.resolve_pdl,
+                prefetch_margin=args.prefetch_margin, prefetch_fractions=args.prefetch_fractions,
+                resolve_pdl=args.resolve_pdl, **stack_knobs(args),
                 calibration=timings.measured.source if timings.measured is not None else None,
                 calibration_prefetch_margin=timings.measured.prefetch_margin if timings.measured is not None else None,
                 calibration_spare=timings_spare.measured.source if timings_spare.measured is not None else None)
