@@ -363,7 +363,7 @@ class HotPoolCacheManager:
             run()
 
     def prefetch(self, layer: int, locs: torch.Tensor, fetch_list: FetchList | None = None,
-                 programs: int | None = None) -> torch.Tensor:
+                 programs: int | None = None, chained: bool = False) -> torch.Tensor:
         """Fetch the given KV locations (1-D, -1 to skip) before the exact top-k is known (ECHO prefetch).
 
         Like warm-up, but nothing is protected: resident entries keep their recency and new ones are stamped as the
@@ -376,8 +376,10 @@ class HotPoolCacheManager:
         indexer logits exist), each into a list of its own (slices of one list are fine if they do not overlap); a
         prefetch of another layer, or one into a list still unsettled, is refused.
         `fetch_list` (at least len(locs) entries) receives what was fetched; by default a scratch list. `programs`:
-        the copy's persistent programs (see `fetch`). Returns the int32 slot of each location (-1: skipped, or not
-        fetched for want of an evictable or spare slot).
+        the copy's persistent programs (see `fetch`). `chained`: `locs` was just written by a kernel on this stream
+        (the prefetch candidates): on the fused path with spare slots, the three small launches then use
+        programmatic dependent launch where the resolve does (`resolve_pdl`). Returns the int32 slot of each location
+        (-1: skipped, or not fetched for want of an evictable or spare slot).
         """
         # the fused lookup bounds-checks every location itself (never reading outside the maps), so on that path the
         # decode stack's side stream skips the four small kernels of the torch check
@@ -397,7 +399,8 @@ class HotPoolCacheManager:
         if self._fused is not None:
             slots = self._fused_run(layer, flat, MODE_LOCATIONS, count=False,
                                     fetch=(Counter.PREFETCHED, Counter.H2D_ENTRIES),
-                                    copy_from=None, fetch_list=record, protect=False, spare_only=spare_only)
+                                    copy_from=None, fetch_list=record, protect=False, spare_only=spare_only,
+                                    chained=chained and spare_only)
         else:
             slots, _, fetched = self._make_resident(layer, flat, copy=False, record=record, protect=False,
                                                     spare_only=spare_only)
@@ -539,7 +542,7 @@ class HotPoolCacheManager:
     # ------------------------------------------------------------------ internals
     def _fused_run(self, layer: int, src: torch.Tensor, mode: int, count: bool, fetch: tuple[int, int],
                    copy_from: torch.Tensor | None, fetch_list: FetchList | None = None, protect: bool = True,
-                   spare_only: bool = False, **tables) -> torch.Tensor:
+                   spare_only: bool = False, chained: bool = False, **tables) -> torch.Tensor:
         slots = self._fused.run(
             src=src.contiguous(), mode=mode, l2s=self.loc_to_slot[layer], s2l=self.slot_to_loc[layer],
             stamp=self.slot_stamp[layer], clock=self.clock, counters=self.counters[layer], count=count,
@@ -547,7 +550,7 @@ class HotPoolCacheManager:
             copy_from=copy_from if self.copy_impl != "none" else None, hot=self.hot_entries[layer],
             fetch_list=(fetch_list.src, fetch_list.dst, fetch_list.count) if fetch_list is not None else None,
             protect=protect, spare=self.spare[layer], spare_taken=self.spare_taken[layer:layer + 1],
-            spare_only=spare_only, **tables)
+            spare_only=spare_only, chained=chained, **tables)
         if fetch_list is not None:  # the assign kernel writes the first n pairs only
             fetch_list.clear_from(src.numel())
         return slots
@@ -745,6 +748,11 @@ class HotPoolCacheManager:
                 live = torch.zeros(T, dtype=torch.bool)
                 live[live_locs.long().cpu()] = True
                 assert bool(live[owners].all()), f"layer {layer}: a slot holds a token of no live request"
+
+    @property
+    def pdl(self) -> bool:
+        """Whether the fused resolve's kernels use programmatic dependent launch (`resolve_pdl`)."""
+        return self._fused is not None and self._fused.pdl
 
     @property
     def hot_pool_bytes(self) -> int:

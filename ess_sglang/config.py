@@ -204,8 +204,9 @@ class EssConfig(BaseModel):
     a later selection names it (no resolve of its own: measured faster); "insert": also given a protected hot slot."""
     resolve_pdl: StrictBool | None = None
     """The fused resolve's kernels after its lookup with programmatic dependent launch (each one's programs are
-    scheduled while the one before runs). None: on wherever it can run (a GPU of compute capability 9.0+); true on
-    an older GPU is refused at start-up."""
+    scheduled while the one before runs), and so the ECHO prefetch's candidate kernels after the first and its
+    claim launches. None: on wherever it can run (a GPU of compute capability 9.0+); true on an older GPU is refused
+    at start-up."""
     scrub_on_free: StrictBool = False
     """Zero host and hot-pool entries when their tokens are freed (costs PCIe / HBM bandwidth)."""
     overlap_profile: Annotated[str, _rule(lambda v: v.strip() != "", "a non-empty path")] | None = None

@@ -45,9 +45,11 @@ class EchoPrefetcher:
     def __init__(self, num_layers: int, num_rows: int, max_context: int, alpha: float = _DEFAULTS["alpha"],
                  cap_fraction: float = _DEFAULTS["cap_fraction"], cap_min_tokens: int = _DEFAULTS["cap_min_tokens"],
                  device: torch.device | str = "cpu", impl: str = "auto",
-                 margin: float | Sequence[float] = _DEFAULTS["margin"]):
+                 margin: float | Sequence[float] = _DEFAULTS["margin"], pdl: bool | None = None):
         """Defaults: EssConfig's prefetch_ema_alpha, prefetch_cap_fraction, prefetch_cap_min_tokens and
-        prefetch_threshold_margin. `margin`: one for every layer, or one per layer."""
+        prefetch_threshold_margin. `margin`: one for every layer, or one per layer. `pdl`: the Triton candidate
+        kernels after the first with programmatic dependent launch (None: where supported, sm_90+; the decode stack
+        then also chains the prefetch's claim launches, `HotPoolCacheManager.prefetch(chained=True)`)."""
         if not 0 < alpha <= 1:
             raise ValueError(f"prefetch alpha must be in (0, 1], got {alpha}")
         if isinstance(margin, str | bytes):
@@ -70,6 +72,12 @@ class EchoPrefetcher:
         self.width = max(1, min(max_context, max(cap_min_tokens, math.ceil(cap_fraction * max_context))))
         self.device = torch.device(device)
         self.impl = impl  # candidate selection: "triton", "torch" or "auto" (triton on CUDA)
+        from ess_sglang.kernels.resolve import pdl_supported
+
+        if pdl and not pdl_supported(self.device):
+            raise ValueError(f"prefetch pdl: programmatic dependent launch needs a CUDA GPU of compute capability 9.0 "
+                             f"or newer, got {self.device}")
+        self.pdl = pdl_supported(self.device) and impl != "torch" if pdl is None else bool(pdl)
         # the cap fraction as the Triton kernel reads it (float64, on the device: a graph cannot copy it there later)
         self._cap_fraction = torch.tensor([self.cap_fraction], dtype=torch.float64, device=self.device)
         self.threshold = torch.full((num_layers, num_rows), math.inf, dtype=torch.float32, device=self.device)
@@ -105,7 +113,8 @@ class EchoPrefetcher:
             rows = logits if logits.stride(-1) == 1 else logits.contiguous()
             return prefetch_candidates_triton(rows, self.threshold[layer], req_to_token,
                                               req_pool_indices, seq_lens, loc_to_slot, num_locations,
-                                              self._cap_fraction, self.cap_min_tokens, self.width, float(margin))
+                                              self._cap_fraction, self.cap_min_tokens, self.width, float(margin),
+                                              pdl=self.pdl and logits.is_cuda)
         B, _, T = logits.shape
         rows = req_pool_indices.long()
         row_ok = (rows >= 0) & (rows < req_to_token.shape[0])  # a row outside the table: no candidates

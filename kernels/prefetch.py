@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from ess_sglang.kernels.resolve import _pdl_enter
 from ess_sglang.kernels.translate import locate
 
 TILE = 1024  # positions per program of the count kernel (K1)
@@ -65,7 +66,9 @@ def new_tile_candidates(batch: int, positions: int, tile: int, num_locations: in
 
 @triton.jit
 def _count_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, margin, rpi_ptr, seq_ptr, r2t_ptr, r2t_stride,
-                  r2t_rows, r2t_width, l2s_ptr, num_locations, counts_ptr, kept_ptr, tiles, TILE: tl.constexpr):
+                  r2t_rows, r2t_width, l2s_ptr, num_locations, counts_ptr, kept_ptr, tiles, TILE: tl.constexpr,
+                  PDL: tl.constexpr):
+    _pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     t = tile * TILE + tl.arange(0, TILE)
@@ -90,7 +93,8 @@ def _count_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, margin, rpi
 
 
 @triton.jit
-def _offsets_kernel(counts_ptr, after_ptr, tiles, TILES: tl.constexpr):
+def _offsets_kernel(counts_ptr, after_ptr, tiles, TILES: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, TILES)
     c = tl.load(counts_ptr + b * tiles + t, mask=t < tiles, other=0)
@@ -100,7 +104,8 @@ def _offsets_kernel(counts_ptr, after_ptr, tiles, TILES: tl.constexpr):
 
 @triton.jit
 def _write_kernel(counts_ptr, after_ptr, kept_ptr, tiles, seq_ptr, cap_fraction_ptr, cap_min, out_ptr, width,
-                  TILE: tl.constexpr, GROUP: tl.constexpr, WBLOCK: tl.constexpr):
+                  TILE: tl.constexpr, GROUP: tl.constexpr, WBLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     tile = g * GROUP + tl.arange(0, GROUP)
@@ -124,11 +129,17 @@ def _write_kernel(counts_ptr, after_ptr, kept_ptr, tiles, seq_ptr, cap_fraction_
     tl.store(out_ptr + b * width + rank, kept.to(tl.int64), mask=m & (rank < cap))
 
 
+def _pdl_launch(pdl: bool) -> dict:
+    """Launch arguments of K2 / K3: with `pdl`, programmatic dependent launch (compiled-in wait, then release)."""
+    return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
+
+
 def candidates_from_tiles(tc: TileCandidates, seq_lens: torch.Tensor, cap_fraction: torch.Tensor,
-                          cap_min_tokens: int, width: int) -> torch.Tensor:
+                          cap_min_tokens: int, width: int, pdl: bool = False) -> torch.Tensor:
     """K2 + K3: the per-tile candidates of B requests -> int64 KV locations [B * width], most recent first per
     request, at most clamp(ceil(seq_len * cap_fraction), cap_min_tokens, width) each, -1 padded. cap_fraction: a
-    float64 [1] device tensor."""
+    float64 [1] device tensor. `pdl` (sm_90+): both launched with programmatic dependent launch, each waiting for
+    the kernel before it first thing, so that their launches overlap the kernel before."""
     B, tiles = tc.counts.shape
     if cap_fraction.dtype != torch.float64 or cap_fraction.numel() != 1:
         raise ValueError("candidates_from_tiles wants cap_fraction as a float64 tensor of one element")
@@ -136,20 +147,22 @@ def candidates_from_tiles(tc: TileCandidates, seq_lens: torch.Tensor, cap_fracti
         return torch.full((B * width,), -1, dtype=torch.int64, device=tc.counts.device)
     out = torch.empty((B, width), dtype=torch.int64, device=tc.counts.device)  # K3 writes every element
     after = torch.empty_like(tc.counts)
-    _offsets_kernel[(B,)](tc.counts, after, tiles, TILES=triton.next_power_of_2(tiles))
+    _offsets_kernel[(B,)](tc.counts, after, tiles, TILES=triton.next_power_of_2(tiles), **_pdl_launch(pdl))
     group = WRITE_BLOCK // tc.tile
     _write_kernel[(B, triton.cdiv(tiles, group))](tc.counts, after, tc.kept, tiles, seq_lens, cap_fraction,
                                                   int(cap_min_tokens), out, width, TILE=tc.tile, GROUP=group,
-                                                  WBLOCK=min(triton.next_power_of_2(max(width, 1)), 1024))
+                                                  WBLOCK=min(triton.next_power_of_2(max(width, 1)), 1024),
+                                                  **_pdl_launch(pdl))
     return out.view(-1)
 
 
 def prefetch_candidates_triton(logits: torch.Tensor, thresholds: torch.Tensor, req_to_token: torch.Tensor,
                                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, loc_to_slot: torch.Tensor,
                                num_locations: int, cap_fraction: torch.Tensor, cap_min_tokens: int,
-                               width: int, margin: float = 0.0) -> torch.Tensor:
+                               width: int, margin: float = 0.0, pdl: bool = False) -> torch.Tensor:
     """K1-K3 over logits [B, Q, T] (T <= the table width); thresholds [rows] (by request row), lowered by `margin` x
     their magnitude where finite (as `EchoPrefetcher.candidates` defines); caps as in `candidates_from_tiles`.
+    `pdl` (sm_90+): K1 launched plainly but releasing K2 at once, K2 and K3 with programmatic dependent launch.
     Returns int64 KV locations [B * width], most recent first per request, -1 padded."""
     B, Q, T = logits.shape
     if logits.stride(-1) != 1 or req_to_token.stride(1) != 1:
@@ -160,8 +173,8 @@ def prefetch_candidates_triton(logits: torch.Tensor, thresholds: torch.Tensor, r
         _count_kernel[(B, tiles)](logits, logits.stride(0), logits.stride(1), Q, T, thresholds, float(margin),
                                   req_pool_indices, seq_lens, req_to_token, req_to_token.stride(0),
                                   req_to_token.shape[0], req_to_token.shape[1], loc_to_slot, num_locations, tc.counts,
-                                  tc.kept, tiles, TILE=TILE)
-    return candidates_from_tiles(tc, seq_lens, cap_fraction, cap_min_tokens, width)
+                                  tc.kept, tiles, TILE=TILE, PDL=pdl)
+    return candidates_from_tiles(tc, seq_lens, cap_fraction, cap_min_tokens, width, pdl)
 
 
 @triton.jit

@@ -431,7 +431,7 @@ class FusedResolver:
             seq_lens: torch.Tensor | None = None, req_pool_indices: torch.Tensor | None = None,
             req_to_token: torch.Tensor | None = None, per_batch: int = 1,
             fetch_list: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-            protect: bool = True, spare_only: bool = False) -> torch.Tensor:
+            protect: bool = True, spare_only: bool = False, chained: bool = False) -> torch.Tensor:
         """Resolve the flat list `src` (positions in MODE_POSITIONS, KV locations in MODE_LOCATIONS); returns the
         int32 slot of each entry (-1 where padding, bad, or overflowed).
 
@@ -440,7 +440,9 @@ class FusedResolver:
         dst of at least n elements; when given, the misses' (host location, slot) pairs are recorded in their first
         n elements (-1 elsewhere), misses first, and their number in count[0], and nothing is copied.
         `spare_only` (a prefetch): misses take spare slots only; the rest get -1 (never a scan or an eviction; with
-        no spare slots, nothing gets a slot, as in the torch definition)."""
+        no spare slots, nothing gets a slot, as in the torch definition). `chained` (a spare-only run that follows
+        another kernel on its stream, e.g. the prefetch candidates' last kernel): its three launches use programmatic
+        dependent launch too, where the resolver does (`pdl`)."""
         n = src.numel()
         self._grow(n)
         S = self.num_slots
@@ -470,8 +472,9 @@ class FusedResolver:
             took_slot, l2s.shape[0] - 1, S, MODE=mode, COUNT=count, PROTECT=protect,
             LIST=copy or pend, SPARE_ONLY=spare_only, C_LOOKUPS=counter_ids["LOOKUPS"], C_HITS=counter_ids["HITS"],
             C_BAD=counter_ids["BAD_INDICES"], C_FETCH_A=fa, C_FETCH_B=fb, BLOCK=self.lookup_block,
-            # (launched plainly after the top-k and the stream joins; compiled with PDL, it lets K2 launch early)
-            PDL=self.pdl and not spare_only)
+            # (a resolve's K1 follows the top-k and the stream joins: launched plainly; compiled with PDL, it lets K2
+            # launch early)
+            **(self._pdl(chained) if spare_only else dict(PDL=self.pdl)))
         # entries per program of the finish and of the fetch list's clearing: 256 at batch 1-16, up to 1024 at 64-128
         block = block_for(n, 256, 1024, 128)
         if spare_only:
@@ -479,7 +482,7 @@ class FusedResolver:
                 _finish_kernel[(1 if close else triton.cdiv(n, block),)](
                     self.locs, out, l2s, stamp, clock, self.scratch, spare_taken, self.num_spare, 0 if close else n,
                     S, pend_src, pend_dst, pend_count, REFILL=False, SPARE_ONLY=True, PEND=pend, CLOSE=close,
-                    STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block, PDL=False)
+                    STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block, **self._pdl(chained))
             return out
         self._scans(stamp, clock, spare_taken, refill=False)
         # the inline copy is fastest with one program per SM, the bookkeeping alone with four (benchmarks/NOTES.md)

@@ -49,15 +49,17 @@ check(ktr._translate_kernel, dict(pos_ptr=P32, seq_ptr=P64, rpi_ptr=P64, r2t_ptr
 for mode in (0, 1):
     for protect, listed, spare_only in ((True, True, False), (False, True, False), (True, False, False),
                                         (False, True, True)):
-        check(kr._lookup_kernel, dict(src_ptr=P32 if mode == 0 else P64, seq_ptr=P64, rpi_ptr=P64, r2t_ptr=P32,
-                                      r2t_stride=I64, r2t_rows=I64, width=I64, n=I64, per_batch=I64, l2s_ptr=P32,
-                                      s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64, out_ptr=P32, loc_ptr=P64, cnt_ptr=P64,
-                                      scr_ptr=P32, over_loc_ptr=P64, over_idx_ptr=P32, spare_ptr=P32, taken_ptr=P64,
-                                      num_spare=I64, took_loc_ptr=P64, took_slot_ptr=P64, num_locations=I64,
-                                      num_slots=I64),
-              dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, LIST=listed, SPARE_ONLY=spare_only, C_LOOKUPS=0,
-                   C_HITS=1, C_BAD=5,
-                   C_FETCH_A=2, C_FETCH_B=3, BLOCK=256, PDL=not spare_only))
+        for pdl in ((False, True) if spare_only else (True,)):  # (a prefetch's lookup: chained or not)
+            check(kr._lookup_kernel, dict(src_ptr=P32 if mode == 0 else P64, seq_ptr=P64, rpi_ptr=P64, r2t_ptr=P32,
+                                          r2t_stride=I64, r2t_rows=I64, width=I64, n=I64, per_batch=I64, l2s_ptr=P32,
+                                          s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64, out_ptr=P32, loc_ptr=P64,
+                                          cnt_ptr=P64, scr_ptr=P32, over_loc_ptr=P64, over_idx_ptr=P32, spare_ptr=P32,
+                                          taken_ptr=P64,
+                                          num_spare=I64, took_loc_ptr=P64, took_slot_ptr=P64, num_locations=I64,
+                                          num_slots=I64),
+                  dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, LIST=listed, SPARE_ONLY=spare_only, C_LOOKUPS=0,
+                       C_HITS=1, C_BAD=5,
+                       C_FETCH_A=2, C_FETCH_B=3, BLOCK=256, PDL=pdl))
 for copy, pend in ((True, False), (False, True), (True, True), (False, False)):
     check(kr._assign_kernel, dict(scr_ptr=P32, victims_ptr=P32, over_loc_ptr=P64, over_idx_ptr=P32, took_loc_ptr=P64,
                                   took_slot_ptr=P64, l2s_ptr=P32, s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64,
@@ -80,12 +82,13 @@ check(kt._tile_write_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, K=I32, p
                                   offsets_ptr=P32, tiles=I32, out_pos_ptr=P32), dict(BLOCK=2048))
 common = dict(logits_ptr=PF, l_stride_b=I64, l_stride_q=I64, Q=I32, T=I64, thr_ptr=PF, rpi_ptr=P64, seq_ptr=P64,
               r2t_ptr=P32, r2t_stride=I64, r2t_rows=I64, r2t_width=I64, l2s_ptr=P32, num_locations=I64, tiles=I32)
-check(kp._count_kernel, dict(common, margin="fp32", counts_ptr=P32, kept_ptr=P32), dict(TILE=kp.TILE))
-check(kp._offsets_kernel, dict(counts_ptr=P32, after_ptr=P32, tiles=I32), dict(TILES=512))
-for tile in (kp.TILE, 64):
-    check(kp._write_kernel, dict(counts_ptr=P32, after_ptr=P32, kept_ptr=P32, tiles=I32, seq_ptr=P64,
-                                 cap_fraction_ptr="*fp64", cap_min=I64, out_ptr=P64, width=I64),
-          dict(TILE=tile, GROUP=kp.WRITE_BLOCK // tile, WBLOCK=512))
+for pdl in (False, True):  # (the prefetch's candidate kernels, with and without programmatic dependent launch)
+    check(kp._count_kernel, dict(common, margin="fp32", counts_ptr=P32, kept_ptr=P32), dict(TILE=kp.TILE, PDL=pdl))
+    check(kp._offsets_kernel, dict(counts_ptr=P32, after_ptr=P32, tiles=I32), dict(TILES=512, PDL=pdl))
+    for tile in (kp.TILE, 64):
+        check(kp._write_kernel, dict(counts_ptr=P32, after_ptr=P32, kept_ptr=P32, tiles=I32, seq_ptr=P64,
+                                     cap_fraction_ptr="*fp64", cap_min=I64, out_ptr=P64, width=I64),
+              dict(TILE=tile, GROUP=kp.WRITE_BLOCK // tile, WBLOCK=512, PDL=pdl))
 check(kp._ema_kernel, dict(kth_ptr=PF, kth_stride=I64, Q=I32, rpi_ptr=P64, thr_ptr=PF, num_rows=I64, B=I32,
                            alpha="fp32", keep="fp32"), dict(BLOCK=128))
 check(kp._settle_kernel, dict(src_ptr=P64, dst_ptr=P64, count_ptr=P64, n=I64, s2l_ptr=P32, stamp_ptr=P64,
@@ -99,11 +102,12 @@ for refill in (False, True):
     for spare_only, pend, close in ((False, False, True), (False, True, True), (True, True, False), (True, True, True)):
         if refill and (spare_only or pend):
             continue
-        check(kr._finish_kernel, dict(loc_ptr=P64, out_ptr=P64 if refill else P32, l2s_ptr=P32, stamp_ptr=P64,
-                                      clock_ptr=P64, scr_ptr=P32, taken_ptr=P64, num_spare=I64, n=I64,
-                                      num_slots=I64, pend_src_ptr=P64, pend_dst_ptr=P64, pend_count_ptr=P64),
-              dict(REFILL=refill, SPARE_ONLY=spare_only, PEND=pend, CLOSE=close, STAMP_BACK=0, SCR=512,
-                   BLOCK=16 if refill else 1024, PDL=not refill and not spare_only))
+        for pdl in ((False, True) if spare_only else (not refill,)):  # (a prefetch's finishes: chained or not)
+            check(kr._finish_kernel, dict(loc_ptr=P64, out_ptr=P64 if refill else P32, l2s_ptr=P32, stamp_ptr=P64,
+                                          clock_ptr=P64, scr_ptr=P32, taken_ptr=P64, num_spare=I64, n=I64,
+                                          num_slots=I64, pend_src_ptr=P64, pend_dst_ptr=P64, pend_count_ptr=P64),
+                  dict(REFILL=refill, SPARE_ONLY=spare_only, PEND=pend, CLOSE=close, STAMP_BACK=0, SCR=512,
+                       BLOCK=16 if refill else 1024, PDL=pdl))
 check(kr._refill_kernel, dict(scr_ptr=P32, victims_ptr=P32, l2s_ptr=P32, s2l_ptr=P32, stamp_ptr=P64, spare_ptr=P32,
                               taken_ptr=P64, cnt_ptr=P64), dict(C_EVICT=8, ROWS=32))
 check(kf._copy_rows_masked_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64, n_rows=I64),

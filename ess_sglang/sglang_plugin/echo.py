@@ -134,7 +134,8 @@ class DecodeOverlap:
             self.prefetcher = EchoPrefetcher(self.num_layers, num_rows, max_context, alpha=config.prefetch_ema_alpha,
                                              cap_fraction=config.prefetch_cap_fraction,
                                              cap_min_tokens=config.prefetch_cap_min_tokens, device=manager.device,
-                                             margin=plan.prefetch_margins or config.prefetch_threshold_margin)
+                                             margin=plan.prefetch_margins or config.prefetch_threshold_margin,
+                                             pdl=manager.pdl)  # one setting (ess_config.resolve_pdl) for both
             n = max_batch * self.prefetcher.width
             self.fetch_list = manager.new_fetch_list(n)
             manager.reserve_scratch(n)
@@ -168,7 +169,7 @@ class DecodeOverlap:
             cand = pf.candidates(layer, scores, req_to_host_pool, req_pool_indices[:B], visible_lens[:B],
                                  self.m.loc_to_slot[layer], self.m.num_locations)
             record = FetchList(self.fetch_list.src[:B * W], self.fetch_list.dst[:B * W], self.fetch_list.count)
-            self.m.prefetch(layer, cand, record, programs=PREFETCH_PROGRAMS)
+            self.m.prefetch(layer, cand, record, programs=PREFETCH_PROGRAMS, chained=pf.pdl)
 
     # ------------------------------------------------------------------------------------------ 2. after the top-k
     def note_selection(self, layer: int, logits: torch.Tensor, positions: torch.Tensor,

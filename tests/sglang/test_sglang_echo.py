@@ -59,7 +59,7 @@ def test_plan_follows_the_overlap_profile(tmp_path):
     assert not any(_plan(overlap_profile=path, prefetch_overlap_level="none").prefetch_layers)
 
 
-def test_plan_runs_the_profiles_threshold_margin_in_its_margin_layers(tmp_path, caplog):
+def test_plan_runs_the_profiles_threshold_margin_in_its_margin_layers(tmp_path, caplog, monkeypatch):
     """A profile calibrated with a margin run (`ess profile --calibration-margin`) sets every layer's margin: its
     *_margin layers prefetch with the calibration's margin, its other prefetch layers with none (margin 0 measured
     faster there), whatever prefetch_threshold_margin says (a warning names it); the prefetcher gets them. A profile
@@ -95,6 +95,12 @@ def test_plan_runs_the_profiles_threshold_margin_in_its_margin_layers(tmp_path, 
     legacy = echo.OverlapPlan(p.prefetch_layers, p.spare_slots, p.note)  # no margins: the configured one everywhere
     overlap = echo.DecodeOverlap(m, legacy, 8, 4096, 8, EssConfig(prefetch_threshold_margin=0.003))
     assert overlap.prefetcher.margins == (0.003,) * 3
+    # the prefetch kernels' programmatic dependent launch follows the resolve's (off on CPU; passed through: a
+    # manager that claims it makes the prefetcher refuse it here)
+    assert m.pdl is False and overlap.prefetcher.pdl is False
+    monkeypatch.setattr(HotPoolCacheManager, "pdl", property(lambda self: True))
+    with pytest.raises(ValueError, match="prefetch pdl: programmatic dependent launch needs"):
+        echo.DecodeOverlap(m, legacy, 8, 4096, 8, EssConfig())
 
 
 def test_launch_checks_name_the_overlap_problem(tmp_path):
