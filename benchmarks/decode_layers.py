@@ -190,11 +190,11 @@ def spare_slots(size: float | str, batch: int, slots: int, sync_misses=None) -> 
 
 
 def build_ess(pools: Pools, cfg: Config, slots: int, modes, prefetch: bool, spare: int = 0, margin: float = 0.0,
-              resolve_pdl: bool | None = None, **options) -> EssDecodeStack:
+              resolve_pdl: bool | None = None, prefetch_pdl: bool | None = None, **options) -> EssDecodeStack:
     m = HotPoolCacheManager(pools.host, slots, max_selected=cfg.batch * TOP_K, spare_slots=spare,
                             resolve_pdl=resolve_pdl)
     per_layer = options.get("prefetch_layers")
-    pf = EchoPrefetcher(cfg.layers, cfg.batch, cfg.width, device="cuda", margin=margin) \
+    pf = EchoPrefetcher(cfg.layers, cfg.batch, cfg.width, device="cuda", margin=margin, pdl=prefetch_pdl) \
         if prefetch or any(per_layer or ()) else None
     opts = StackOptions(modes=list(modes), top_k=TOP_K, prefetch=prefetch, **options)
     return EssDecodeStack(m, pools.index_cache, cfg.width, opts, max_batch=cfg.batch, prefetcher=pf)
@@ -294,12 +294,13 @@ def calibrate_rho(pools, cfg, slots, target, warm, iters=7, topk="torch") -> tup
 def stack_knobs(args) -> dict:
     """The StackOptions every ESS variant of a run takes from the command line (and the run's meta records)."""
     return dict(prefetch_indexer=args.prefetch_indexer, threshold_update=args.threshold_update,
-                last_chunk_programs=args.last_chunk_programs, last_chunk_margin=args.last_chunk_margin)
+                last_chunk_programs=args.last_chunk_programs, last_chunk_margin=args.last_chunk_margin,
+                last_chunk_priority=args.last_chunk_priority)
 
 
 def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 0.0, margin: float = 0.0,
                       prefetch_fractions: tuple[float, ...] | None = None, resolve_pdl: bool | None = None,
-                      **knobs) -> dict:
+                      prefetch_pdl: bool | None = None, **knobs) -> dict:
     """Eager steps from the same state: ESS modes against the all-HBM stack (whole-batch and split attention).
     `knobs`: `stack_knobs` of the run."""
     res = {}
@@ -320,7 +321,7 @@ def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 
         ess = build_ess(pools, cfg, slots, [modes] * cfg.layers, prefetch, margin=margin,
                         spare=spare_slots(spare_fraction, cfg.batch, slots) if name.endswith("+spare") else 0,
                         prefetch_chunks=chunk_fractions(name.removesuffix("+spare"), prefetch_fractions),
-                        resolve_pdl=resolve_pdl, **knobs)
+                        resolve_pdl=resolve_pdl, prefetch_pdl=prefetch_pdl, **knobs)
         reset_and_warm(ess, cfg)
         identical, identical_split, rel = True, True, 0.0
         for s in range(cfg.steps):
@@ -403,7 +404,7 @@ def run_config(pools, layers, context, batch, hit, args, timings, timings_spare)
             continue
         try:
             ess = build_ess(pools, cfg, slots, modes, prefetch, spare=spare, margin=margin,
-                            resolve_pdl=args.resolve_pdl,
+                            resolve_pdl=args.resolve_pdl, prefetch_pdl=args.prefetch_pdl,
                             **dict(options, sync_copy="counted" if mode == "sync_counted" else "inline",
                                    prefetch_chunks=chunk_fractions(mode, args.prefetch_fractions),
                                    prefetch_layers=layer_prefetch,
@@ -526,9 +527,15 @@ def main(argv=None) -> int:
                    "--overlap-programs")
     p.add_argument("--last-chunk-margin", type=float, default=None,
                    help="prefetchN: the last chunk's threshold margin (beside the top-k) instead of --prefetch-margin")
+    p.add_argument("--last-chunk-priority", default="high", choices=["high", "normal"],
+                   help="prefetchN: the last chunk's candidate, claim and copy launches (beside the top-k) on the "
+                   "high-priority side stream, or at the main stream's priority")
     p.add_argument("--resolve-pdl", default="auto", choices=["auto", "on", "off"],
                    help="the fused resolve's kernels after its lookup with programmatic dependent launch (auto: on "
                    "sm_90+)")
+    p.add_argument("--prefetch-pdl", default="auto", choices=["auto", "on", "off"],
+                   help="the prefetch's candidate kernels after the first (and, with spare slots and --resolve-pdl on, "
+                   "its three claim launches) with programmatic dependent launch (auto: on sm_90+)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -564,6 +571,9 @@ def main(argv=None) -> int:
     if args.resolve_pdl == "on" and not sm90:
         p.error("--resolve-pdl on: programmatic dependent launch needs a GPU of compute capability 9.0 or newer")
     args.resolve_pdl = {"auto": sm90, "on": True, "off": False}[args.resolve_pdl]
+    if args.prefetch_pdl == "on" and not sm90:
+        p.error("--prefetch-pdl on: programmatic dependent launch needs a GPU of compute capability 9.0 or newer")
+    args.prefetch_pdl = {"auto": sm90, "on": True, "off": False}[args.prefetch_pdl]
     if args.prefetch_fractions is not None:
         try:
             args.prefetch_fractions = tuple(float(f) for f in args.prefetch_fractions.split(","))
@@ -609,7 +619,8 @@ def main(argv=None) -> int:
     correctness = dict(context=cfg0.context, batch=cfg0.batch, **check_correctness(
         pools, cfg0, slots0, cfg0.queries(rho0), args.warm,
         spare_fraction=fixed[0] if fixed else 0.08 if "auto" in args.spare else 0.0, margin=args.prefetch_margin,
-        prefetch_fractions=args.prefetch_fractions, resolve_pdl=args.resolve_pdl, **stack_knobs(args)))
+        prefetch_fractions=args.prefetch_fractions, resolve_pdl=args.resolve_pdl, prefetch_pdl=args.prefetch_pdl,
+        **stack_knobs(args)))
     print("correctness:", json.dumps(correctness), flush=True)
     rows = []
     os.makedirs(args.out, exist_ok=True)
@@ -619,7 +630,7 @@ def main(argv=None) -> int:
                 ratio=args.ratio, warm=args.warm, steps=args.steps, pool_batch=args.pool_batch,
                 dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk, spare=args.spare,
                 prefetch_margin=args.prefetch_margin, prefetch_fractions=args.prefetch_fractions,
-                resolve_pdl=args.resolve_pdl, **stack_knobs(args),
+                resolve_pdl=args.resolve_pdl, prefetch_pdl=args.prefetch_pdl, **stack_knobs(args),
                 calibration=timings.measured.source if timings.measured is not None else None,
                 calibration_prefetch_margin=timings.measured.prefetch_margin if timings.measured is not None else None,
                 calibration_spare=timings_spare.measured.source if timings_spare.measured is not None else None)

@@ -12,7 +12,10 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
        each chunk's candidates are fetched as soon as its logits exist, beside the next chunk's indexer (the last
        chunk's beside the top-k); the chunks before the last launch on a high-priority stream of their own and the
        last at once on the main stream (`prefetch_indexer="overlapped"`), so the last launch's blocks fill the first
-       one's last wave instead of waiting for it;
+       one's last wave instead of waiting for it; on sm_90+ a chunk's candidate kernels after the first (and, with
+       spare slots and the resolve's PDL, its three claim launches) use programmatic dependent launch
+       (`EchoPrefetcher(pdl=...)`); `last_chunk_priority="normal"`
+       queues the last chunk's launches at the main stream's priority instead of the side stream's high one;
     4. top-k positions (torch.topk, or the Triton kernel `ess_sglang.kernels.topk`); the k-th best score updates
        the prefetch threshold on the side stream beside attention, behind the layer's candidate reads there
        (`threshold_update="side"`; "main": at the end of the layer on the main stream);
@@ -119,6 +122,10 @@ class StackOptions:
     # many programs instead of overlap_programs (None: the same; 8 measured much slower than 16, benchmarks/RESULTS.md)
     last_chunk_margin: float | None = None  # prefetch in chunks: the last chunk's threshold margin instead of the
     # layer's (None: the layer's), e.g. 0: fewer wasted copies beside the top-k, more misses left to the exact resolve
+    last_chunk_priority: str = "high"  # prefetch in chunks: the last chunk's candidate, claim and copy launches on the
+    # high-priority side stream ("high"), or on a stream at the main stream's priority, joined into the side stream
+    # ("normal": its wide candidate kernel then shares the SMs with the top-k's first kernels, not taking them all;
+    # measured -8 us a layer at 128K / 64, +9.5 at 32K / 128, no change at 32K / 64: benchmarks/RESULTS.md)
     sync_copy: str = "inline"  # sync mode: "inline" (in the resolve's assign kernel: measured faster) or "counted"
     new_tokens: str = DEFAULT_NEW_TOKENS  # "on_demand": only written back, and fetched like any miss when selected
     # (one resolve fewer a layer: 1.243 against 1.261 x all-HBM at batch 64 / 32K, 1.122 against 1.127 at 128 / 128K,
@@ -174,6 +181,8 @@ class StackOptions:
             raise ValueError(f"last_chunk_programs must be >= 1 or None, got {self.last_chunk_programs}")
         if self.last_chunk_margin is not None and not is_margin(self.last_chunk_margin):
             raise ValueError(f"last_chunk_margin must be in [0, 1) or None, got {self.last_chunk_margin!r}")
+        if self.last_chunk_priority not in ("high", "normal"):
+            raise ValueError(f"last_chunk_priority must be 'high' or 'normal', got {self.last_chunk_priority!r}")
 
 
 def _fractions(name: str, chunks: int | Sequence[float]) -> tuple[float, ...]:
@@ -475,13 +484,12 @@ class EssDecodeStack(_StackBase):
         `prefetch_indexer="overlapped"` (on CUDA) the chunks before the last run on the lead stream, forked from the
         main stream here (so every write their prefetch reads comes before), and each one's prefetch waits for its
         event; the main stream joins the lead stream before the top-k."""
-        pf, fractions = self.prefetcher, self.options.layer_prefetch_fractions[layer]
+        fractions = self.options.layer_prefetch_fractions[layer]
         if fractions is None:  # a layer that prefetches implies a prefetcher (checked in __init__)
             return self._select(layer, x, batch)
-        B, W = batch.seq_lens.shape[0], pf.width
+        B = batch.seq_lens.shape[0]
         logits = torch.empty((B, x.q_index.shape[1], self.max_len), dtype=torch.float32, device=x.q_index.device)
         self._side_inputs.append(logits)
-        pl = self.prefetch_list
         bounds = chunk_bounds(B, fractions)
         lead = self._lead if len(bounds) > 1 else None
         if lead is not None:  # "overlapped": the chunks before the last start from here, on the lead stream
@@ -497,20 +505,32 @@ class EssDecodeStack(_StackBase):
                 chunk_logits = self._scores(layer, xi, b, out=logits[lo:hi])
                 done = None
             last = i == len(bounds) - 1 and len(bounds) > 1  # the chunk whose prefetch runs beside the top-k
-            opts = self.options
-            with self.streams.on_side(after=done):
-                cand = pf.candidates(layer, chunk_logits, b.req_to_token, b.req_pool_indices, b.seq_lens,
-                                     self.m.loc_to_slot[layer], self.m.num_locations,
-                                     margin=opts.last_chunk_margin if last else None)
-                record = FetchList(pl.src[lo * W:hi * W], pl.dst[lo * W:hi * W], self._prefetch_counts[i:i + 1])
-                self.m.prefetch(layer, cand, record, programs=opts.last_chunk_programs
-                                if last and opts.last_chunk_programs is not None else opts.overlap_programs)
+            self._prefetch_chunk(layer, i, lo, hi, b, chunk_logits, done, last)
         if lead is not None:
             torch.cuda.current_stream().wait_stream(lead)  # the top-k reads every chunk's logits
         pos, kth = topk_with_scores(logits, self.options.top_k, self.topk_impl)
         # the threshold moves only once the side stream has read it (at the end of the layer)
         self._pending_thresholds.append((kth, batch.req_pool_indices))
         return pos
+
+    def _prefetch_chunk(self, layer: int, i: int, lo: int, hi: int, b: DecodeBatch, chunk_logits: torch.Tensor,
+                        after, last: bool) -> None:
+        """Queue chunk i's (batch rows lo:hi) candidates and their prefetch, into its slice of the prefetch list,
+        beside the main stream: after the event `after` (None: after everything queued on the main stream so far).
+        `last`: the chunk beside the top-k (its own copy programs, margin and priority; its logits are on the main
+        stream, so `after` is None for it, which `on_normal` follows)."""
+        opts, pf, W, pl = self.options, self.prefetcher, self.prefetcher.width, self.prefetch_list
+        beside_topk = last and opts.last_chunk_priority == "normal"
+        if beside_topk and after is not None:
+            raise ValueError("the last chunk's prefetch at normal priority follows the main stream, not an event")
+        with self.streams.on_normal() if beside_topk else self.streams.on_side(after=after):
+            cand = pf.candidates(layer, chunk_logits, b.req_to_token, b.req_pool_indices, b.seq_lens,
+                                 self.m.loc_to_slot[layer], self.m.num_locations,
+                                 margin=opts.last_chunk_margin if last else None)
+            record = FetchList(pl.src[lo * W:hi * W], pl.dst[lo * W:hi * W], self._prefetch_counts[i:i + 1])
+            self.m.prefetch(layer, cand, record, programs=opts.last_chunk_programs
+                            if last and opts.last_chunk_programs is not None else opts.overlap_programs,
+                            chained=pf.pdl)
 
     def _dual_attention(self, layer: int, batch: DecodeBatch, x: LayerInputs, pos: torch.Tensor) -> torch.Tensor:
         m, st, W = self.m, self.streams, self.options.da_width

@@ -206,7 +206,7 @@ def load_calibration(path: str | Path | Sequence[str | Path], where: str | None 
 
 COMPARABLE_META = ("layers", "warm", "steps", "ratio", "pool_batch", "dba_split", "overlap_programs", "topk", "spare",
                    "device", "prefetch_indexer", "prefetch_fractions", "threshold_update",
-                   "resolve_pdl", "last_chunk_programs", "last_chunk_margin")
+                   "resolve_pdl", "prefetch_pdl", "last_chunk_programs", "last_chunk_margin", "last_chunk_priority")
 """`meta` keys of a decode-stack run that the two runs of a margin calibration must share (what else they measure
 with), besides the margin itself."""
 

@@ -16,6 +16,9 @@ class SideStream:
         # High priority: the block scheduler then runs the side stream's few blocks (resolve, copies) as soon as SMs
         # free up, instead of after every queued block of the main stream's big kernels (the indexer).
         self.side = torch.cuda.Stream(device, priority=-1) if self.cuda else None
+        # The main stream's priority: for side work whose wide kernels must not take every SM ahead of the main
+        # stream's (`on_normal`)
+        self.normal = torch.cuda.Stream(device, priority=0) if self.cuda else None
 
     def on_side(self, after=None):
         """Work in this block runs on the side stream, after everything queued there before and everything queued
@@ -28,6 +31,24 @@ class SideStream:
         else:
             self.side.wait_event(after)
         return torch.cuda.stream(self.side)
+
+    @contextlib.contextmanager
+    def on_normal(self):
+        """Side work at the main stream's priority: work in this block runs on a second stream, after everything
+        queued on the side stream and on the main stream so far, and the side stream waits for it when the block ends:
+        ordered as `on_side()` orders it (whatever is queued on the side stream later, and every wait for the side
+        stream, follows it), at another priority. For work beside latency-bound main-stream kernels: a high-priority
+        launch of many blocks takes every free SM before the main stream's next kernel gets one."""
+        if not self.cuda:
+            yield
+            return
+        self.normal.wait_stream(torch.cuda.current_stream())
+        self.normal.wait_stream(self.side)
+        try:
+            with torch.cuda.stream(self.normal):
+                yield
+        finally:  # (also when the block raises: whatever it queued is joined, a graph capture is left joinable)
+            self.side.wait_stream(self.normal)
 
     def mark(self):
         """An event on the side stream: what has been queued there so far."""

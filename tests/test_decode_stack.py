@@ -1,5 +1,7 @@
 """The decode-layer stack in every overlap mode against the all-in-HBM stack (CPU: torch references, no streams)."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from ess_sglang.host_pool import HostTotalPool
 from ess_sglang.prefetch import EchoPrefetcher
 from ess_sglang.reference.dsa import sparse_mla_reference
 from ess_sglang.request_table import RequestTable
+from ess_sglang.streams import SideStream
 
 LAYERS, HEADS, IHEADS, TOPK = 2, 8, 4, 128
 LENGTHS = (700, 450, 900)
@@ -601,6 +604,49 @@ def test_the_last_chunk_takes_its_own_margin():
     for bad in (1.0, -0.5, True):
         with pytest.raises(ValueError, match="last_chunk_margin must be in"):
             StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, last_chunk_margin=bad)
+
+
+def test_the_last_chunk_runs_at_its_own_priority():
+    """last_chunk_priority "normal": the chunk beside the top-k queues its candidate, claim and copy launches in
+    `SideStream.on_normal` (the other chunks on the side stream), and the outputs stay those of the all-HBM stack."""
+    for priority, want in (("high", [False] * 3), ("normal", [False, False, True])):
+        ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=3,
+                                            last_chunk_priority=priority)
+        blocks, in_normal = [], [False]
+        on_normal, prefetch = ess.streams.on_normal, ess.m.prefetch
+
+        @contextlib.contextmanager
+        def recording(on_normal=on_normal, flag=in_normal):
+            flag[0] = True
+            with on_normal():
+                yield
+            flag[0] = False
+
+        ess.streams.on_normal = recording
+        ess.m.prefetch = lambda *a, prefetch=prefetch, flag=in_normal, seen=blocks, **kw: (seen.append(flag[0]),
+                                                                                           prefetch(*a, **kw))[1]
+        for batch, inputs in steps(2, table, rows, locs):
+            got, expected = ess.step(batch, inputs), hbm.step(batch, inputs)
+            assert all(torch.equal(x, y) for x, y in zip(got, expected, strict=True))
+        assert blocks == want * LAYERS * 2, priority
+    with pytest.raises(ValueError, match="last_chunk_priority must be 'high' or 'normal', got 'low'"):
+        StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, last_chunk_priority="low")
+
+
+def test_prefetch_pdl_is_off_on_cpu_and_refused_there():
+    assert EchoPrefetcher(1, 2, 64).pdl is False  # (auto: sm_90+ only)
+    assert EchoPrefetcher(1, 2, 64, pdl=False).pdl is False
+    with pytest.raises(ValueError, match="prefetch pdl: programmatic dependent launch needs a CUDA GPU of compute "
+                                         "capability 9.0 or newer, got cpu"):
+        EchoPrefetcher(1, 2, 64, pdl=True)
+
+
+def test_side_streams_are_no_ops_on_cpu():
+    streams = SideStream(torch.device("cpu"))
+    assert streams.side is None and streams.normal is None
+    with streams.on_normal(), streams.on_side():
+        pass
+    assert streams.mark() is None
 
 
 def test_prefetch_margins_per_layer():

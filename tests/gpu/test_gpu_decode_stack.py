@@ -90,16 +90,18 @@ def _inputs(w, s, q_index=None):
 
 
 def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand", prefetch_chunks=1,
-         prefetch_layers=None, spare=0, prefetch_indexer="serial", threshold_update="side", resolve_pdl=None):
+         prefetch_layers=None, spare=0, prefetch_indexer="serial", threshold_update="side", resolve_pdl=None,
+         last_chunk_priority="high", prefetch_pdl=None):
     slots = math.ceil(0.25 * B * CTX / 64) * 64
     m = HotPoolCacheManager(w["host"], slots, max_selected=B * TOPK, spare_slots=spare, resolve_pdl=resolve_pdl)
     recent = slots // B - 64
     for layer in range(LAYERS):
         m.warm_up(layer, w["req_to_token"][:, CTX - recent:CTX].reshape(-1))
-    pf = EchoPrefetcher(LAYERS, B, w["width"], device="cuda") if prefetch or prefetch_layers else None
+    pf = EchoPrefetcher(LAYERS, B, w["width"], device="cuda", pdl=prefetch_pdl) if prefetch or prefetch_layers else None
     opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, dba_attention=dba_attention,
                         new_tokens=new_tokens, prefetch_chunks=prefetch_chunks, prefetch_layers=prefetch_layers,
-                        prefetch_indexer=prefetch_indexer, threshold_update=threshold_update)
+                        prefetch_indexer=prefetch_indexer, threshold_update=threshold_update,
+                        last_chunk_priority=last_chunk_priority)
     return EssDecodeStack(m, w["index_cache"], w["width"], opts, max_batch=B, prefetcher=pf)
 
 
@@ -134,16 +136,26 @@ def reference(world):
     # every case above runs the defaults: the thresholds' EMA update beside attention (DBA: chunk by chunk) and the
     # resolve's kernels after its lookup with programmatic dependent launch; the alternatives:
     ("sync", 2, "whole", "spare, overlapped, main, nopdl"), ("dba", True, "whole", "main"),
-    ("sync", False, "whole", "nopdl"), ("da", False, "whole", "spare, nopdl")])
+    ("sync", False, "whole", "nopdl"), ("da", False, "whole", "spare, nopdl"),
+    # the last chunk's prefetch at the main stream's priority
+    ("sync", 2, "whole", "spare, overlapped, normal"), ("sync", 3, "whole", "normal"),
+    ("dba", 2, "whole", "spare, overlapped, normal"),
+    # the prefetch's candidate and claim kernels without programmatic dependent launch (on by default on the H200)
+    ("sync", 2, "whole", "spare, overlapped, nopfpdl")])
 def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attention, new_tokens):
-    spare = 1024 if "spare" in new_tokens else 0
-    indexer = "overlapped" if "overlapped" in new_tokens else "serial"
-    update = "main" if "main" in new_tokens else "side"
-    new_tokens = "insert" if new_tokens == "insert" else "on_demand"
+    variant = new_tokens  # "insert", or the case's other settings ("on_demand" new tokens)
+    spare = 1024 if "spare" in variant else 0
+    indexer = "overlapped" if "overlapped" in variant else "serial"
+    update = "main" if "main" in variant else "side"
+    new_tokens = "insert" if variant == "insert" else "on_demand"
     ess = _ess(world, [mode] * LAYERS, bool(prefetch), dba_attention, new_tokens, prefetch_chunks=max(1, int(prefetch)),
                spare=spare, prefetch_indexer=indexer, threshold_update=update,
-               resolve_pdl=False if "nopdl" in new_tokens else None)
-    assert ess.m._fused.pdl == ("nopdl" not in new_tokens)  # (the H200: on by default)
+               resolve_pdl=False if "nopdl" in variant else None,
+               last_chunk_priority="normal" if "normal" in variant else "high",
+               prefetch_pdl=False if "nopfpdl" in variant else None)
+    assert ess.m._fused.pdl == ("nopdl" not in variant)  # (the H200: on by default)
+    assert ess.prefetcher is None or ess.prefetcher.pdl == ("nopfpdl" not in variant)
+    assert ess.options.last_chunk_priority == ("normal" if "normal" in variant else "high")
     worst = 0.0
     for s in range(STEPS):
         got = ess.step(_batch(world, s), _inputs(world, s))
@@ -179,7 +191,11 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
     (["sync", "sync"], 3, 1024, "overlapped"), (["sync", "da"], (2, 0), 0, "overlapped"),
     (["dba", "da"], 2, 1024, "overlapped"),
     # the alternatives to the defaults: the thresholds' update at the layer's end, no PDL in the resolve
-    (["sync", "dba"], 2, 1024, "overlapped, main, nopdl")])
+    (["sync", "dba"], 2, 1024, "overlapped, main, nopdl"),
+    # the last chunk's prefetch at the main stream's priority
+    (["sync", "sync"], 3, 1024, "overlapped, normal"), (["dba", "sync"], 2, 1024, "overlapped, normal"),
+    # the prefetch's kernels without programmatic dependent launch
+    (["sync", "sync"], 2, 1024, "overlapped, nopfpdl")])
 def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, spare, indexer):
     """Capture a step with prefetch and mixed modes; replaying it over later steps gives what the all-HBM stack and
     the same steps run eagerly give (exact layers bit-identical; DA within 1e-2 of single-pass attention: graph and
@@ -193,7 +209,9 @@ def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, 
                            prefetch_layers=prefetch_chunks if per_layer else None, spare=spare,
                            prefetch_indexer=indexer.split(",")[0],
                            threshold_update="main" if "main" in indexer else "side",
-                           resolve_pdl=False if "nopdl" in indexer else None) for _ in range(2))
+                           resolve_pdl=False if "nopdl" in indexer else None,
+                           last_chunk_priority="normal" if "normal" in indexer else "high",
+                           prefetch_pdl=False if "nopfpdl" in indexer else None) for _ in range(2))
     for s in range(3):  # warm-up (Triton compiles) on both
         for st in (eager, graphed):
             st.step(_batch(world, s), _inputs(world, s))
