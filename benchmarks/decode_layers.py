@@ -300,14 +300,14 @@ def stack_knobs(args) -> dict:
 
 def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 0.0, margin: float = 0.0,
                       prefetch_fractions: tuple[float, ...] | None = None, resolve_pdl: bool | None = None,
-                      prefetch_pdl: bool | None = None, **knobs) -> dict:
-    """Eager steps from the same state: ESS modes against the all-HBM stack (whole-batch and split attention).
-    `knobs`: `stack_knobs` of the run."""
+                      prefetch_pdl: bool | None = None, topk="torch", **knobs) -> dict:
+    """Eager steps from the same state: ESS modes against the all-HBM stack (whole-batch and split attention), every
+    stack with the run's top-k. `knobs`: `stack_knobs` of the run."""
     res = {}
     hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
-                         StackOptions(modes=["sync"] * cfg.layers, top_k=TOP_K))
+                         StackOptions(modes=["sync"] * cfg.layers, top_k=TOP_K, topk=topk))
     hbm_split = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
-                               StackOptions(modes=["dba"] * cfg.layers, top_k=TOP_K), split_attention=True)
+                               StackOptions(modes=["dba"] * cfg.layers, top_k=TOP_K, topk=topk), split_attention=True)
     want, want_split = [], []
     for s in range(cfg.steps):
         cfg.load_step(s, queries)
@@ -321,7 +321,7 @@ def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 
         ess = build_ess(pools, cfg, slots, [modes] * cfg.layers, prefetch, margin=margin,
                         spare=spare_slots(spare_fraction, cfg.batch, slots) if name.endswith("+spare") else 0,
                         prefetch_chunks=chunk_fractions(name.removesuffix("+spare"), prefetch_fractions),
-                        resolve_pdl=resolve_pdl, prefetch_pdl=prefetch_pdl, **knobs)
+                        resolve_pdl=resolve_pdl, prefetch_pdl=prefetch_pdl, topk=topk, **knobs)
         reset_and_warm(ess, cfg)
         identical, identical_split, rel = True, True, 0.0
         for s in range(cfg.steps):
@@ -613,14 +613,14 @@ def main(argv=None) -> int:
     first = configs[0]
     cfg0 = Config(pools, args.layers, first[0], 16, steps, seed=7)
     slots0 = pool_slots(args, cfg0.batch, cfg0.context, steps)
-    rho0, _ = calibrate_rho(pools, cfg0, slots0, 0.95, args.warm)
+    rho0, _ = calibrate_rho(pools, cfg0, slots0, 0.95, args.warm, topk=args.topk)
     # with spare slots: the first fraction given, or 0.08 for auto (which needs a sync run: a fixed size here)
     fixed = [f for f in args.spare if f not in (0, "auto")]
     correctness = dict(context=cfg0.context, batch=cfg0.batch, **check_correctness(
         pools, cfg0, slots0, cfg0.queries(rho0), args.warm,
         spare_fraction=fixed[0] if fixed else 0.08 if "auto" in args.spare else 0.0, margin=args.prefetch_margin,
         prefetch_fractions=args.prefetch_fractions, resolve_pdl=args.resolve_pdl, prefetch_pdl=args.prefetch_pdl,
-        **stack_knobs(args)))
+        topk=args.topk, **stack_knobs(args)))
     print("correctness:", json.dumps(correctness), flush=True)
     rows = []
     os.makedirs(args.out, exist_ok=True)

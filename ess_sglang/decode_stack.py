@@ -73,6 +73,9 @@ from ess_sglang.reference.dsa import topk_with_scores as reference_topk
 from ess_sglang.streams import SideStream
 
 MODES = ("sync", "da", "dba")
+TopK = Callable[[torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""A caller's top-k: (scores [B, Q, T], k, seq_lens [B]) -> (positions [B, Q, k] int32, -1 padded; k-th score
+[B, Q])."""
 
 
 @dataclass
@@ -132,7 +135,9 @@ class StackOptions:
     # benchmarks/RESULTS.md); "insert": each new token gets a hot slot (a resolve of its own on the side stream)
     attention: str = "auto"  # "flashmla", "reference", or "auto" (FlashMLA on CUDA)
     indexer: str = "auto"  # "triton", "torch", or "auto"
-    topk: str = "auto"  # "triton" (Triton radix select), "torch" (torch.topk), or "auto" (torch: faster so far)
+    topk: str | TopK = "auto"  # "triton" (Triton radix select), "torch" (torch.topk), "auto" (torch: faster so far),
+    # or a callable (scores [B, Q, T], k, seq_lens [B]) -> (positions [B, Q, k] int32, k-th best score [B, Q]), e.g.
+    # SGLang's own DSA top-k (benchmarks/sglang_topk.py); both stacks of a comparison must use the same one
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
@@ -152,8 +157,8 @@ class StackOptions:
         new_token_mode(self.new_tokens)
         if self.sync_copy not in ("counted", "inline"):
             raise ValueError(f"sync_copy must be 'counted' or 'inline', got {self.sync_copy!r}")
-        if self.topk not in ("auto", "triton", "torch"):
-            raise ValueError(f"topk must be 'auto', 'triton' or 'torch', got {self.topk!r}")
+        if not callable(self.topk) and self.topk not in ("auto", "triton", "torch"):
+            raise ValueError(f"topk must be 'auto', 'triton', 'torch' or a callable, got {self.topk!r}")
         self.prefetch_fractions = _fractions("prefetch_chunks", self.prefetch_chunks)
         if self.prefetch_layers is None:
             per_layer = [self.prefetch_fractions if self.prefetch else None] * len(self.modes)
@@ -282,7 +287,7 @@ class _StackBase:
             "flashmla" if dev.type == "cuda" else "reference")
         self.run_indexer = _indexer(options.indexer)
         # torch.topk is faster than both Triton top-k variants on the H200 from 64 rows (benchmarks/RESULTS.md)
-        self.topk_impl = options.topk if options.topk != "auto" else "torch"
+        self.topk_impl = "torch" if isinstance(options.topk, str) and options.topk == "auto" else options.topk
         self.score_hook = score_hook  # benchmarks: scores that replace the logits for the selection
         self.softmax_scale = QK_HEAD_DIM ** -0.5
         self.schedules: dict = {}  # FlashMLA schedules of the current step, by table shape
@@ -306,7 +311,13 @@ class _StackBase:
 
     def _select(self, layer: int, x: LayerInputs, batch: DecodeBatch) -> torch.Tensor:
         """The top-k positions of the layer's scores."""
-        return topk_with_scores(self._scores(layer, x, batch), self.options.top_k, self.topk_impl)[0]
+        return self._topk(self._scores(layer, x, batch), batch)[0]
+
+    def _topk(self, scores: torch.Tensor, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Top-k positions [B, Q, k], k-th best score [B, Q]) of scores [B, Q, T], with the stack's top-k."""
+        if callable(self.topk_impl):
+            return self.topk_impl(scores, self.options.top_k, batch.seq_lens)
+        return topk_with_scores(scores, self.options.top_k, self.topk_impl)
 
 
 class HbmDecodeStack(_StackBase):
@@ -508,7 +519,7 @@ class EssDecodeStack(_StackBase):
             self._prefetch_chunk(layer, i, lo, hi, b, chunk_logits, done, last)
         if lead is not None:
             torch.cuda.current_stream().wait_stream(lead)  # the top-k reads every chunk's logits
-        pos, kth = topk_with_scores(logits, self.options.top_k, self.topk_impl)
+        pos, kth = self._topk(logits, batch)
         # the threshold moves only once the side stream has read it (at the end of the layer)
         self._pending_thresholds.append((kth, batch.req_pool_indices))
         return pos
@@ -595,5 +606,5 @@ class EssDecodeStack(_StackBase):
         return torch.cat(outs)
 
 
-__all__ = ["MODES", "DecodeBatch", "LayerInputs", "StackOptions", "HbmDecodeStack", "EssDecodeStack",
+__all__ = ["MODES", "TopK", "DecodeBatch", "LayerInputs", "StackOptions", "HbmDecodeStack", "EssDecodeStack",
            "attend", "merge_attention", "topk_with_scores", "latent_store_rows"]

@@ -16,6 +16,7 @@ from ess_sglang.decode_stack import (
     chunk_bounds,
     latent_store_rows,
     merge_attention,
+    topk_with_scores,
 )
 from ess_sglang.formats import INDEXER_ENTRY_BYTES, pack_indexer_key, pack_latent
 from ess_sglang.host_pool import HostTotalPool
@@ -631,6 +632,36 @@ def test_the_last_chunk_runs_at_its_own_priority():
         assert blocks == want * LAYERS * 2, priority
     with pytest.raises(ValueError, match="last_chunk_priority must be 'high' or 'normal', got 'low'"):
         StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, last_chunk_priority="low")
+
+
+def test_a_callers_top_k_serves_both_stacks():
+    """StackOptions.topk as a callable (e.g. SGLang's own decode top-k): both stacks select with it, given each batch's
+    sequence lengths; ESS stays bit-identical to the all-HBM stack, and ECHO's thresholds follow the k-th scores it
+    returns."""
+    calls = []
+
+    def ascending_topk(scores, k, seq_lens, seen=calls):
+        T = scores.shape[-1]
+        visible = torch.arange(T) < seq_lens.view(-1, 1, 1)
+        pos, kth = topk_with_scores(torch.where(visible, scores, float("-inf")), k)
+        pos = torch.where(pos < 0, T, pos).sort(-1).values  # another order than torch.topk's
+        kth = kth - 0.5  # (a k-th score of its own: the thresholds must come from here)
+        seen.append((seq_lens.clone(), kth))
+        return torch.where(pos == T, -1, pos).to(torch.int32), kth
+
+    ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=2, topk=ascending_topk)
+    hbm = HbmDecodeStack(hbm.latents, hbm.index_cache, hbm.max_len,
+                         StackOptions(modes=("sync", "sync"), top_k=TOPK, indexer="torch", topk=ascending_topk))
+    for s, (batch, inputs) in enumerate(steps(2, table, rows, locs)):
+        got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+        if s == 0:  # the first step's k-th scores (ESS's calls come first) are the thresholds now
+            for layer in range(LAYERS):
+                assert torch.equal(ess.prefetcher.threshold[layer, rows], calls[layer][1][:, 0])
+    assert len(calls) == 2 * 2 * LAYERS  # ESS (one top-k over both chunks' logits) and HBM, each layer and step
+    assert all(torch.equal(c, batch.seq_lens) for c, _ in calls[-2 * LAYERS:])
+    with pytest.raises(ValueError, match="topk must be 'auto', 'triton', 'torch' or a callable, got 'fast'"):
+        StackOptions(modes=["sync"], topk="fast")
 
 
 def test_prefetch_pdl_is_off_on_cpu_and_refused_there():
