@@ -568,12 +568,11 @@ def main(argv=None) -> int:
     if args.last_chunk_margin is not None and not 0 <= args.last_chunk_margin < 1:
         p.error(f"--last-chunk-margin: must be in [0, 1), got {args.last_chunk_margin}")
     sm90 = torch.cuda.get_device_capability()[0] >= 9
-    if args.resolve_pdl == "on" and not sm90:
-        p.error("--resolve-pdl on: programmatic dependent launch needs a GPU of compute capability 9.0 or newer")
-    args.resolve_pdl = {"auto": sm90, "on": True, "off": False}[args.resolve_pdl]
-    if args.prefetch_pdl == "on" and not sm90:
-        p.error("--prefetch-pdl on: programmatic dependent launch needs a GPU of compute capability 9.0 or newer")
-    args.prefetch_pdl = {"auto": sm90, "on": True, "off": False}[args.prefetch_pdl]
+    for name in ("resolve_pdl", "prefetch_pdl"):  # auto / on / off -> a bool
+        flag = f"--{name.replace('_', '-')}"
+        if getattr(args, name) == "on" and not sm90:
+            p.error(f"{flag} on: programmatic dependent launch needs a GPU of compute capability 9.0 or newer")
+        setattr(args, name, {"auto": sm90, "on": True, "off": False}[getattr(args, name)])
     if args.prefetch_fractions is not None:
         try:
             args.prefetch_fractions = tuple(float(f) for f in args.prefetch_fractions.split(","))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from ess_sglang.kernels.resolve import _pdl_enter
+from ess_sglang.kernels.resolve import _pdl_enter, pdl_launch
 from ess_sglang.kernels.translate import locate
 
 TILE = 1024  # positions per program of the count kernel (K1)
@@ -129,11 +129,6 @@ def _write_kernel(counts_ptr, after_ptr, kept_ptr, tiles, seq_ptr, cap_fraction_
     tl.store(out_ptr + b * width + rank, kept.to(tl.int64), mask=m & (rank < cap))
 
 
-def _pdl_launch(pdl: bool) -> dict:
-    """Launch arguments of K2 / K3: with `pdl`, programmatic dependent launch (compiled-in wait, then release)."""
-    return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
-
-
 def candidates_from_tiles(tc: TileCandidates, seq_lens: torch.Tensor, cap_fraction: torch.Tensor,
                           cap_min_tokens: int, width: int, pdl: bool = False) -> torch.Tensor:
     """K2 + K3: the per-tile candidates of B requests -> int64 KV locations [B * width], most recent first per
@@ -147,12 +142,12 @@ def candidates_from_tiles(tc: TileCandidates, seq_lens: torch.Tensor, cap_fracti
         return torch.full((B * width,), -1, dtype=torch.int64, device=tc.counts.device)
     out = torch.empty((B, width), dtype=torch.int64, device=tc.counts.device)  # K3 writes every element
     after = torch.empty_like(tc.counts)
-    _offsets_kernel[(B,)](tc.counts, after, tiles, TILES=triton.next_power_of_2(tiles), **_pdl_launch(pdl))
+    _offsets_kernel[(B,)](tc.counts, after, tiles, TILES=triton.next_power_of_2(tiles), **pdl_launch(pdl))
     group = WRITE_BLOCK // tc.tile
     _write_kernel[(B, triton.cdiv(tiles, group))](tc.counts, after, tc.kept, tiles, seq_lens, cap_fraction,
                                                   int(cap_min_tokens), out, width, TILE=tc.tile, GROUP=group,
                                                   WBLOCK=min(triton.next_power_of_2(max(width, 1)), 1024),
-                                                  **_pdl_launch(pdl))
+                                                  **pdl_launch(pdl))
     return out.view(-1)
 
 

@@ -357,6 +357,12 @@ def _finish_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr_ptr, tak
     tl.store(out_ptr + i, slot, mask=lost)
 
 
+def pdl_launch(on: bool) -> dict:
+    """Launch arguments of a kernel that starts with `_pdl_enter`: with `on`, PDL compiles its wait-and-release
+    prologue in and launch_pdl asks for programmatic dependent launch; without, neither."""
+    return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Whether the resolve's kernels can use programmatic dependent launch on `device`: a CUDA GPU of compute
     capability 9.0 or newer."""
@@ -408,10 +414,8 @@ class FusedResolver:
         self.locs = torch.empty(n, dtype=torch.int64, device=d)
 
     def _pdl(self, on: bool) -> dict:
-        """Launch arguments of a resolve kernel: PDL compiles its wait-and-release prologue in (a no-op wait where
-        the launch itself does not ask for PDL), launch_pdl asks for it."""
-        on = on and self.pdl
-        return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
+        """Launch arguments of a resolve kernel: `pdl_launch`, where the resolver uses PDL."""
+        return pdl_launch(on and self.pdl)
 
     def _scans(self, stamp: torch.Tensor, clock: torch.Tensor, spare_taken: torch.Tensor, refill: bool) -> None:
         """K2 + K3 (R2 + R3): the LRU victims, when any are needed (otherwise both launches return at once)."""
