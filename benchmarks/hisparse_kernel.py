@@ -61,7 +61,9 @@ TVM_FFI_VERSION = "0.1.11"  # sglang 0.5.23 pins apache-tvm-ffi==0.1.11 (its MET
 JIT_DIR = "sglang/kernels/jit"
 CUH_RELPATH = f"{JIT_DIR}/csrc/kvcacheio/hisparse.cuh"  # relative to the folder that holds sglang/
 INCLUDE_RELDIR = f"{JIT_DIR}/include"
-EXTRACT_PREFIXES = (f"{JIT_DIR}/include/", f"{JIT_DIR}/csrc/kvcacheio/")
+TOPK_CUH_RELPATH = f"{JIT_DIR}/csrc/deepseek_v4/topk_v2.cuh"  # SGLang's decode top-k (benchmarks/sglang_topk.py)
+PROBE_CUH_RELPATH = f"{JIT_DIR}/csrc/occupancy/cluster_probe.cuh"  # the occupancy probe its build flags need
+EXTRACT_PREFIXES = (f"{JIT_DIR}/include/", f"{JIT_DIR}/csrc/kvcacheio/", TOPK_CUH_RELPATH, PROBE_CUH_RELPATH)
 KERNEL_EXPORT = "load_cache_to_device_buffer"
 ITEM_BYTES = 656  # V32 latent entry (SGLang's `token_stride_size` of the MLA host pool for DeepSeek-V3.2 fp8)
 TOP_K = 2048
@@ -124,8 +126,9 @@ def wheel_member_needed(name: str) -> bool:
 def extract_wheel(wheel: Path, cache_dir: Path | None = None) -> SglangSources:
     """Extract the kernel's sources (and METADATA) from an sglang wheel into `cache_dir`; returns where they are.
 
-    Only ``sglang/kernels/jit/include/**`` and ``sglang/kernels/jit/csrc/kvcacheio/**`` are written (a few hundred
-    KB); an extract that is already complete is reused.
+    Only ``sglang/kernels/jit/include/**``, ``sglang/kernels/jit/csrc/kvcacheio/**``, the decode top-k's
+    ``csrc/deepseek_v4/topk_v2.cuh`` and ``csrc/occupancy/cluster_probe.cuh`` are written (a few hundred KB); an
+    extract that is already complete is reused.
     """
     wheel = Path(wheel)
     if not wheel.is_file():
@@ -369,14 +372,23 @@ class KernelConfig:
         return (k + 2 * (chunks + 1) + 2 * k + 2) * 4 + (h + 2 * k) * 2
 
 
-def wrapper_source(cuh: Path, config: KernelConfig) -> str:
-    """Our translation unit: tvm-ffi headers, their header by absolute path, one exported instantiation."""
-    lines = [f"#include <{h}>" for h in FFI_INCLUDES]
+def export_source(cuh: Path, exports: Sequence[tuple[str, str]], defines: Sequence[tuple[str, int]] = ()) -> str:
+    """Our translation unit for one of SGLang's JIT kernels: tvm-ffi headers, their header by absolute path, and
+    each (export, function) pair's function (in namespace sglang) exported under its name: the text SGLang's loader
+    writes. `defines` (name, value): ``#define`` lines first, in place of the ``-D`` flags SGLang adds for some
+    kernels (the header reads them the same way, and they then take part in the build's cache key)."""
+    lines = [f"#define {name} {value}" for name, value in defines]
+    lines += [f"#include <{h}>" for h in FFI_INCLUDES]
     lines.append(f'#include "{Path(cuh).resolve()}"')
     lines.append("namespace sglang {")
-    lines.append(f"TVM_FFI_DLL_EXPORT_TYPED_FUNC({KERNEL_EXPORT}, ({KERNEL_EXPORT}<{config.template_args()}>));")
+    lines += [f"TVM_FFI_DLL_EXPORT_TYPED_FUNC({export}, ({function}));" for export, function in exports]
     lines.append("}  // namespace sglang")
     return "\n".join(lines) + "\n"
+
+
+def wrapper_source(cuh: Path, config: KernelConfig) -> str:
+    """The HiSparse kernel's translation unit: one exported instantiation of `load_cache_to_device_buffer`."""
+    return export_source(cuh, [(KERNEL_EXPORT, f"{KERNEL_EXPORT}<{config.template_args()}>")])
 
 
 def compile_commands(tc: Toolchain, src: SglangSources, unit: Path, out: Path, arch: tuple[int, int]
@@ -420,6 +432,55 @@ def _prepare_tvm_ffi_import() -> None:
         os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
 
 
+def compile_export(src: SglangSources, cuh: Path, unit_text: str, tag: str, arch: tuple[int, int] | None = None,
+                   build_dir: Path | None = None, verbose: bool = False) -> tuple[Path, tuple[int, int]]:
+    """Compile and link `unit_text` (an `export_source`) against `cuh`'s headers into a tvm-ffi module; returns
+    (the .so, the arch it was built for). The .so is cached under `build_dir` (default $ESS_HISPARSE_CACHE or
+    /tmp/ess_hisparse), keyed by the sources, flags and text. arch: (major, minor); None = the current GPU."""
+    _prepare_tvm_ffi_import()
+    tc = find_toolchain()
+    want = (src.requires_tvm_ffi or "").lstrip("=")
+    if want and tc.tvm_version and tc.tvm_version != want:
+        print(f"hisparse_kernel: warning: tvm_ffi {tc.tvm_version} is installed, sglang {src.version} pins "
+              f"apache-tvm-ffi=={want}")
+    if not cuh.is_file():
+        raise HiSparseBuildError(f"{cuh} is missing (sources from {src.origin})")
+    closure = include_closure(cuh, [src.include_dir], tc.tvm_include)
+    missing = closure.missing()
+    if missing:
+        raise HiSparseBuildError(f"headers included by {cuh.name} not found in {src.include_dir} or tvm-ffi's "
+                                 f"include folders {[str(p) for p in tc.tvm_include]}: {missing}")
+    if arch is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise HiSparseBuildError("no CUDA GPU to build for: pass arch=(major, minor) to compile without one")
+        arch = torch.cuda.get_device_capability()
+    h = hashlib.sha256(unit_text.encode())
+    for name in sorted(closure.files):
+        h.update(name.encode() + closure.files[name].read_bytes())
+    probe = compile_commands(tc, src, Path("unit.cu"), Path("m.so"), arch)
+    h.update(repr(probe).encode() + tc.tvm_version.encode())
+    key = h.hexdigest()[:16]
+    out_dir = Path(build_dir) if build_dir is not None else DEFAULT_CACHE / "build"
+    work = out_dir / f"{tag}_{key}"
+    so = work / f"ess_{tag}_{key}.so"
+    if not so.is_file():
+        work.mkdir(parents=True, exist_ok=True)
+        unit = work / f"{tag}_unit.cu"
+        unit.write_text(unit_text)
+        tmp_so = work / f"tmp{os.getpid()}_{so.name}"
+        for cmd in compile_commands(tc, src, unit, tmp_so, arch):
+            if verbose:
+                print(f"{tag}:", " ".join(cmd), flush=True)
+            r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if r.returncode != 0:
+                raise HiSparseBuildError(f"building {cuh.name} failed ({cmd[0]} exit {r.returncode}):\n"
+                                         f"{' '.join(cmd)}\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}")
+        tmp_so.rename(so)
+    return so, tuple(arch)
+
+
 def build(source: str | Path | SglangSources | None = None, config: KernelConfig | None = None,
           arch: tuple[int, int] | None = None, build_dir: Path | None = None, load: bool = True,
           verbose: bool = False) -> HiSparseKernel:
@@ -430,53 +491,12 @@ def build(source: str | Path | SglangSources | None = None, config: KernelConfig
     current GPU (compile-only use without a GPU: pass e.g. (9, 0) and load=False). The .so is cached under
     `build_dir` (default $ESS_HISPARSE_CACHE or /tmp/ess_hisparse), keyed by the sources, flags and arguments.
     """
-    _prepare_tvm_ffi_import()
     config = config or KernelConfig()
     src = source if isinstance(source, SglangSources) else locate_sglang(source)
-    tc = find_toolchain()
     if src.version is not None and src.version != SGLANG_VERSION:
         print(f"hisparse_kernel: warning: sglang {src.version} from {src.origin}, this harness was read against "
               f"{SGLANG_VERSION}")
-    want = (src.requires_tvm_ffi or "").lstrip("=")
-    if want and tc.tvm_version and tc.tvm_version != want:
-        print(f"hisparse_kernel: warning: tvm_ffi {tc.tvm_version} is installed, sglang {src.version} pins "
-              f"apache-tvm-ffi=={want}")
-    if not src.cuh.is_file():
-        raise HiSparseBuildError(f"{src.cuh} is missing (sources from {src.origin})")
-    closure = include_closure(src.cuh, [src.include_dir], tc.tvm_include)
-    missing = closure.missing()
-    if missing:
-        raise HiSparseBuildError(f"headers included by {src.cuh.name} not found in {src.include_dir} or tvm-ffi's "
-                                 f"include folders {[str(p) for p in tc.tvm_include]}: {missing}")
-    if arch is None:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise HiSparseBuildError("no CUDA GPU to build for: pass arch=(major, minor) to compile without one")
-        arch = torch.cuda.get_device_capability()
-    unit_text = wrapper_source(src.cuh, config)
-    h = hashlib.sha256(unit_text.encode())
-    for name in sorted(closure.files):
-        h.update(name.encode() + closure.files[name].read_bytes())
-    probe = compile_commands(tc, src, Path("unit.cu"), Path("m.so"), arch)
-    h.update(repr(probe).encode() + tc.tvm_version.encode())
-    key = h.hexdigest()[:16]
-    out_dir = Path(build_dir) if build_dir is not None else DEFAULT_CACHE / "build"
-    work = out_dir / f"hisparse_{key}"
-    so = work / f"ess_hisparse_{key}.so"
-    if not so.is_file():
-        work.mkdir(parents=True, exist_ok=True)
-        unit = work / "hisparse_unit.cu"
-        unit.write_text(unit_text)
-        tmp_so = work / f"tmp{os.getpid()}_{so.name}"
-        for cmd in compile_commands(tc, src, unit, tmp_so, arch):
-            if verbose:
-                print("hisparse_kernel:", " ".join(cmd), flush=True)
-            r = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if r.returncode != 0:
-                raise HiSparseBuildError(f"building the HiSparse kernel failed ({cmd[0]} exit {r.returncode}):\n"
-                                         f"{' '.join(cmd)}\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}")
-        tmp_so.rename(so)
+    so, arch = compile_export(src, src.cuh, wrapper_source(src.cuh, config), "hisparse", arch, build_dir, verbose)
     kernel = HiSparseKernel(config=config, so_path=so, sources=src, arch=arch)
     if load:
         kernel.load()

@@ -9,8 +9,10 @@
 #   .whl/hisparse/sglang-0.5.23-cp312-*.whl        the sglang wheel trimmed to what the GPU run reads (its kernel
 #                                                  sources and METADATA: the whole wheel is ~39 MB), NOT installed:
 #                                                  gpu_run.sh globs only .whl/*.whl. hisparse_kernel.py extracts
-#                                                  sglang/kernels/jit/include/ and csrc/kvcacheio/ from it at run time
-#                                                  and compiles hisparse.cuh.
+#                                                  sglang/kernels/jit/include/, csrc/kvcacheio/,
+#                                                  csrc/deepseek_v4/topk_v2.cuh and csrc/occupancy/cluster_probe.cuh
+#                                                  from it at run time and compiles hisparse.cuh (and, for
+#                                                  sglang_topk.py, topk_v2.cuh and the probe).
 #
 # hisparse.cuh's include closure needs nothing else: sgl_kernel/* (in the sglang wheel), tvm/ffi/* and dlpack/* (in the
 # tvm-ffi wheel), and CUDA / C++ headers (the GPU machine's toolkit). The check at the end follows the includes through
@@ -58,6 +60,14 @@ with tempfile.TemporaryDirectory() as tmp:
     print(f"hisparse_wheels: {whl.name}: sglang {src.version}, pins apache-tvm-ffi{src.requires_tvm_ffi}; "
           f"hisparse.cuh includes {len(cl.files) - 1} sglang headers and {len(cl.external)} tvm-ffi/dlpack headers, "
           f"all present; left to the toolkit: {', '.join(sorted(n for n in cl.system if '/' in n or '.h' in n))}")
+    for rel in (hk.TOPK_CUH_RELPATH, hk.PROBE_CUH_RELPATH):  # SGLang's decode top-k (benchmarks/sglang_topk.py)
+        cuh = src.root / rel
+        if not cuh.is_file():
+            sys.exit(f"hisparse_wheels: {whl.name} has no {rel}")
+        cl = hk.include_closure(cuh, [src.include_dir], [tvm_inc])
+        if cl.missing():
+            sys.exit(f"hisparse_wheels: headers of {cuh.name} not found in the wheels: {cl.missing()}")
+        print(f"hisparse_wheels: {cuh.name} includes {len(cl.files) - 1} sglang headers, all present")
 # The GPU run reads only the kernel's sources and METADATA from the sglang wheel (hisparse_kernel.extract_wheel): keep
 # those alone (a few hundred KB; the whole wheel, ~39 MB, crowds the 64 MiB carry), under the same name.
 with zipfile.ZipFile(whl) as zin:
