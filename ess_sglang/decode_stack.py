@@ -16,9 +16,11 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
        spare slots and the resolve's PDL, its three claim launches) use programmatic dependent launch
        (`EchoPrefetcher(pdl=...)`); `last_chunk_priority="normal"`
        queues the last chunk's launches at the main stream's priority instead of the side stream's high one;
-    4. top-k positions (torch.topk, or the Triton kernel `ess_sglang.kernels.topk`); the k-th best score updates
-       the prefetch threshold on the side stream beside attention, behind the layer's candidate reads there
-       (`threshold_update="side"`; "main": at the end of the layer on the main stream);
+    4. top-k positions (torch.topk, the Triton kernel `ess_sglang.kernels.topk`, or a caller's, e.g. SGLang's decode
+       top-k); the k-th best score (the top-k's, or, from a top-k that gives positions only, the lowest selected
+       logit, found by `kth_of_selection` where it is folded in) updates the prefetch threshold on the side stream
+       beside attention, behind the layer's candidate reads there (`threshold_update="side"`; "main": at the end of
+       the layer on the main stream);
     5. resolve + fetch, then attention over hot-pool slots, in the layer's mode:
        sync  resolve (lookup, protect, evict, assign; the assign kernel copies each miss host -> hot slot as it
              assigns it; on sm_90+ the kernels after the lookup use programmatic dependent launch), then attend
@@ -75,7 +77,9 @@ from ess_sglang.streams import SideStream
 MODES = ("sync", "da", "dba")
 TopK = Callable[[torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """A caller's top-k: (scores [B, Q, T], k, seq_lens [B]) -> (positions [B, Q, k] int32, -1 padded; k-th score
-[B, Q])."""
+[B, Q], or None for a stack that does not read it: the all-HBM stack, or ESS without prefetch). If it has a
+``begin_step(seq_lens)`` method, the stacks call it at the start of each step (e.g. SGLang's top-k makes its routing
+plan once a step: benchmarks/sglang_topk.py)."""
 
 
 @dataclass
@@ -255,6 +259,18 @@ def topk_with_scores(scores: torch.Tensor, k: int, impl: str = "torch") -> tuple
     return reference_topk(scores, k)
 
 
+def kth_of_selection(logits: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The k-th best score [B, Q] of a top-k that gave positions [B, Q, k] only, from its logits [B, Q, T] (the
+    Triton kernel on CUDA, its torch reference elsewhere)."""
+    from ess_sglang.kernels.topk import kth_of_selection as kernel
+    from ess_sglang.kernels.topk import kth_of_selection_reference as reference
+
+    B, Q, T = logits.shape
+    rows, sel = logits.reshape(B * Q, T), pos.reshape(B * Q, pos.shape[-1])
+    kth = kernel(rows, sel) if logits.is_cuda else reference(rows, sel)
+    return kth.view(B, Q)
+
+
 def _indexer(kind: str):
     from ess_sglang.kernels.indexer import indexer_logits
 
@@ -313,6 +329,12 @@ class _StackBase:
         """The top-k positions of the layer's scores."""
         return self._topk(self._scores(layer, x, batch), batch)[0]
 
+    def _begin_step(self, batch: DecodeBatch) -> None:
+        """Tell a caller's top-k that a step starts (its per-step preparation, if it has one)."""
+        begin = getattr(self.topk_impl, "begin_step", None)
+        if begin is not None:
+            begin(batch.seq_lens)
+
     def _topk(self, scores: torch.Tensor, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(Top-k positions [B, Q, k], k-th best score [B, Q]) of scores [B, Q, T], with the stack's top-k."""
         if callable(self.topk_impl):
@@ -355,6 +377,7 @@ class HbmDecodeStack(_StackBase):
 
     def step(self, batch: DecodeBatch, inputs: Sequence[LayerInputs]) -> list[torch.Tensor]:
         self.schedules = {}
+        self._begin_step(batch)
         return [self.forward_layer(layer, batch, inputs[layer]) for layer in range(self.num_layers)]
 
 
@@ -409,6 +432,7 @@ class EssDecodeStack(_StackBase):
         every layer's hot pool (all of them fit and were loaded), so each layer only looks its selection up."""
         self.m.begin_step()
         self.schedules = {}
+        self._begin_step(batch)
         out = [self.forward_layer(layer, batch, inputs[layer], all_resident) for layer in range(self.num_layers)]
         self.streams.wait()  # the last refills (the next step's clock must not move under them)
         return out
@@ -466,15 +490,19 @@ class EssDecodeStack(_StackBase):
             with self.streams.on_side():
                 self.m.settle_prefetch(layer)
                 if self.options.threshold_update == "side":
-                    self._side_inputs.extend(kth for kth, _ in self._pending_thresholds)
+                    self._side_inputs.extend(t for pending in self._pending_thresholds for t in pending
+                                             if t is not None)
                     self._fold_thresholds(layer)
 
     def _fold_thresholds(self, layer: int) -> None:
         """ECHO: fold the k-th best scores of the layer's top-k(s) so far into its thresholds (on the current
         stream). The layer's candidate reads must come before: the main stream's layer end, or, with
         threshold_update "side", the side stream after the settle, which follows every candidate kernel queued there
-        (in DBA, a chunk's settle folds that chunk's rows, which the later chunks' candidates do not read)."""
-        for kth, rows in self._pending_thresholds:
+        (in DBA, a chunk's settle folds that chunk's rows, which the later chunks' candidates do not read). Where the
+        top-k gave no k-th score, it is found here, on the same stream: the lowest selected logit of each row."""
+        for kth, rows, logits, pos in self._pending_thresholds:
+            if kth is None:
+                kth = kth_of_selection(logits, pos)
             self.prefetcher.update(layer, kth, rows)
         self._pending_thresholds.clear()
 
@@ -520,8 +548,9 @@ class EssDecodeStack(_StackBase):
         if lead is not None:
             torch.cuda.current_stream().wait_stream(lead)  # the top-k reads every chunk's logits
         pos, kth = self._topk(logits, batch)
-        # the threshold moves only once the side stream has read it (at the end of the layer)
-        self._pending_thresholds.append((kth, batch.req_pool_indices))
+        # the threshold moves only once the side stream has read it (at the end of the layer); a top-k that gives no
+        # k-th score (SGLang's) leaves it to be found from the logits and positions where it is folded in
+        self._pending_thresholds.append((kth, batch.req_pool_indices, logits, pos))
         return pos
 
     def _prefetch_chunk(self, layer: int, i: int, lo: int, hi: int, b: DecodeBatch, chunk_logits: torch.Tensor,

@@ -229,3 +229,52 @@ def topk_triton(scores: torch.Tensor, k: int, variant: str = "tiles") -> tuple[t
         pos = torch.cat([pos, pos.new_full((B * Q, k - kk), -1)], dim=1)
         kth.fill_(float("-inf"))
     return pos.view(B, Q, k), kth.view(B, Q)
+
+
+# ------------------------------------------------------------------------------------------------ the k-th score of
+# a selection made elsewhere (a top-k that gives positions only, as SGLang's decode top-k does)
+
+
+def kth_of_selection_reference(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """scores [R, T] float, positions [R, k] int (-1: none) -> the k-th best score [R] float32: the lowest selected
+    score, or -inf where a row selected fewer than k positions (a -1, or a position outside [0, T), which is not
+    read)."""
+    R, T = scores.shape
+    ok = (positions >= 0) & (positions < T)
+    vals = torch.gather(scores.float(), 1, torch.where(ok, positions, 0).long())
+    low = torch.where(ok, vals, float("inf")).amin(dim=1)
+    return torch.where(ok.all(dim=1), low, float("-inf"))
+
+
+@triton.jit
+def _kth_of_selection_kernel(scores_ptr, row_stride, T, pos_ptr, pos_stride, K, out_ptr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0)
+    low = float("inf")
+    short = 0
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        p = tl.load(pos_ptr + r * pos_stride + ks, mask=ks < K, other=0).to(tl.int64)
+        ok = (p >= 0) & (p < T) & (ks < K)
+        v = tl.load(scores_ptr + r.to(tl.int64) * row_stride + p, mask=ok, other=float("inf")).to(tl.float32)
+        low = tl.minimum(low, tl.min(v, axis=0))
+        short += tl.sum(((~ok) & (ks < K)).to(tl.int32), axis=0)
+    tl.store(out_ptr + r, tl.where(short > 0, float("-inf"), low))
+
+
+def kth_of_selection(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`kth_of_selection_reference` in one launch (one program per row): scores [R, T] float32 with unit stride,
+    positions [R, k] int32 -> [R] float32. No host synchronisation (CUDA-graph safe)."""
+    if scores.dim() != 2 or scores.dtype != torch.float32 or scores.stride(1) != 1:
+        raise ValueError(f"kth_of_selection wants float32 scores [R, T] with unit stride, got {scores.dtype} "
+                         f"{tuple(scores.shape)} strides {scores.stride()}")
+    if positions.dim() != 2 or positions.shape[0] != scores.shape[0] or positions.dtype != torch.int32 \
+            or positions.stride(1) != 1 or positions.device != scores.device:
+        raise ValueError(f"kth_of_selection wants int32 positions [{scores.shape[0]}, k] with unit stride on "
+                         f"{scores.device}, got {positions.dtype} {tuple(positions.shape)} on {positions.device}")
+    R, K = positions.shape
+    out = torch.empty(R, dtype=torch.float32, device=scores.device)
+    if R:
+        block = min(2048, triton.next_power_of_2(max(K, 16)))
+        _kth_of_selection_kernel[(R,)](scores, scores.stride(0), scores.shape[1], positions, positions.stride(0), K,
+                                       out, BLOCK_K=block, num_warps=4)
+    return out

@@ -664,6 +664,40 @@ def test_a_callers_top_k_serves_both_stacks():
         StackOptions(modes=["sync"], topk="fast")
 
 
+
+def test_a_top_k_with_a_step_hook_and_no_kth_score():
+    """A caller's top-k with `begin_step` hears of every step of both stacks before its first layer. One that gives
+    positions only (SGLang's decode top-k) serves both stacks, bit-identical; a prefetching ESS stack then finds each
+    row's k-th score itself (the lowest selected logit), and ECHO's thresholds follow it."""
+    events = []
+
+    class PositionsOnly:
+        def begin_step(self, seq_lens):
+            events.append(("step", seq_lens.clone()))
+
+        def __call__(self, scores, k, seq_lens):
+            T = scores.shape[-1]
+            visible = torch.arange(T) < seq_lens.view(-1, 1, 1)
+            pos = topk_with_scores(torch.where(visible, scores, float("-inf")), k)[0]
+            events.append(("topk", scores.clone(), pos))
+            return pos.flip(-1), None  # (an order of its own)
+
+    for prefetch in (False, True):
+        ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=prefetch, topk=PositionsOnly())
+        hbm = HbmDecodeStack(hbm.latents, hbm.index_cache, hbm.max_len,
+                             StackOptions(modes=("sync", "sync"), top_k=TOPK, indexer="torch", topk=PositionsOnly()))
+        for s, (batch, inputs) in enumerate(steps(2, table, rows, locs)):
+            del events[:]
+            got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
+            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+            assert [e[0] for e in events] == (["step"] + ["topk"] * LAYERS) * 2  # each stack: the hook, its layers
+            assert torch.equal(events[0][1], batch.seq_lens)
+            if prefetch and s == 0:  # the first step's k-th scores are the thresholds now (from infinity)
+                for layer in range(LAYERS):
+                    _, scores, pos = events[1 + layer]
+                    lowest = torch.gather(scores[:, 0], 1, pos[:, 0].long()).amin(dim=1)
+                    assert torch.equal(ess.prefetcher.threshold[layer, rows], lowest)
+
 def test_prefetch_pdl_is_off_on_cpu_and_refused_there():
     assert EchoPrefetcher(1, 2, 64).pdl is False  # (auto: sm_90+ only)
     assert EchoPrefetcher(1, 2, 64, pdl=False).pdl is False

@@ -86,3 +86,23 @@ def test_nan_scores_are_never_reported(variant):
     x[1, 0, 10:] = float("nan")
     pos, kth = topk_triton(x, 16, variant)
     assert (pos[1, 0] >= 0).sum() == 10 and kth[1, 0] == float("-inf")
+
+
+@pytest.mark.parametrize("K,T,seed", [(16, 50, 0), (64, 64, 1), (40, 300, 2)])
+def test_kth_of_selection_against_its_reference(K, T, seed):
+    """The lowest selected score per row; -inf for a row with a -1 or a position outside the row (never read)."""
+    from ess_sglang.kernels.topk import kth_of_selection, kth_of_selection_reference
+
+    g = torch.Generator().manual_seed(seed)
+    R = 5
+    x = torch.randn(R, T + 3, generator=g)[:, :T]  # a row stride above T
+    pos = torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(R)]).int()
+    pos[1, 3] = -1
+    pos[2, K - 1] = T  # out of the row: treated as no selection
+    pos[3, 0] = -7
+    got, want = kth_of_selection(x, pos), kth_of_selection_reference(x, pos)
+    assert torch.equal(got, want)
+    assert got[0] == x[0, pos[0].long()].min() and got[4] == x[4, pos[4].long()].min()
+    assert (got[1:4] == float("-inf")).all()
+    with pytest.raises(ValueError, match="int32 positions"):
+        kth_of_selection(x, pos.long())
