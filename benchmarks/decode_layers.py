@@ -1,8 +1,9 @@
 """A stack of DSA decode layers on the GPU: ESS in each overlap mode against the same stack with every latent in HBM.
 
 Each layer of each step runs, as `ess_sglang.decode_stack` defines it: store the new token (indexer key; latent
-entry), the Triton indexer over the whole context (64 index heads x 128, bf16 queries, fp8 keys), torch.topk
-(2048), then sparse MLA with FlashMLA (V32, 128 heads). The all-HBM stack attends over a device latent store; the
+entry), the Triton indexer over the whole context (64 index heads x 128, bf16 queries, fp8 keys), the top-2048
+(by default SGLang 0.5.23's own decode top-k, `--topk sglang`: benchmarks/sglang_topk.py), then sparse MLA with
+FlashMLA (V32, 128 heads). The all-HBM stack attends over a device latent store; the
 ESS stack over hot pools filled by the cache manager from a pinned host pool, in one of these modes:
 
     sync       resolve + copy, then attention
@@ -54,6 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -134,13 +136,20 @@ class Pools:
               f"{time.time() - t0:.1f} s", flush=True)
 
 
+def table_width(context: int, steps: int) -> int:
+    """Positions per request in the request table (and the indexer's score rows): the context and the steps' tokens,
+    in whole pages of 64, as SGLang's tables are (SGLang's decode top-k also wants a row stride that is a multiple of
+    4: benchmarks/sglang_topk.py)."""
+    return math.ceil((context + steps) / 64) * 64
+
+
 class Config:
     """One (context, batch) configuration: request table, step inputs, and the stacks' static buffers."""
 
     def __init__(self, pools: Pools, layers: int, context: int, batch: int, steps: int, seed: int):
         dev = torch.device("cuda")
         self.layers, self.context, self.batch, self.steps = layers, context, batch, steps
-        width = context + steps
+        width = table_width(context, steps)
         self.width = width
         self.req_to_token = (torch.arange(batch * width, device=dev, dtype=torch.int32).view(batch, width))
         self.rows = torch.arange(batch, device=dev, dtype=torch.int32)
@@ -189,14 +198,23 @@ def spare_slots(size: float | str, batch: int, slots: int, sync_misses=None) -> 
     return min(want, slots - 64)
 
 
+def stack_topk(topk, ordered: bool = False):
+    """A stack's `StackOptions.topk` from the run's top-k: a name ("torch", "triton"), or SGLang's decode top-k (a
+    built `sglang_topk.SglangTopKV2`) as a callable, ordered for the correctness check (benchmarks/sglang_topk.py).
+    It gives positions only, as in SGLang: a prefetching ESS stack finds the k-th scores itself."""
+    return topk if isinstance(topk, str) else topk.stack_topk(ordered)
+
+
 def build_ess(pools: Pools, cfg: Config, slots: int, modes, prefetch: bool, spare: int = 0, margin: float = 0.0,
-              resolve_pdl: bool | None = None, prefetch_pdl: bool | None = None, **options) -> EssDecodeStack:
+              resolve_pdl: bool | None = None, prefetch_pdl: bool | None = None, topk="torch", ordered: bool = False,
+              **options) -> EssDecodeStack:
     m = HotPoolCacheManager(pools.host, slots, max_selected=cfg.batch * TOP_K, spare_slots=spare,
                             resolve_pdl=resolve_pdl)
     per_layer = options.get("prefetch_layers")
     pf = EchoPrefetcher(cfg.layers, cfg.batch, cfg.width, device="cuda", margin=margin, pdl=prefetch_pdl) \
         if prefetch or any(per_layer or ()) else None
-    opts = StackOptions(modes=list(modes), top_k=TOP_K, prefetch=prefetch, **options)
+    opts = StackOptions(modes=list(modes), top_k=TOP_K, prefetch=prefetch,
+                        topk=stack_topk(topk, ordered), **options)
     return EssDecodeStack(m, pools.index_cache, cfg.width, opts, max_batch=cfg.batch, prefetcher=pf)
 
 
@@ -305,9 +323,10 @@ def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 
     stack with the run's top-k. `knobs`: `stack_knobs` of the run."""
     res = {}
     hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
-                         StackOptions(modes=["sync"] * cfg.layers, top_k=TOP_K, topk=topk))
+                         StackOptions(modes=["sync"] * cfg.layers, top_k=TOP_K, topk=stack_topk(topk, True)))
     hbm_split = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
-                               StackOptions(modes=["dba"] * cfg.layers, top_k=TOP_K, topk=topk), split_attention=True)
+                               StackOptions(modes=["dba"] * cfg.layers, top_k=TOP_K,
+                                            topk=stack_topk(topk, True)), split_attention=True)
     want, want_split = [], []
     for s in range(cfg.steps):
         cfg.load_step(s, queries)
@@ -321,7 +340,7 @@ def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 
         ess = build_ess(pools, cfg, slots, [modes] * cfg.layers, prefetch, margin=margin,
                         spare=spare_slots(spare_fraction, cfg.batch, slots) if name.endswith("+spare") else 0,
                         prefetch_chunks=chunk_fractions(name.removesuffix("+spare"), prefetch_fractions),
-                        resolve_pdl=resolve_pdl, prefetch_pdl=prefetch_pdl, topk=topk, **knobs)
+                        resolve_pdl=resolve_pdl, prefetch_pdl=prefetch_pdl, topk=topk, ordered=True, **knobs)
         reset_and_warm(ess, cfg)
         identical, identical_split, rel = True, True, 0.0
         for s in range(cfg.steps):
@@ -367,17 +386,17 @@ def layerwise_settings(sync_misses, cfg: Config, slots: int, hit: float,
 def run_config(pools, layers, context, batch, hit, args, timings, timings_spare) -> list[dict]:
     cfg = Config(pools, layers, context, batch, args.warm + args.steps, seed=context + batch)
     slots = pool_slots(args, batch, context, cfg.steps)
-    rho, cal_hit = calibrate_rho(pools, cfg, slots, hit, args.warm, topk=args.topk)
+    rho, cal_hit = calibrate_rho(pools, cfg, slots, hit, args.warm, topk=args.topk_impl)
     queries = cfg.queries(rho)
     rows = []
     base = dict(context=context, batch=batch, target_hit=hit, rho=rho, calibrated_hit=cal_hit, slots_per_layer=slots,
                 layers=layers)
     hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
-                         StackOptions(modes=["sync"] * layers, top_k=TOP_K, topk=args.topk))
+                         StackOptions(modes=["sync"] * layers, top_k=TOP_K, topk=stack_topk(args.topk_impl)))
     t_hbm = run_variant(hbm, cfg, queries, args.warm, is_ess=False)
     rows.append(dict(base, variant="hbm", **t_hbm, ratio=1.0))
     sync_misses = None
-    options = dict(dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk,
+    options = dict(dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk_impl,
                    **stack_knobs(args))
     for spare_size, mode in [(f, m) for f in args.spare for m in args.modes]:
         variant = f"{mode}+spare" if spare_size else mode
@@ -495,7 +514,11 @@ def main(argv=None) -> int:
     p.add_argument("--pool-batch", type=int, default=64, help="batches below 16 run on pools sized for this many")
     p.add_argument("--dba-split", default="0.5",
                    help="fraction of the batch in DBA's first chunk, or every chunk's fraction (0.5,0.3,0.2)")
-    p.add_argument("--topk", default="torch", choices=["triton", "torch"], help="top-k kernel of both stacks")
+    p.add_argument("--topk", default="sglang", choices=["sglang", "torch", "triton"],
+                   help="top-k kernel of both stacks: sglang (default), SGLang 0.5.23's decode top-k "
+                   "(topk_transform_paged_v2, what an SGLang decode runs), built from the sglang wheel at start "
+                   "(benchmarks/sglang_topk.py; needs nvcc and tvm-ffi); torch: torch.topk (~7x slower at batch 64 / "
+                   "32K, which flatters overlap); triton: ours")
     p.add_argument("--overlap-programs", type=int, default=32, help="programs of a copy that overlaps compute")
     p.add_argument("--warm", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
@@ -599,27 +622,38 @@ def main(argv=None) -> int:
             timings = timings.model_copy(update={"measured": load_calibration(runs)})
         except CalibrationError as exc:
             p.error(f"--calibration: {exc}")
+        for run in runs:  # (readable JSON with a meta: load_calibration checked)
+            measured_with = json.loads(Path(run).read_text())["meta"].get("topk", "torch")
+            if measured_with != args.topk:
+                p.error(f"--calibration: {run} was measured with --topk {measured_with}, this run selects with "
+                        f"--topk {args.topk}: its exposed times do not apply (the top-k is what ECHO hides beside)")
         timings_spare = timings  # layerwise+spare: the calibration's runs with spare slots, where it has them
         if any(args.spare):
             try:
                 timings_spare = timings.model_copy(update={"measured": load_calibration(runs, spare_slots=True)})
             except CalibrationError as exc:
                 print(f"layerwise+spare chooses from the runs without spare slots: {exc}", flush=True)
+    args.topk_impl, topk_meta = args.topk, {}
+    if args.topk == "sglang":  # build (probe + nvcc, ~30 s) before the pools are pinned
+        import sglang_topk  # benchmarks/sglang_topk.py (needs tvm-ffi and nvcc)
+
+        args.topk_impl = sglang_topk.build()
+        topk_meta = dict(sglang_topk_clusters=args.topk_impl.clusters, sglang_topk_pdl=args.topk_impl.pdl)
     steps = args.warm + args.steps
-    tokens = max(b * (c + steps) for c, b, _ in configs)
+    tokens = max(b * table_width(c, steps) for c, b, _ in configs)
     pools = Pools(args.layers, tokens)  # (after every argument and file is checked: pinned GBs)
     t0 = time.time()
     first = configs[0]
     cfg0 = Config(pools, args.layers, first[0], 16, steps, seed=7)
     slots0 = pool_slots(args, cfg0.batch, cfg0.context, steps)
-    rho0, _ = calibrate_rho(pools, cfg0, slots0, 0.95, args.warm, topk=args.topk)
+    rho0, _ = calibrate_rho(pools, cfg0, slots0, 0.95, args.warm, topk=args.topk_impl)
     # with spare slots: the first fraction given, or 0.08 for auto (which needs a sync run: a fixed size here)
     fixed = [f for f in args.spare if f not in (0, "auto")]
     correctness = dict(context=cfg0.context, batch=cfg0.batch, **check_correctness(
         pools, cfg0, slots0, cfg0.queries(rho0), args.warm,
         spare_fraction=fixed[0] if fixed else 0.08 if "auto" in args.spare else 0.0, margin=args.prefetch_margin,
         prefetch_fractions=args.prefetch_fractions, resolve_pdl=args.resolve_pdl, prefetch_pdl=args.prefetch_pdl,
-        topk=args.topk, **stack_knobs(args)))
+        topk=args.topk_impl, **stack_knobs(args)))
     print("correctness:", json.dumps(correctness), flush=True)
     rows = []
     os.makedirs(args.out, exist_ok=True)
@@ -627,7 +661,8 @@ def main(argv=None) -> int:
                 date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), device=torch.cuda.get_device_name(),
                 wall_s=time.time() - t0, layers=args.layers, heads=HEADS, index_heads=IHEADS, top_k=TOP_K,
                 ratio=args.ratio, warm=args.warm, steps=args.steps, pool_batch=args.pool_batch,
-                dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk, spare=args.spare,
+                dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk, **topk_meta,
+                spare=args.spare,
                 prefetch_margin=args.prefetch_margin, prefetch_fractions=args.prefetch_fractions,
                 resolve_pdl=args.resolve_pdl, prefetch_pdl=args.prefetch_pdl, **stack_knobs(args),
                 calibration=timings.measured.source if timings.measured is not None else None,
