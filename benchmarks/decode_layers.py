@@ -68,6 +68,7 @@ from ess_sglang.decode_stack import (
     HbmDecodeStack,
     LayerInputs,
     StackOptions,
+    chunk_bounds,
     latent_store_rows,
 )
 from ess_sglang.formats import INDEXER_ENTRY_BYTES, LATENT_ENTRY_BYTES, pack_indexer_key, pack_latent
@@ -391,6 +392,11 @@ def run_config(pools, layers, context, batch, hit, args, timings, timings_spare)
     rows = []
     base = dict(context=context, batch=batch, target_hit=hit, rho=rho, calibrated_hit=cal_hit, slots_per_layer=slots,
                 layers=layers)
+    if not isinstance(args.topk_impl, str):  # SGLang's top-k: its path for the whole batch and for DBA's chunks
+        base.update(topk_path=args.topk_impl.path(batch, cfg.width),
+                    topk_path_dba_chunks=[args.topk_impl.path(hi - lo, cfg.width) for lo, hi in chunk_bounds(
+                        batch, StackOptions(modes=["dba"], dba_split=args.dba_split).dba_fractions)] if batch >= 2
+                    else [])
     hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
                          StackOptions(modes=["sync"] * layers, top_k=TOP_K, topk=stack_topk(args.topk_impl)))
     t_hbm = run_variant(hbm, cfg, queries, args.warm, is_ess=False)
@@ -622,8 +628,9 @@ def main(argv=None) -> int:
             timings = timings.model_copy(update={"measured": load_calibration(runs)})
         except CalibrationError as exc:
             p.error(f"--calibration: {exc}")
-        for run in runs:  # (readable JSON with a meta: load_calibration checked)
-            measured_with = json.loads(Path(run).read_text())["meta"].get("topk", "torch")
+        for run in runs:  # (readable JSON: load_calibration checked; a run without a meta is an old one)
+            meta = json.loads(Path(run).read_text()).get("meta")
+            measured_with = (meta if isinstance(meta, dict) else {}).get("topk", "torch")
             if measured_with != args.topk:
                 p.error(f"--calibration: {run} was measured with --topk {measured_with}, this run selects with "
                         f"--topk {args.topk}: its exposed times do not apply (the top-k is what ECHO hides beside)")
@@ -635,9 +642,13 @@ def main(argv=None) -> int:
                 print(f"layerwise+spare chooses from the runs without spare slots: {exc}", flush=True)
     args.topk_impl, topk_meta = args.topk, {}
     if args.topk == "sglang":  # build (probe + nvcc, ~30 s) before the pools are pinned
+        import hisparse_kernel
         import sglang_topk  # benchmarks/sglang_topk.py (needs tvm-ffi and nvcc)
 
-        args.topk_impl = sglang_topk.build()
+        try:
+            args.topk_impl = sglang_topk.build()
+        except (hisparse_kernel.HiSparseBuildError, ImportError) as exc:
+            p.error(f"--topk sglang: cannot build SGLang's decode top-k here ({exc}); --topk torch runs without it")
         topk_meta = dict(sglang_topk_clusters=args.topk_impl.clusters, sglang_topk_pdl=args.topk_impl.pdl)
     steps = args.warm + args.steps
     tokens = max(b * table_width(c, steps) for c, b, _ in configs)

@@ -128,14 +128,16 @@ def extract_wheel(wheel: Path, cache_dir: Path | None = None) -> SglangSources:
 
     Only ``sglang/kernels/jit/include/**``, ``sglang/kernels/jit/csrc/kvcacheio/**``, the decode top-k's
     ``csrc/deepseek_v4/topk_v2.cuh`` and ``csrc/occupancy/cluster_probe.cuh`` are written (a few hundred KB); an
-    extract that is already complete is reused.
+    extract that is already complete is reused (its folder is named by the wheel and by what is extracted, so an
+    extract made for fewer files is not).
     """
     wheel = Path(wheel)
     if not wheel.is_file():
         raise HiSparseBuildError(f"sglang wheel {wheel} does not exist")
     cache_dir = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE / "src"
     stat = wheel.stat()
-    dest = cache_dir / f"{wheel.stem}-{stat.st_size}"
+    kept = hashlib.sha256("\n".join(EXTRACT_PREFIXES).encode()).hexdigest()[:8]
+    dest = cache_dir / f"{wheel.stem}-{stat.st_size}-{kept}"
     done = dest / ".complete"
     if not done.is_file():
         tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")

@@ -32,15 +32,18 @@ its side stream, from the logits and the positions). ``ordered=True``: positions
 calls can order one selection differently, and attention sums in the table's order, so
 `decode_layers.check_correctness` runs both stacks ordered to compare them bit for bit; the timed stacks run the
 kernel's own order, as SGLang does.
-The routing plan is made once a step, as SGLang makes it once a forward: the stacks call ``begin_step`` first, and
-the first call of a step for a given ``seq_lens`` (tensor and contents) converts them to int32 and plans; later
-layers reuse both.
+The routing plan is made once a step, as SGLang makes it once a forward: the stacks call ``begin_step`` first (and
+``prepare`` for each DBA chunk of the batch), which converts the lengths to int32 and plans before the step's first
+indexer launch; every layer's top-k reuses both. The kernel reads the lengths and the plan before its PDL wait, so the
+kernel just before it must not be the one that wrote them (SGLang plans in its metadata preparation for the same
+reason); a call for lengths not prepared this way prepares them itself, right before the top-k.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,6 +53,7 @@ from typing import Any
 import hisparse_kernel as hk
 import torch
 from ess_sglang.kernels.topk import kth_of_selection
+from timing import replay_us  # benchmarks/timing.py (run these files as scripts)
 
 SGLANG_VERSION = hk.SGLANG_VERSION
 MAX_K = 2048  # the kernel's bound on k (checked on its host side too)
@@ -221,6 +225,12 @@ class SglangTopKV2:
         self._call("topk_transform_paged", scores.device, scores, seq_lens, None, out, 1, plan, None)
         return out
 
+    def path(self, batch: int, width: int, lengths: list[int] | None = None) -> str:
+        """`kernel_paths` on the GPU this was built for (the rule is Hopper's; elsewhere: not modelled)."""
+        if self.arch[0] != 9:
+            return f"not modelled for sm_{self.arch[0]}{self.arch[1]} (kernel_paths states Hopper's dispatch)"
+        return kernel_paths(batch, width, self.clusters, lengths)
+
     def stack_topk(self, ordered: bool = False) -> StackTopK:
         """A decode stack's top-k (`StackOptions.topk`); see the module docstring."""
         return StackTopK(self, ordered=bool(ordered))
@@ -236,19 +246,23 @@ def _check_lengths(seq_lens: torch.Tensor, B: int, device: torch.device) -> None
 @dataclass
 class StackTopK:
     """`StackOptions.topk` callable over a `SglangTopKV2`: (scores [B, 1, L], k, seq_lens [B]) -> (positions
-    [B, 1, k] int32, None: no k-th score). ``begin_step(seq_lens)``: a new step starts (the decode stacks
-    call it first); each distinct seq_lens of the step is converted and planned at its first use."""
+    [B, 1, k] int32, None: no k-th score). ``begin_step(seq_lens, width)``: a new step starts (the decode stacks call
+    it first): the step's lengths, clamped to the score rows' width, in int32 and planned; ``prepare`` does the same
+    for another batch of the step (a DBA chunk)."""
 
     kernel: SglangTopKV2
     ordered: bool = False
-    _prepared: dict = field(default_factory=dict)
+    _prepared: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def begin_step(self, seq_lens: torch.Tensor) -> None:
+    def begin_step(self, seq_lens: torch.Tensor, width: int) -> None:
         self._prepared.clear()
+        self.prepare(seq_lens, width)
 
-    def _lengths_and_plan(self, seq_lens: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # keyed by the tensor's storage, shape and version (an in-place write between calls makes a new entry)
-        key = (seq_lens.data_ptr(), tuple(seq_lens.shape), seq_lens._version, width)
+    def prepare(self, seq_lens: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int32 lengths, plan) for these lengths, made now unless this step already has them: keyed by the
+        tensor's storage, shape and version (an in-place write between calls makes a new entry)."""
+        version = None if seq_lens.is_inference() else seq_lens._version  # (inference tensors have no version)
+        key = (seq_lens.data_ptr(), tuple(seq_lens.shape), version, width)
         got = self._prepared.get(key)
         if got is None:
             lens = seq_lens.clamp(0, width).to(torch.int32)
@@ -264,7 +278,7 @@ class StackTopK:
         if seq_lens.shape != (B,):
             raise ValueError(f"seq_lens must be [B] = [{B}], got {tuple(seq_lens.shape)}")
         rows = scores[:, 0]
-        lens, plan = self._lengths_and_plan(seq_lens, L)
+        lens, plan = self.prepare(seq_lens, L)
         pos = self.kernel.transform(rows, lens, plan, k)
         if self.ordered:
             pos = ascending(pos, L)
@@ -307,22 +321,15 @@ def indexer_like_scores(B: int, L: int, seed: int, device) -> torch.Tensor:
 
 
 def _time(fn, reps: int) -> float:
-    """us per call: `reps` calls captured in one CUDA graph, median of 5 replays."""
+    """us per call: `reps` calls captured in one CUDA graph, median of 5 replays (`timing.replay_us`). Back to back,
+    a PDL kernel's prologue may overlap the previous call's tail: a lower bound for one call after other work."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(reps):
             fn()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return sorted(times)[2]
+    return statistics.median(replay_us(g) for _ in range(5)) / reps
 
 
 def measure(kernel: SglangTopKV2, B: int, L: int, k: int = MAX_K, reps: int = 20) -> dict:
@@ -338,7 +345,7 @@ def measure(kernel: SglangTopKV2, B: int, L: int, k: int = MAX_K, reps: int = 20
     best = torch.topk(scores, k, dim=-1).values.sort(-1).values
     picked = torch.gather(scores, 1, got.long()).sort(-1).values
     srt = got.sort(dim=-1).values
-    row = dict(batch=B, context=L, path=kernel_paths(B, L, kernel.clusters), rows=B,
+    row = dict(batch=B, context=L, path=kernel.path(B, L), rows=B,
                torch_topk_us=_time(lambda: torch.topk(scores, k, dim=-1), reps),
                sglang_transform_us=_time(lambda: kernel.transform(scores, lens, plan, k), reps),
                sglang_plan_us=_time(lambda: kernel.plan(lens, out=plan), reps),

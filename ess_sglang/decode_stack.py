@@ -18,7 +18,7 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
        queues the last chunk's launches at the main stream's priority instead of the side stream's high one;
     4. top-k positions (torch.topk, the Triton kernel `ess_sglang.kernels.topk`, or a caller's, e.g. SGLang's decode
        top-k); the k-th best score (the top-k's, or, from a top-k that gives positions only, the lowest selected
-       logit, found by `kth_of_selection` where it is folded in) updates the prefetch threshold on the side stream
+       logit, found by `selection_kth_scores` where it is folded in) updates the prefetch threshold on the side stream
        beside attention, behind the layer's candidate reads there (`threshold_update="side"`; "main": at the end of
        the layer on the main stream);
     5. resolve + fetch, then attention over hot-pool slots, in the layer's mode:
@@ -77,9 +77,10 @@ from ess_sglang.streams import SideStream
 MODES = ("sync", "da", "dba")
 TopK = Callable[[torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """A caller's top-k: (scores [B, Q, T], k, seq_lens [B]) -> (positions [B, Q, k] int32, -1 padded; k-th score
-[B, Q], or None for a stack that does not read it: the all-HBM stack, or ESS without prefetch). If it has a
-``begin_step(seq_lens)`` method, the stacks call it at the start of each step (e.g. SGLang's top-k makes its routing
-plan once a step: benchmarks/sglang_topk.py)."""
+[B, Q], or None: a prefetching ESS stack then finds it itself). If it has a ``begin_step(seq_lens, width)`` method,
+the stacks call it at the start of each step, before any kernel of the step (width: the score rows' length), and, if
+it has ``prepare(seq_lens, width)``, an ESS stack with DBA layers calls that for each chunk of the batch it will
+select for: e.g. SGLang's top-k makes its routing plan once a step (benchmarks/sglang_topk.py)."""
 
 
 @dataclass
@@ -259,7 +260,7 @@ def topk_with_scores(scores: torch.Tensor, k: int, impl: str = "torch") -> tuple
     return reference_topk(scores, k)
 
 
-def kth_of_selection(logits: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def selection_kth_scores(logits: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The k-th best score [B, Q] of a top-k that gave positions [B, Q, k] only, from its logits [B, Q, T] (the
     Triton kernel on CUDA, its torch reference elsewhere)."""
     from ess_sglang.kernels.topk import kth_of_selection as kernel
@@ -329,11 +330,16 @@ class _StackBase:
         """The top-k positions of the layer's scores."""
         return self._topk(self._scores(layer, x, batch), batch)[0]
 
-    def _begin_step(self, batch: DecodeBatch) -> None:
-        """Tell a caller's top-k that a step starts (its per-step preparation, if it has one)."""
+    def _begin_step(self, batch: DecodeBatch, chunks: Sequence[tuple[int, int]] = ()) -> None:
+        """Tell a caller's top-k that a step starts (its per-step preparation, if it has one), and the batch chunks
+        (rows lo:hi) it will also select for."""
         begin = getattr(self.topk_impl, "begin_step", None)
-        if begin is not None:
-            begin(batch.seq_lens)
+        if begin is None:
+            return
+        begin(batch.seq_lens, self.max_len)
+        prepare = getattr(self.topk_impl, "prepare", None)
+        for lo, hi in chunks if prepare is not None else ():
+            prepare(batch.seq_lens[lo:hi], self.max_len)
 
     def _topk(self, scores: torch.Tensor, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(Top-k positions [B, Q, k], k-th best score [B, Q]) of scores [B, Q, T], with the stack's top-k."""
@@ -432,7 +438,8 @@ class EssDecodeStack(_StackBase):
         every layer's hot pool (all of them fit and were loaded), so each layer only looks its selection up."""
         self.m.begin_step()
         self.schedules = {}
-        self._begin_step(batch)
+        dba = "dba" in self.options.modes and not all_resident  # (DBA selects chunk by chunk)
+        self._begin_step(batch, chunk_bounds(batch.seq_lens.shape[0], self.options.dba_fractions) if dba else ())
         out = [self.forward_layer(layer, batch, inputs[layer], all_resident) for layer in range(self.num_layers)]
         self.streams.wait()  # the last refills (the next step's clock must not move under them)
         return out
@@ -502,7 +509,7 @@ class EssDecodeStack(_StackBase):
         top-k gave no k-th score, it is found here, on the same stream: the lowest selected logit of each row."""
         for kth, rows, logits, pos in self._pending_thresholds:
             if kth is None:
-                kth = kth_of_selection(logits, pos)
+                kth = selection_kth_scores(logits, pos)
             self.prefetcher.update(layer, kth, rows)
         self._pending_thresholds.clear()
 
@@ -636,4 +643,4 @@ class EssDecodeStack(_StackBase):
 
 
 __all__ = ["MODES", "TopK", "DecodeBatch", "LayerInputs", "StackOptions", "HbmDecodeStack", "EssDecodeStack",
-           "attend", "merge_attention", "topk_with_scores", "latent_store_rows"]
+           "attend", "merge_attention", "topk_with_scores", "selection_kth_scores", "latent_store_rows"]

@@ -665,15 +665,20 @@ def test_a_callers_top_k_serves_both_stacks():
 
 
 
-def test_a_top_k_with_a_step_hook_and_no_kth_score():
-    """A caller's top-k with `begin_step` hears of every step of both stacks before its first layer. One that gives
-    positions only (SGLang's decode top-k) serves both stacks, bit-identical; a prefetching ESS stack then finds each
-    row's k-th score itself (the lowest selected logit), and ECHO's thresholds follow it."""
+@pytest.mark.parametrize("modes,update", [(("sync", "sync"), "side"), (("dba", "sync"), "main")])
+def test_a_top_k_with_a_step_hook_and_no_kth_score(modes, update):
+    """A caller's top-k with `begin_step` hears of every step of both stacks before its first layer (and `prepare` of
+    the DBA chunks an ESS stack will select for). One that gives positions only (SGLang's decode top-k) serves both
+    stacks, bit-identical; a prefetching ESS stack then finds each row's k-th score itself (the lowest selected
+    logit), and ECHO's thresholds follow it, folded beside attention or at the layer's end."""
     events = []
 
     class PositionsOnly:
-        def begin_step(self, seq_lens):
-            events.append(("step", seq_lens.clone()))
+        def begin_step(self, seq_lens, width):
+            events.append(("step", seq_lens.clone(), width))
+
+        def prepare(self, seq_lens, width):
+            events.append(("prepare", seq_lens.clone(), width))
 
         def __call__(self, scores, k, seq_lens):
             T = scores.shape[-1]
@@ -682,21 +687,33 @@ def test_a_top_k_with_a_step_hook_and_no_kth_score():
             events.append(("topk", scores.clone(), pos))
             return pos.flip(-1), None  # (an order of its own)
 
+    dba = "dba" in modes
     for prefetch in (False, True):
-        ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=prefetch, topk=PositionsOnly())
+        ess, hbm, table, rows, locs = build(modes, prefetch=prefetch, topk=PositionsOnly(), threshold_update=update,
+                                            dba_attention="whole")
         hbm = HbmDecodeStack(hbm.latents, hbm.index_cache, hbm.max_len,
                              StackOptions(modes=("sync", "sync"), top_k=TOPK, indexer="torch", topk=PositionsOnly()))
         for s, (batch, inputs) in enumerate(steps(2, table, rows, locs)):
             del events[:]
-            got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
+            got = ess.step(batch, inputs)
+            n_ess = len(events)
+            want = hbm.step(batch, inputs)
             assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
-            assert [e[0] for e in events] == (["step"] + ["topk"] * LAYERS) * 2  # each stack: the hook, its layers
-            assert torch.equal(events[0][1], batch.seq_lens)
+            # each stack: the hook (ESS: and the DBA chunks), then its layers' top-ks (a DBA layer: one per chunk)
+            ess_topks = LAYERS + (1 if dba else 0)
+            assert [e[0] for e in events[:n_ess]] == ["step"] + ["prepare"] * (2 if dba else 0) + ["topk"] * ess_topks
+            assert [e[0] for e in events[n_ess:]] == ["step"] + ["topk"] * LAYERS
+            assert torch.equal(events[0][1], batch.seq_lens) and events[0][2] == ess.max_len
+            if dba:  # the chunks, as the DBA layer will slice the batch
+                bounds = chunk_bounds(len(LENGTHS), ess.options.dba_fractions)
+                assert [e[1].tolist() for e in events[1:3]] == [batch.seq_lens[lo:hi].tolist() for lo, hi in bounds]
             if prefetch and s == 0:  # the first step's k-th scores are the thresholds now (from infinity)
+                picks = [e for e in events[:n_ess] if e[0] == "topk"]
                 for layer in range(LAYERS):
-                    _, scores, pos = events[1 + layer]
-                    lowest = torch.gather(scores[:, 0], 1, pos[:, 0].long()).amin(dim=1)
-                    assert torch.equal(ess.prefetcher.threshold[layer, rows], lowest)
+                    got_thr = ess.prefetcher.threshold[layer, rows]
+                    mine = picks[:2] if dba and layer == 0 else [picks[layer + (1 if dba else 0)]]
+                    lowest = torch.cat([torch.gather(sc[:, 0], 1, p[:, 0].long()).amin(dim=1) for _, sc, p in mine])
+                    assert torch.equal(got_thr, lowest), (layer, got_thr, lowest)
 
 def test_prefetch_pdl_is_off_on_cpu_and_refused_there():
     assert EchoPrefetcher(1, 2, 64).pdl is False  # (auto: sm_90+ only)

@@ -73,7 +73,8 @@ def test_stack_callable_orders_and_plans_once_a_step():
     lens = torch.tensor([1000, 700, 100])  # the last row has fewer than k visible positions
     kern = _EmulatedKernel()
     ordered = kern.stack_topk(ordered=True)
-    ordered.begin_step(lens)
+    ordered.begin_step(lens, L)
+    assert len(kern.plans) == 1  # planned at the step's start, before any top-k
     pos, kth = ordered(x, k, lens)
     want = stk.select_reference(x[:, 0], k, lens)
     assert torch.equal(pos[:, 0], want) and pos.shape == (3, 1, k) and pos.dtype == torch.int32
@@ -84,11 +85,15 @@ def test_stack_callable_orders_and_plans_once_a_step():
     lens[1] = 701  # the lengths change in place (a new step without begin_step): planned again
     ordered(x, k, lens)
     assert [p.tolist() for p in kern.plans[1:]] == [[1000, 701, 100]]
-    ordered.begin_step(lens)
+    ordered.begin_step(lens, L)
     ordered(x, k, lens)
     assert len(kern.plans) == 3
-    ordered(x[:2], k, lens[:2])  # another batch (a DBA half): a plan of its own
+    ordered.prepare(lens[:2], L)  # another batch of the step (a DBA chunk): a plan of its own, made ahead
     assert kern.plans[-1].tolist() == [1000, 701]
+    ordered(x[:2], k, lens[:2])
+    assert len(kern.plans) == 4
+    ordered.begin_step(torch.tensor([5000, 10, 0]), L)  # lengths past the rows' width are clamped to it
+    assert kern.plans[-1].tolist() == [L, 10, 0]
     unordered = kern.stack_topk()
     upos, _ = unordered(x, k, lens)
     assert not torch.equal(upos, pos)  # the kernel's own order ...
@@ -169,6 +174,14 @@ def test_unit_and_exports_equal_what_sglangs_loader_writes():
         assert f"#ifndef {name}" in cuh
     for threshold, cap in stk.PLAN_THRESHOLDS:  # the plan's Hopper table, as kernel_paths uses it
         assert f"{{{threshold}, {cap}}}," in cuh
+    # the other constants of the dispatch kernel_paths restates
+    assert "return batch_size <= 15 ? 32768 : 65536;" in cuh  # the cluster floor on Hopper
+    assert f"constexpr uint32_t kClusterMaxBatch = {stk.PERSISTENT_MAX_BATCH};" in cuh
+    assert "constexpr uint32_t kClusterFloor = 32768;" in cuh  # the plan's lowest threshold
+    assert f"kReg4MaxSeqLen = Register4::kMaxSeqLen;  // {stk.REG4_MAX_LEN}" in cuh
+    assert "if (batch_size <= kMaxCluster16BatchSize) {" in cuh and "if (batch_size <= kNumPersistentClusters) {" in cuh
+    assert "const bool use_cluster = (max_seq_len > params.static_cluster_floor) && (batch_size <= kClusterMaxBatch);" \
+        in cuh
 
 
 @pytest.mark.slow
