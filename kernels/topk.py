@@ -235,19 +235,27 @@ def topk_triton(scores: torch.Tensor, k: int, variant: str = "tiles") -> tuple[t
 # a selection made elsewhere (a top-k that gives positions only, as SGLang's decode top-k does)
 
 
-def kth_of_selection_reference(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+SHORT_ROWS = ("neg_inf", "lowest")
+
+
+def kth_of_selection_reference(scores: torch.Tensor, positions: torch.Tensor, short_rows: str = "neg_inf"
+                               ) -> torch.Tensor:
     """scores [R, T] float, positions [R, k] int (-1: none) -> the k-th best score [R] float32: the lowest selected
-    score, or -inf where a row selected fewer than k positions (a -1, or a position outside [0, T), which is not
-    read)."""
+    score. A row that selected fewer than k positions (a -1, or a position outside [0, T), which is not read) gets
+    -inf (short_rows "neg_inf": no k-th score, as `topk_reference` says), or the lowest score it did select, +inf if
+    none ("lowest": the SGLang plugin's rule)."""
+    if short_rows not in SHORT_ROWS:
+        raise ValueError(f"short_rows must be one of {SHORT_ROWS}, got {short_rows!r}")
     R, T = scores.shape
     ok = (positions >= 0) & (positions < T)
     vals = torch.gather(scores.float(), 1, torch.where(ok, positions, 0).long())
-    low = torch.where(ok, vals, float("inf")).amin(dim=1)
-    return torch.where(ok.all(dim=1), low, float("-inf"))
+    low = torch.where(ok & ~vals.isnan(), vals, float("inf")).amin(dim=1)  # (a NaN score is never the lowest)
+    return low if short_rows == "lowest" else torch.where(ok.all(dim=1), low, float("-inf"))
 
 
 @triton.jit
-def _kth_of_selection_kernel(scores_ptr, row_stride, T, pos_ptr, pos_stride, K, out_ptr, BLOCK_K: tl.constexpr):
+def _kth_of_selection_kernel(scores_ptr, row_stride, T, pos_ptr, pos_stride, K, out_ptr, BLOCK_K: tl.constexpr,
+                             SHORT_NEG_INF: tl.constexpr):
     r = tl.program_id(0)
     low = float("inf")
     short = 0
@@ -258,12 +266,16 @@ def _kth_of_selection_kernel(scores_ptr, row_stride, T, pos_ptr, pos_stride, K, 
         v = tl.load(scores_ptr + r.to(tl.int64) * row_stride + p, mask=ok, other=float("inf")).to(tl.float32)
         low = tl.minimum(low, tl.min(v, axis=0))
         short += tl.sum(((~ok) & (ks < K)).to(tl.int32), axis=0)
-    tl.store(out_ptr + r, tl.where(short > 0, float("-inf"), low))
+    if SHORT_NEG_INF:
+        low = tl.where(short > 0, float("-inf"), low)
+    tl.store(out_ptr + r, low)
 
 
-def kth_of_selection(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def kth_of_selection(scores: torch.Tensor, positions: torch.Tensor, short_rows: str = "neg_inf") -> torch.Tensor:
     """`kth_of_selection_reference` in one launch (one program per row): scores [R, T] float32 with unit stride,
     positions [R, k] int32 -> [R] float32. No host synchronisation (CUDA-graph safe)."""
+    if short_rows not in SHORT_ROWS:
+        raise ValueError(f"short_rows must be one of {SHORT_ROWS}, got {short_rows!r}")
     if scores.dim() != 2 or scores.dtype != torch.float32 or scores.stride(1) != 1:
         raise ValueError(f"kth_of_selection wants float32 scores [R, T] with unit stride, got {scores.dtype} "
                          f"{tuple(scores.shape)} strides {scores.stride()}")
@@ -276,5 +288,5 @@ def kth_of_selection(scores: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     if R:
         block = min(2048, triton.next_power_of_2(max(K, 16)))
         _kth_of_selection_kernel[(R,)](scores, scores.stride(0), scores.shape[1], positions, positions.stride(0), K,
-                                       out, BLOCK_K=block, num_warps=4)
+                                       out, BLOCK_K=block, SHORT_NEG_INF=short_rows == "neg_inf", num_warps=4)
     return out

@@ -76,8 +76,9 @@ for p in range(4):
     check(kt._tile_hist_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, prefix_ptr=P64, hist_ptr=P32),
           dict(P=p, BLOCK=2048))
 check(kt._tile_select_kernel, dict(hist_ptr=P32, prefix_ptr=P64, need_ptr=P32), {})
-check(kt._kth_of_selection_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, pos_ptr=P32, pos_stride=I64, K=I32,
-                                        out_ptr=PF), dict(BLOCK_K=2048))
+for short_neg_inf in (True, False):
+    check(kt._kth_of_selection_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, pos_ptr=P32, pos_stride=I64,
+                                            K=I32, out_ptr=PF), dict(BLOCK_K=2048, SHORT_NEG_INF=short_neg_inf))
 check(kt._tile_count_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, prefix_ptr=P64, counts_ptr=P32, tiles=I32),
       dict(BLOCK=2048))
 check(kt._tile_write_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, K=I32, prefix_ptr=P64, need_ptr=P32,

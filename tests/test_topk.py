@@ -104,5 +104,13 @@ def test_kth_of_selection_against_its_reference(K, T, seed):
     assert torch.equal(got, want)
     assert got[0] == x[0, pos[0].long()].min() and got[4] == x[4, pos[4].long()].min()
     assert (got[1:4] == float("-inf")).all()
+    lowest, want_lowest = kth_of_selection(x, pos, "lowest"), kth_of_selection_reference(x, pos, "lowest")
+    assert torch.equal(lowest, want_lowest) and torch.equal(lowest[[0, 4]], got[[0, 4]])
+    ok = (pos[1] >= 0) & (pos[1] < T)
+    assert lowest[1] == x[1, pos[1][ok].long()].min()  # the lowest of what the row did select
+    none = torch.full_like(pos, -1)
+    assert torch.isinf(kth_of_selection(x, none, "lowest")).all() and (kth_of_selection(x, none, "lowest") > 0).all()
     with pytest.raises(ValueError, match="int32 positions"):
         kth_of_selection(x, pos.long())
+    with pytest.raises(ValueError, match="short_rows must be one of"):
+        kth_of_selection(x, pos, "zero")
