@@ -264,6 +264,7 @@ def _kth_of_selection_kernel(scores_ptr, row_stride, T, pos_ptr, pos_stride, K, 
         p = tl.load(pos_ptr + r * pos_stride + ks, mask=ks < K, other=0).to(tl.int64)
         ok = (p >= 0) & (p < T) & (ks < K)
         v = tl.load(scores_ptr + r.to(tl.int64) * row_stride + p, mask=ok, other=float("inf")).to(tl.float32)
+        v = tl.where(v != v, float("inf"), v)  # a NaN score is never the lowest
         low = tl.minimum(low, tl.min(v, axis=0))
         short += tl.sum(((~ok) & (ks < K)).to(tl.int32), axis=0)
     if SHORT_NEG_INF:

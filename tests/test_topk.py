@@ -114,3 +114,7 @@ def test_kth_of_selection_against_its_reference(K, T, seed):
         kth_of_selection(x, pos.long())
     with pytest.raises(ValueError, match="short_rows must be one of"):
         kth_of_selection(x, pos, "zero")
+    nan = x.clone()
+    nan[0, pos[0, 0].long()] = float("nan")  # a NaN score is never the lowest (kernel and reference alike)
+    assert torch.equal(kth_of_selection(nan, pos), kth_of_selection_reference(nan, pos))
+    assert not kth_of_selection(nan, pos)[0].isnan()
