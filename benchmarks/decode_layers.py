@@ -55,7 +55,6 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -625,19 +624,14 @@ def main(argv=None) -> int:
     if args.calibration:
         runs = [args.calibration] + ([args.calibration_margin] if args.calibration_margin else [])
         try:
-            timings = timings.model_copy(update={"measured": load_calibration(runs)})
+            timings = timings.model_copy(update={"measured": load_calibration(runs, topk=args.topk)})
         except CalibrationError as exc:
             p.error(f"--calibration: {exc}")
-        for run in runs:  # (readable JSON: load_calibration checked; a run without a meta is an old one)
-            meta = json.loads(Path(run).read_text()).get("meta")
-            measured_with = (meta if isinstance(meta, dict) else {}).get("topk", "torch")
-            if measured_with != args.topk:
-                p.error(f"--calibration: {run} was measured with --topk {measured_with}, this run selects with "
-                        f"--topk {args.topk}: its exposed times do not apply (the top-k is what ECHO hides beside)")
         timings_spare = timings  # layerwise+spare: the calibration's runs with spare slots, where it has them
         if any(args.spare):
             try:
-                timings_spare = timings.model_copy(update={"measured": load_calibration(runs, spare_slots=True)})
+                spare_runs = load_calibration(runs, spare_slots=True, topk=args.topk)
+                timings_spare = timings.model_copy(update={"measured": spare_runs})
             except CalibrationError as exc:
                 print(f"layerwise+spare chooses from the runs without spare slots: {exc}", flush=True)
     args.topk_impl, topk_meta = args.topk, {}

@@ -182,7 +182,7 @@ def _along_misses(points: Sequence[MeasuredPoint], mode: str, misses: float) -> 
 
 
 def load_calibration(path: str | Path | Sequence[str | Path], where: str | None = None,
-                     spare_slots: bool = False) -> StackCalibration:
+                     spare_slots: bool = False, topk: str | None = None) -> StackCalibration:
     """`calibration_from_decode_layers` of a JSON file, or of two: a run at margin 0 and a run at a threshold margin
     (`--prefetch-margin`), whose prefetch modes join as the *_margin modes. Every error is a CalibrationError
     starting with `where` (default: the path or paths)."""
@@ -201,7 +201,8 @@ def load_calibration(path: str | Path | Sequence[str | Path], where: str | None 
             raise CalibrationError(f"{at}: no such file") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CalibrationError(f"{at}: cannot read JSON: {exc}") from None
-    return calibration_from_decode_layers(runs[0], where, spare_slots, margin_run=runs[1] if len(runs) > 1 else None)
+    return calibration_from_decode_layers(runs[0], where, spare_slots, margin_run=runs[1] if len(runs) > 1 else None,
+                                          topk=topk)
 
 
 COMPARABLE_META = ("layers", "warm", "steps", "ratio", "pool_batch", "dba_split", "overlap_programs", "topk", "spare",
@@ -233,7 +234,7 @@ def _run_margin(meta: Mapping, where: str) -> float:
 
 
 def calibration_from_decode_layers(data: Any, where: str = "decode-stack results", spare_slots: bool = False,
-                                   margin_run: Any = None) -> StackCalibration:
+                                   margin_run: Any = None, topk: str | None = None) -> StackCalibration:
     """A calibration from the parsed JSON of `benchmarks/decode_layers.py` (`{"meta": ..., "rows": [...]}`).
 
     Every configuration (context, batch, hit) with an all-HBM row and a sync row with misses becomes a point; the
@@ -242,15 +243,23 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
     spare slots (row "mode+spare"). The run must be at prefetch margin 0 (`meta.prefetch_margin`: its prefetch
     modes run at margin 0). `margin_run`: the JSON of a run at `--prefetch-margin m` > 0 with the same settings
     otherwise (`COMPARABLE_META`): its prefetch modes, against its own all-HBM rows, become "prefetch_margin" /
-    "prefetch2_margin", which must then be measured at every point."""
+    "prefetch2_margin", which must then be measured at every point. `topk`: the top-k (decode_layers.py --topk) the
+    runs must have selected with (`meta.topk`; a run without it selected with torch.topk): the prefetch hides beside
+    the top-k, so another one's exposed times do not apply."""
     meta = _meta(data, where)
     where2 = f"{where} (margin run)"
     meta2 = _meta(margin_run, where2) if margin_run is not None else {}
-    for m, w in ((meta, where), (meta2, where2)):
+    for m, w in [(meta, where)] + ([(meta2, where2)] if margin_run is not None else []):
         if m.get("prefetch_fractions") is not None:
             raise CalibrationError(f"{w}: measured with uneven indexer chunks (meta.prefetch_fractions "
                                    f"{m['prefetch_fractions']!r}), but a profile's prefetch2 layers run equal chunks: "
                                    f"calibrate without --prefetch-fractions")
+        if topk is not None:
+            measured_with = m.get("topk", "torch")
+            if measured_with != topk:
+                raise CalibrationError(f"{w}: measured with --topk {measured_with} (meta.topk), this run selects with "
+                                       f"--topk {topk}: its exposed times do not apply (the top-k is what ECHO hides "
+                                       f"beside)")
     first = _run_margin(meta, where)
     if first != 0:
         raise CalibrationError(f"{where}: measured at prefetch margin {first} (meta.prefetch_margin), but its prefetch "

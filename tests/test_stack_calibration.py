@@ -80,6 +80,22 @@ def test_a_run_with_uneven_indexer_chunks_is_no_calibration():
     calibration_from_decode_layers(_run(), "run.json")
 
 
+def test_a_run_with_another_top_k_is_refused_when_the_top_k_is_named():
+    # the prefetch hides beside the top-k: a run that selected with another one measured other exposed times
+    run = _run()  # (no meta.topk: an old run, torch.topk)
+    calibration_from_decode_layers(run, "run.json")  # (not named: not checked)
+    calibration_from_decode_layers(run, "run.json", topk="torch")
+    with pytest.raises(CalibrationError, match=r"run\.json: measured with --topk torch \(meta\.topk\), this run "
+                                               r"selects with --topk sglang: its exposed times do not apply"):
+        calibration_from_decode_layers(run, "run.json", topk="sglang")
+    run["meta"]["topk"] = "sglang"
+    calibration_from_decode_layers(run, "run.json", topk="sglang")
+    margin = _run()
+    margin["meta"].update(topk="torch", prefetch_margin=0.01)
+    with pytest.raises(CalibrationError, match=r"run\.json \(margin run\): measured with --topk torch"):
+        calibration_from_decode_layers(run, "run.json", margin_run=margin, topk="sglang")
+
+
 def test_points_from_benchmark_rows_and_exact_at_measured_points():
     cal = calibration_from_decode_layers(_run(), "run.json")
     assert cal.batches == [16, 64] and cal.contexts == [32768, 131072]  # batch 1 has one miss count only
