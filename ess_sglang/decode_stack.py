@@ -261,15 +261,12 @@ def topk_with_scores(scores: torch.Tensor, k: int, impl: str = "torch") -> tuple
 
 
 def selection_kth_scores(logits: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """The k-th best score [B, Q] of a top-k that gave positions [B, Q, k] only, from its logits [B, Q, T] (the
-    Triton kernel on CUDA, its torch reference elsewhere)."""
-    from ess_sglang.kernels.topk import kth_of_selection as kernel
-    from ess_sglang.kernels.topk import kth_of_selection_reference as reference
+    """The k-th best score [B, Q] of a top-k that gave positions [B, Q, k] only, from its logits [B, Q, T]
+    (`ess_sglang.kernels.topk.kth_of_selection_any`: one Triton launch on CUDA)."""
+    from ess_sglang.kernels.topk import kth_of_selection_any
 
     B, Q, T = logits.shape
-    rows, sel = logits.reshape(B * Q, T), pos.reshape(B * Q, pos.shape[-1])
-    kth = kernel(rows, sel) if logits.is_cuda else reference(rows, sel)
-    return kth.view(B, Q)
+    return kth_of_selection_any(logits.reshape(B * Q, T), pos.reshape(B * Q, pos.shape[-1])).view(B, Q)
 
 
 def _indexer(kind: str):

@@ -291,3 +291,13 @@ def kth_of_selection(scores: torch.Tensor, positions: torch.Tensor, short_rows: 
         _kth_of_selection_kernel[(R,)](scores, scores.stride(0), scores.shape[1], positions, positions.stride(0), K,
                                        out, BLOCK_K=block, SHORT_NEG_INF=short_rows == "neg_inf", num_warps=4)
     return out
+
+
+def kth_of_selection_any(scores: torch.Tensor, positions: torch.Tensor, short_rows: str = "neg_inf") -> torch.Tensor:
+    """The k-th score of a selection from whatever a caller holds: `kth_of_selection` (one launch) for float32 CUDA
+    scores and int32 positions with unit last strides (what the decode stacks and SGLang's top-k give), the torch
+    reference otherwise (on the CPU, or other dtypes)."""
+    if scores.is_cuda and scores.dtype == torch.float32 and scores.stride(-1) == 1 \
+            and positions.dtype == torch.int32 and positions.stride(-1) == 1:
+        return kth_of_selection(scores, positions, short_rows)
+    return kth_of_selection_reference(scores, positions, short_rows)

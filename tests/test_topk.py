@@ -118,3 +118,6 @@ def test_kth_of_selection_against_its_reference(K, T, seed):
     nan[0, pos[0, 0].long()] = float("nan")  # a NaN score is never the lowest (kernel and reference alike)
     assert torch.equal(kth_of_selection(nan, pos), kth_of_selection_reference(nan, pos))
     assert not kth_of_selection(nan, pos)[0].isnan()
+    from ess_sglang.kernels.topk import kth_of_selection_any  # (the reference here, on the CPU, for any int dtype)
+
+    assert torch.equal(kth_of_selection_any(x, pos.long(), "lowest"), want_lowest)

@@ -46,7 +46,7 @@ import torch
 
 from ess_sglang.cache_manager import FetchList, HotPoolCacheManager
 from ess_sglang.config import EssConfig
-from ess_sglang.kernels.topk import kth_of_selection, kth_of_selection_reference
+from ess_sglang.kernels.topk import kth_of_selection_any
 from ess_sglang.overlap_policy import PREFETCH_CHUNKS, load_profile
 from ess_sglang.prefetch import EchoPrefetcher
 from ess_sglang.streams import SideStream
@@ -178,12 +178,8 @@ class DecodeOverlap:
         """Each row's k-th best score: the lowest logit among its selected positions (-1: none; a row with nothing
         selected gives +inf, which leaves a threshold at +inf). Folded into the thresholds beside attention."""
         B = min(logits.shape[0], positions.shape[0], req_pool_indices.shape[0])
-        rows, pos = logits[:B], positions[:B]
-        if rows.is_cuda and rows.dtype == torch.float32 and rows.stride(-1) == 1 and pos.dtype == torch.int32 \
-                and pos.stride(-1) == 1:  # (what SGLang's decode top-k gives) one launch instead of ~7
-            kth = kth_of_selection(rows, pos, short_rows="lowest")
-        else:
-            kth = kth_of_selection_reference(rows, pos, short_rows="lowest")
+        # (one launch for what SGLang's decode top-k gives: float32 logits, int32 positions)
+        kth = kth_of_selection_any(logits[:B], positions[:B], short_rows="lowest")
         self._pending[layer] = (kth, req_pool_indices[:B])
 
     # ------------------------------------------------------------------------------------------ 3. swap-in
