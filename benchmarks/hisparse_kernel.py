@@ -434,6 +434,24 @@ def _prepare_tvm_ffi_import() -> None:
         os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
 
 
+def build_arch(arch: tuple[int, int] | None) -> tuple[int, int]:
+    """The (major, minor) to compile for: `arch`, or the current GPU's (an error naming the fix where there is none)."""
+    if arch is not None:
+        return tuple(arch)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise HiSparseBuildError("no CUDA GPU to build for: pass arch=(major, minor) to compile without one")
+    return torch.cuda.get_device_capability()
+
+
+def warn_if_other_version(src: SglangSources, who: str) -> None:
+    """Print a warning where the sources are another sglang than the one the harness was read against."""
+    if src.version is not None and src.version != SGLANG_VERSION:
+        print(f"{who}: warning: sglang {src.version} from {src.origin}, this harness was read against "
+              f"{SGLANG_VERSION}")
+
+
 def compile_export(src: SglangSources, cuh: Path, unit_text: str, tag: str, arch: tuple[int, int] | None = None,
                    build_dir: Path | None = None, verbose: bool = False) -> tuple[Path, tuple[int, int]]:
     """Compile and link `unit_text` (an `export_source`) against `cuh`'s headers into a tvm-ffi module; returns
@@ -452,12 +470,7 @@ def compile_export(src: SglangSources, cuh: Path, unit_text: str, tag: str, arch
     if missing:
         raise HiSparseBuildError(f"headers included by {cuh.name} not found in {src.include_dir} or tvm-ffi's "
                                  f"include folders {[str(p) for p in tc.tvm_include]}: {missing}")
-    if arch is None:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise HiSparseBuildError("no CUDA GPU to build for: pass arch=(major, minor) to compile without one")
-        arch = torch.cuda.get_device_capability()
+    arch = build_arch(arch)
     h = hashlib.sha256(unit_text.encode())
     for name in sorted(closure.files):
         h.update(name.encode() + closure.files[name].read_bytes())
@@ -495,9 +508,7 @@ def build(source: str | Path | SglangSources | None = None, config: KernelConfig
     """
     config = config or KernelConfig()
     src = source if isinstance(source, SglangSources) else locate_sglang(source)
-    if src.version is not None and src.version != SGLANG_VERSION:
-        print(f"hisparse_kernel: warning: sglang {src.version} from {src.origin}, this harness was read against "
-              f"{SGLANG_VERSION}")
+    warn_if_other_version(src, "hisparse_kernel")
     so, arch = compile_export(src, src.cuh, wrapper_source(src.cuh, config), "hisparse", arch, build_dir, verbose)
     kernel = HiSparseKernel(config=config, so_path=so, sources=src, arch=arch)
     if load:

@@ -113,19 +113,11 @@ def kernel_paths(batch: int, width: int, clusters: dict[str, int], lengths: list
 # ------------------------------------------------------------------------------------------------ build
 
 
-def _current_arch(arch):
-    if arch is not None:
-        return tuple(arch)
-    if not torch.cuda.is_available():
-        raise hk.HiSparseBuildError("no CUDA GPU to build for: pass arch=(major, minor) to compile without one")
-    return torch.cuda.get_device_capability()
-
-
 def probe_clusters(source=None, build_dir: Path | None = None, verbose: bool = False) -> dict[str, int]:
     """The cluster macros' values on this GPU, from SGLang's own probe (`get_max_active_clusters(size, occupancy)`:
     cudaOccupancyMaxActiveClusters on a dummy kernel); 0 where no cluster of that shape fits, as SGLang sets it."""
     src = source if isinstance(source, hk.SglangSources) else hk.locate_sglang(source)
-    arch = _current_arch(None)
+    arch = hk.build_arch(None)
     if arch[0] < 9:
         return {name: 0 for name in CLUSTER_MACROS}  # no clusters before sm_90: SGLang passes no macros (defaults 0)
     import tvm_ffi
@@ -144,10 +136,8 @@ def build(source=None, pdl: bool | None = None, clusters: dict[str, int] | None 
     GPU (`probe_clusters`); give them (e.g. `H200_CLUSTERS`) with `arch` to compile without a GPU. source, build_dir:
     as `hisparse_kernel.build`."""
     src = source if isinstance(source, hk.SglangSources) else hk.locate_sglang(source)
-    if src.version is not None and src.version != SGLANG_VERSION:
-        print(f"sglang_topk: warning: sglang {src.version} from {src.origin}, this harness was read against "
-              f"{SGLANG_VERSION}")
-    arch = _current_arch(arch)
+    hk.warn_if_other_version(src, "sglang_topk")
+    arch = hk.build_arch(arch)
     use_pdl = arch[0] >= 9 if pdl is None else bool(pdl)
     if clusters is None:
         clusters = probe_clusters(src, build_dir, verbose)
