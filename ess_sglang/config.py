@@ -192,6 +192,11 @@ class EssConfig(BaseModel):
     prefetch_threshold_margin: Annotated[StrictFloat, _FINITE, _rule(lambda v: 0 <= v < 1, "in [0, 1)")] = 0.0
     """A position is a prefetch candidate above threshold - margin x |threshold|: a margin catches more of a step's
     misses for more wasted bytes."""
+    decode_topk: Literal["as_without_ess", "hisparse"] = "as_without_ess"
+    """SGLang plugin: the top-k of a decode layer. "as_without_ess": the kernel and plan SGLang runs without ESS (its
+    top-k v2 kernel with the forward's plan, writing positions), so that ESS selects the entries SGLang without ESS
+    selects; "hisparse": SGLang's HiSparse decode top-k (sgl_kernel.fast_topk_v2 with the default backend), which can
+    select others where the k-th score's bin holds more candidates than it keeps."""
     prefetch_min_batch: PositiveInt = 16
     """SGLang plugin: decode batches smaller than this do not prefetch (on the H200 prefetch lost to synchronous
     fetching at batch 1-2 and won from batch 16 at hit rates 0.9-0.95; batches 3-15 were not measured)."""

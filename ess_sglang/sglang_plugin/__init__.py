@@ -14,7 +14,9 @@ Modules, one job each:
 * ``coordinator`` the ESS replacement of HiSparse's coordinator: the decode seam ``swap_in_selected_pages``;
 * ``echo``       ECHO prefetch and spare-slot refills around each decode layer (the layer's data path, top to
                  bottom), and which layers prefetch;
-* ``indexer_tap`` the two hooks that hand the coordinator each decode layer's indexer logits and top-k;
+* ``indexer_tap`` the two hooks around each decode layer's top-k: they select as SGLang without ESS does and hand
+                 the coordinator the layer's indexer logits and top-k;
+* ``decode_topk`` which top-k decode runs with ESS: SGLang's top-k v2 kernel and plan, as without ESS;
 * ``admission``  admission control (plain Python) and where it hooks into SGLang's scheduler;
 * ``warmup``     capture of the prefill's query-window top-k sets, and warm-up of new requests;
 * ``pd_windows`` PD disaggregation: those sets sent from the prefill instance to the decode instance in SGLang's

@@ -585,6 +585,9 @@ def maybe_init_hisparse_coordinator_hook(original, runner, *args, **kwargs):
 
     compat.verify_applied(hooks.all_hooks())
     runner.hisparse_coordinator = EssCoordinator.from_model_runner(runner, s, sizing.current_pools())
+    from ess_sglang.sglang_plugin import decode_topk
+
+    decode_topk.log_startup(runner, s.config)
     return None
 
 

@@ -13,7 +13,8 @@ graph, and everything below is fixed-shape device work):
      writes the hot slot of a resident entry), so the exact resolve finds it resident instead of fetching it
      over PCIe on the critical path. (The write-back also protects it: a prefetched new token counts as useful in
      3d even in the rare step whose top-k does not select it, at most one entry per request and layer.)
-  2. ``metadata.topk_transform``: the top-k positions [rows, k] (HiSparse forces the unfused top-k: positions).
+  2. ``metadata.topk_transform``: the top-k positions [rows, k], with the kernel and plan SGLang runs without ESS
+     (``decode_topk.select``: HiSparse would force SGLang's unfused top-k, which can select other entries).
      [tap, after] each row's k-th best score (the lowest logit among its selected positions), kept until 3d.
   3. ``DeepseekSparseAttnBackend.forward_decode``: SGLang writes the token into its new-token slot, then
      ``EssCoordinator.swap_in_selected_pages``:

@@ -52,10 +52,11 @@ RUNTIME_HOOKS: tuple[HookSpec, ...] = (
     HookSpec("sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc", "after", admission.pre_alloc_hook,
              "PD decode admission: reserves for a request once SGLang allocated its KV destination"),
     HookSpec("sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_paged", "around",
-             indexer_tap.get_topk_paged_hook, "opens the ECHO prefetch tap in decode layers that prefetch"),
+             indexer_tap.get_topk_paged_hook, "opens the indexer tap in decode layers (ESS top-k, ECHO prefetch)"),
     HookSpec("sglang.srt.layers.attention.dsa.dsa_indexer_metadata.DSAIndexerMetadata.topk_transform", "around",
              indexer_tap.topk_transform_hook,
-             "in an open tap: queues the layer's prefetch from the logits, notes the k-th best scores of the top-k"),
+             "in an open tap: selects with SGLang's top-k v2 kernel and plan as without ESS (positions); queues the "
+             "layer's prefetch from the logits before it, notes the k-th best scores after it"),
     HookSpec("sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend", "before",
              warmup.forward_extend_hook, "captures the prefill's last query windows' top-k sets for warm-up"),
     HookSpec(f"{MB}.__init__", "after", pd_windows.metadata_buffers_init_hook,

@@ -1,5 +1,6 @@
-"""The indexer tap: the two hooks that hand the ESS coordinator each decode layer's indexer logits and top-k, so
-that the layer's ECHO prefetch runs beside SGLang's top-k (echo.py, steps 1-2).
+"""The indexer tap: the two hooks around each decode layer's indexer top-k. They select with the kernel SGLang runs
+without ESS (decode_topk.py), and hand the ESS coordinator the layer's indexer logits and top-k, so that the
+layer's ECHO prefetch runs beside the top-k (echo.py, steps 1-2).
 
 SGLang 0.5.23's DSA decode path computes the logits and selects in one method:
 
@@ -8,15 +9,17 @@ SGLang 0.5.23's DSA decode path computes the logits and selects in one method:
         topk = metadata.topk_transform(logits, index_topk)    [rows, k] positions (-1 padded): with a HiSparse
                                                               coordinator the top-k is forced unfused in decode
 
-* AROUND ``Indexer._get_topk_paged``: where ESS prefetches in the layer and the batch is a plain decode batch of at
-  least ``prefetch_min_batch`` requests with the unfused top-k, it opens a tap for the call (coordinator, layer,
-  the batch's request rows and lengths).
-* AROUND ``DSAIndexerMetadata.topk_transform``: the first top-k inside an open tap: the coordinator queues the
-  prefetch (``prefetch_from_logits``) before it and notes each row's k-th best score (``note_selection``) after it.
+* AROUND ``Indexer._get_topk_paged``: in a plain decode batch with ESS it opens a tap for the call (coordinator,
+  layer, the batch's request rows and lengths, and whether the layer prefetches: where ESS prefetches in the layer,
+  the batch has at least ``prefetch_min_batch`` requests and the top-k is the unfused one).
+* AROUND ``DSAIndexerMetadata.topk_transform``: the first top-k inside an open tap is the layer's decode selection:
+  the coordinator queues the prefetch (``prefetch_from_logits``) before it, the selection runs with SGLang's top-k v2
+  kernel and plan as SGLang without ESS would (``decode_topk.select``; SGLang's own call where that does not apply),
+  and the coordinator notes each row's k-th best score (``note_selection``) after it.
 
-Anywhere else (prefill, speculative verify, layers that do not prefetch, ESS off) both pass straight through. The
-tap is plain process state: SGLang runs a scheduler's forward passes on one thread, and during CUDA-graph capture
-these hooks run once per captured batch size, queueing their kernels into the graph like the rest of the layer.
+Anywhere else (prefill, speculative verify, ESS off) both pass straight through. The tap is plain process state:
+SGLang runs a scheduler's forward passes on one thread, and during CUDA-graph capture these hooks run once per
+captured batch size, queueing their kernels into the graph like the rest of the layer.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import Any
+
+from ess_sglang.sglang_plugin import decode_topk
 
 logger = logging.getLogger("ess_sglang.sglang_plugin")
 
@@ -34,6 +39,7 @@ class _Tap:
     layer_id: int
     req_pool_indices: Any
     seq_lens: Any
+    prefetch: bool
     used: bool = False
 
 
@@ -59,7 +65,7 @@ def _batch_size(forward_batch: Any) -> int | None:
 
 
 def get_topk_paged_hook(original, indexer, *args, **kwargs):
-    """AROUND Indexer._get_topk_paged: open the tap for a decode layer that prefetches."""
+    """AROUND Indexer._get_topk_paged: open the tap for a decode layer of an ESS instance."""
     global _OPEN
     from ess_sglang.sglang_plugin.coordinator import active_coordinator
 
@@ -67,16 +73,16 @@ def get_topk_paged_hook(original, indexer, *args, **kwargs):
     forward_batch = _arg(args, kwargs, 0, "forward_batch")
     layer_id = _arg(args, kwargs, 1, "layer_id")
     metadata = _arg(args, kwargs, 4, "metadata")
-    if (coord is None or layer_id is None or not _plain_decode(forward_batch)
-            or not coord.prefetches(layer_id, _batch_size(forward_batch))):
+    if coord is None or layer_id is None or not _plain_decode(forward_batch):
         return original(indexer, *args, **kwargs)
+    prefetch = bool(coord.prefetches(layer_id, _batch_size(forward_batch)))
     if not getattr(metadata, "force_unfused_topk", False):
         if "fused" not in _WARNED:
             _WARNED.add("fused")
-            logger.warning("ESS prefetch: the indexer's top-k is not the unfused one (positions) in this decode "
-                           "step; no prefetch there")
+            logger.warning("ESS: the indexer's top-k is not the unfused one (positions) in this decode step; no "
+                           "prefetch and no ESS top-k there")
         return original(indexer, *args, **kwargs)
-    _OPEN = _Tap(coord, int(layer_id), forward_batch.req_pool_indices, forward_batch.seq_lens)
+    _OPEN = _Tap(coord, int(layer_id), forward_batch.req_pool_indices, forward_batch.seq_lens, prefetch)
     try:
         return original(indexer, *args, **kwargs)
     finally:
@@ -84,13 +90,17 @@ def get_topk_paged_hook(original, indexer, *args, **kwargs):
 
 
 def topk_transform_hook(original, metadata, logits, topk, *args, **kwargs):
-    """AROUND DSAIndexerMetadata.topk_transform: prefetch before, note the k-th best scores after."""
+    """AROUND DSAIndexerMetadata.topk_transform: prefetch before, the top-k as without ESS, note the k-th best
+    scores after."""
     tap = _OPEN
     if tap is None or tap.used or getattr(logits, "dim", lambda: 0)() != 2:
         return original(metadata, logits, topk, *args, **kwargs)
     tap.used = True  # one selection per call: any other top-k inside it is not the layer's decode selection
-    tap.coordinator.prefetch_from_logits(tap.layer_id, logits, tap.req_pool_indices, tap.seq_lens)
-    result = original(metadata, logits, topk, *args, **kwargs)
-    if getattr(result, "dim", lambda: 0)() == 2:
+    if tap.prefetch:
+        tap.coordinator.prefetch_from_logits(tap.layer_id, logits, tap.req_pool_indices, tap.seq_lens)
+    result = decode_topk.select(getattr(tap.coordinator, "config", None), metadata, logits, topk, args, kwargs)
+    if result is None:
+        result = original(metadata, logits, topk, *args, **kwargs)
+    if tap.prefetch and getattr(result, "dim", lambda: 0)() == 2:
         tap.coordinator.note_selection(tap.layer_id, logits, result, tap.req_pool_indices)
     return result
