@@ -311,7 +311,8 @@ def calibrate_rho(pools, cfg, slots, target, warm, iters=7, topk="torch") -> tup
 
 def stack_knobs(args) -> dict:
     """The StackOptions every ESS variant of a run takes from the command line (and the run's meta records)."""
-    return dict(prefetch_indexer=args.prefetch_indexer, threshold_update=args.threshold_update,
+    return dict(prefetch_split=args.prefetch_split, prefetch_indexer=args.prefetch_indexer,
+                threshold_update=args.threshold_update,
                 last_chunk_programs=args.last_chunk_programs, last_chunk_margin=args.last_chunk_margin,
                 last_chunk_priority=args.last_chunk_priority)
 
@@ -540,12 +541,16 @@ def main(argv=None) -> int:
                    "where not 0)")
     p.add_argument("--prefetch-margin", type=float, default=0.0,
                    help="ECHO candidates above threshold - margin x |threshold| (EchoPrefetcher margin)")
+    p.add_argument("--prefetch-split", default="rows", choices=["rows", "positions"],
+                   help="prefetchN: the indexer chunks are N groups of requests (rows) or N segments of the positions "
+                   "of every request (positions: the last segment's copy is its share of the misses)")
     p.add_argument("--prefetch-indexer", default="overlapped", choices=["serial", "overlapped"],
                    help="prefetchN: the chunks' indexer launches one after the other on the main stream (serial), or "
                    "all but the last on a high-priority stream of their own, the last at once on the main stream "
                    "(overlapped: the last chunk's blocks fill the first launch's last wave)")
     p.add_argument("--prefetch-fractions", metavar="F,F,...",
-                   help="prefetchN modes with N of these: the indexer chunks are these fractions of the batch (summing "
+                   help="prefetchN modes with N of these: the indexer chunks are these fractions of the batch (or of "
+                   "the positions, --prefetch-split positions; summing "
                    "to 1, e.g. 0.6,0.4) instead of N equal ones; layerwise keeps equal chunks")
     p.add_argument("--threshold-update", default="side", choices=["main", "side"],
                    help="prefetch: the EMA threshold update at the layer's end on the main stream, or on the side "
@@ -624,13 +629,15 @@ def main(argv=None) -> int:
     if args.calibration:
         runs = [args.calibration] + ([args.calibration_margin] if args.calibration_margin else [])
         try:
-            timings = timings.model_copy(update={"measured": load_calibration(runs, topk=args.topk)})
+            timings = timings.model_copy(update={"measured": load_calibration(runs, topk=args.topk,
+                                                                                    prefetch_split=args.prefetch_split)})
         except CalibrationError as exc:
             p.error(f"--calibration: {exc}")
         timings_spare = timings  # layerwise+spare: the calibration's runs with spare slots, where it has them
         if any(args.spare):
             try:
-                spare_runs = load_calibration(runs, spare_slots=True, topk=args.topk)
+                spare_runs = load_calibration(runs, spare_slots=True, topk=args.topk,
+                                              prefetch_split=args.prefetch_split)
                 timings_spare = timings.model_copy(update={"measured": spare_runs})
             except CalibrationError as exc:
                 print(f"layerwise+spare chooses from the runs without spare slots: {exc}", flush=True)

@@ -15,7 +15,9 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
        one's last wave instead of waiting for it; on sm_90+ a chunk's candidate kernels after the first (and, with
        spare slots and the resolve's PDL, its three claim launches) use programmatic dependent launch
        (`EchoPrefetcher(pdl=...)`); `last_chunk_priority="normal"`
-       queues the last chunk's launches at the main stream's priority instead of the side stream's high one;
+       queues the last chunk's launches at the main stream's priority instead of the side stream's high one; with
+       `prefetch_split="positions"` the chunks are segments of the positions instead (every request, positions
+       [lo, hi)), so the last segment's copy (its share of the misses) is what is left beside the top-k;
     4. top-k positions (torch.topk, the Triton kernel `ess_sglang.kernels.topk`, or a caller's, e.g. SGLang's decode
        top-k); the k-th best score (the top-k's, or, from a top-k that gives positions only, the lowest selected
        logit, found by `selection_kth_scores` where it is folded in) updates the prefetch threshold on the side stream
@@ -110,10 +112,14 @@ class StackOptions:
     top_k: int = 2048
     prefetch: bool = False  # ECHO prefetch in every layer
     prefetch_chunks: int | Sequence[float] = 1  # prefetch: the indexer runs in this many equal batch chunks (or in
-    # chunks of these fractions of the batch), each chunk's prefetch beside the next chunk's indexer (1: one indexer
-    # launch, the prefetch beside the top-k only)
+    # chunks of these fractions of the batch, or of the positions: `prefetch_split`), each chunk's prefetch beside the
+    # next chunk's indexer (1: one indexer launch, the prefetch beside the top-k only)
     prefetch_layers: Sequence[int] | None = None  # instead of `prefetch`: per layer, 0 (no prefetch) or the number
     # of indexer chunks its prefetch runs in (the overlap profile's prefetch* layers)
+    prefetch_split: str = "rows"  # with chunks: what the chunks split: "rows" (batch rows: each chunk is some requests
+    # over all their positions) or "positions" (segments of the positions, as fractions of the table width rounded to
+    # the indexer's 64-position tiles: each chunk is every request over positions [lo, hi); the last segment's copy is
+    # its share of the misses whatever the batch size; each segment prefetches at most its share of a request's cap)
     prefetch_indexer: str = "overlapped"  # with chunks: "serial" (the chunks' indexer launches one after the other
     # on the main stream) or "overlapped" (every chunk but the last on a high-priority stream of their own, the last
     # on the main stream at once: the block scheduler fills the first launch's last wave with the next one's blocks;
@@ -181,6 +187,8 @@ class StackOptions:
         self.layer_prefetch_fractions: tuple[tuple[float, ...] | None, ...] = tuple(per_layer)
         """Per layer: its prefetch's chunk fractions of the batch, or None where the layer does not prefetch."""
         self.any_prefetch = any(f is not None for f in per_layer)
+        if self.prefetch_split not in ("rows", "positions"):
+            raise ValueError(f"prefetch_split must be 'rows' or 'positions', got {self.prefetch_split!r}")
         if self.prefetch_indexer not in ("serial", "overlapped"):
             raise ValueError(f"prefetch_indexer must be 'serial' or 'overlapped', got {self.prefetch_indexer!r}")
         if self.threshold_update not in ("main", "side"):
@@ -272,9 +280,10 @@ def selection_kth_scores(logits: torch.Tensor, pos: torch.Tensor) -> torch.Tenso
 def _indexer(kind: str):
     from ess_sglang.kernels.indexer import indexer_logits
 
-    def run(q_index, w_index, cache, batch: DecodeBatch, max_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def run(q_index, w_index, cache, batch: DecodeBatch, max_len: int, out: torch.Tensor | None = None,
+            first_pos: int = 0) -> torch.Tensor:
         return indexer_logits(q_index, w_index, cache, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                              max_len, impl=kind, out=out)
+                              max_len, impl=kind, out=out, first_pos=first_pos)
     return run
 
 
@@ -309,10 +318,16 @@ class _StackBase:
     def _attend(self, q: torch.Tensor, entries: torch.Tensor, table: torch.Tensor):
         return attend(self.attention, q, entries, table, self.softmax_scale, self.schedules)
 
-    def _scores(self, layer: int, x: LayerInputs, batch: DecodeBatch, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _scores(self, layer: int, x: LayerInputs, batch: DecodeBatch, out: torch.Tensor | None = None,
+                first_pos: int = 0, end_pos: int | None = None) -> torch.Tensor:
         """Indexer logits [B, Q, max_len] (or, when a score hook is set, the scores it puts in their place), written
-        to `out` when given."""
-        logits = self.run_indexer(x.q_index, x.w_index, self.index_cache[layer], batch, self.max_len, out)
+        to `out` when given; of the positions [first_pos, end_pos) only where those are given (no score hook)."""
+        end = self.max_len if end_pos is None else end_pos
+        logits = self.run_indexer(x.q_index, x.w_index, self.index_cache[layer], batch, end, out, first_pos)
+        if (first_pos, end) != (0, self.max_len):
+            if self.score_hook is not None:
+                raise ValueError("a score hook replaces the whole logits: it cannot score a segment of the positions")
+            return logits
         if self.score_hook is None:
             return logits
         scores = self.score_hook(layer, logits, batch)
@@ -384,6 +399,22 @@ class HbmDecodeStack(_StackBase):
         return [self.forward_layer(layer, batch, inputs[layer]) for layer in range(self.num_layers)]
 
 
+def segment_bounds(T: int, fractions: Sequence[float], align: int = 64) -> list[tuple[int, int]]:
+    """[lo, hi) position ranges of the prefetch's segments: cumulative fractions of T rounded to multiples of
+    `align` (the indexer's tile); empty segments dropped."""
+    ends, acc = [], 0.0
+    for f in fractions[:-1]:
+        acc += f
+        ends.append(min(T, round(T * acc / align) * align))
+    ends.append(T)
+    bounds, lo = [], 0
+    for hi in ends:
+        if hi > lo:
+            bounds.append((lo, hi))
+            lo = hi
+    return bounds
+
+
 def chunk_bounds(B: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
     """[lo, hi) row ranges of DBA's chunks: cumulative fractions of B, rounded; empty chunks dropped."""
     ends, acc = [], 0.0
@@ -416,9 +447,14 @@ class EssDecodeStack(_StackBase):
         q_rows = max_batch * 2  # up to 2 query tokens per request (MTP)
         self.fetch_list = manager.new_fetch_list(q_rows * options.top_k)  # DA: the deferred copies
         self.fetch_early = manager.new_fetch_list(q_rows * options.top_k)
+        if options.prefetch_split == "positions" and score_hook is not None:
+            raise ValueError("prefetch_split='positions' scores segments of the positions: a score hook (which "
+                             "replaces the whole logits) needs prefetch_split='rows'")
         if self.prefetcher is not None:
-            self.prefetch_list = manager.new_fetch_list(max_batch * self.prefetcher.width)
             most_chunks = max(len(f) for f in options.layer_prefetch_fractions if f is not None)
+            # by rows, the chunks' lists are the slices of their rows; by positions, each segment has a whole one
+            lists = most_chunks if options.prefetch_split == "positions" else 1
+            self.prefetch_list = manager.new_fetch_list(lists * max_batch * self.prefetcher.width)
             self._prefetch_counts = torch.zeros(most_chunks, dtype=torch.int64, device=manager.device)
         manager.reserve_scratch(max(q_rows * options.top_k, max_batch * self.prefetcher.width if self.prefetcher
                                     else 0))
@@ -522,8 +558,9 @@ class EssDecodeStack(_StackBase):
     def _select_and_prefetch(self, layer: int, x: LayerInputs, batch: DecodeBatch) -> torch.Tensor:
         """Steps 2-4: indexer logits; prefetch above the threshold on the side stream; top-k on the main stream.
 
-        With `prefetch_chunks` > 1 the indexer runs chunk by chunk over the batch into one logits tensor, and each
-        chunk's prefetch (into its own slice of the prefetch list) starts as soon as the chunk's logits exist. With
+        With `prefetch_chunks` > 1 the indexer runs chunk by chunk (batch rows, or with `prefetch_split="positions"`
+        segments of the positions) into one logits tensor, and each chunk's prefetch (into its own slice of the
+        prefetch list) starts as soon as the chunk's logits exist. With
         `prefetch_indexer="overlapped"` (on CUDA) the chunks before the last run on the lead stream, forked from the
         main stream here (so every write their prefetch reads comes before), and each one's prefetch waits for its
         event; the main stream joins the lead stream before the top-k."""
@@ -533,22 +570,27 @@ class EssDecodeStack(_StackBase):
         B = batch.seq_lens.shape[0]
         logits = torch.empty((B, x.q_index.shape[1], self.max_len), dtype=torch.float32, device=x.q_index.device)
         self._side_inputs.append(logits)
-        bounds = chunk_bounds(B, fractions)
+        by_rows = self.options.prefetch_split == "rows"
+        bounds = chunk_bounds(B, fractions) if by_rows else segment_bounds(self.max_len, fractions)
         lead = self._lead if len(bounds) > 1 else None
         if lead is not None:  # "overlapped": the chunks before the last start from here, on the lead stream
             lead.wait_stream(torch.cuda.current_stream())
         for i, (lo, hi) in enumerate(bounds):
-            b, xi = _slice(batch, x, lo, hi)
+            # a chunk: rows lo:hi over every position, or every row over positions lo:hi
+            b, xi = _slice(batch, x, lo, hi) if by_rows else (batch, x)
+            out, first, end = (logits[lo:hi], 0, None) if by_rows else (logits[..., lo:hi], lo, hi)
             if lead is not None and i < len(bounds) - 1:
                 with torch.cuda.stream(lead):
-                    chunk_logits = self._scores(layer, xi, b, out=logits[lo:hi])
+                    chunk_logits = self._scores(layer, xi, b, out=out, first_pos=first, end_pos=end)
                 done = torch.cuda.Event()
                 done.record(lead)
             else:
-                chunk_logits = self._scores(layer, xi, b, out=logits[lo:hi])
+                chunk_logits = self._scores(layer, xi, b, out=out, first_pos=first, end_pos=end)
                 done = None
             last = i == len(bounds) - 1 and len(bounds) > 1  # the chunk whose prefetch runs beside the top-k
-            self._prefetch_chunk(layer, i, lo, hi, b, chunk_logits, done, last)
+            # its slice of the prefetch list: its rows' part, or (by positions) a whole list of its own
+            at = (lo, hi) if by_rows else (i * B, (i + 1) * B)
+            self._prefetch_chunk(layer, i, *at, b, chunk_logits, done, last, first_pos=first)
         if lead is not None:
             torch.cuda.current_stream().wait_stream(lead)  # the top-k reads every chunk's logits
         pos, kth = self._topk(logits, batch)
@@ -558,8 +600,9 @@ class EssDecodeStack(_StackBase):
         return pos
 
     def _prefetch_chunk(self, layer: int, i: int, lo: int, hi: int, b: DecodeBatch, chunk_logits: torch.Tensor,
-                        after, last: bool) -> None:
-        """Queue chunk i's (batch rows lo:hi) candidates and their prefetch, into its slice of the prefetch list,
+                        after, last: bool, first_pos: int = 0) -> None:
+        """Queue chunk i's candidates (of the logits `chunk_logits` of batch `b`, positions from `first_pos`) and
+        their prefetch, into rows lo:hi of the prefetch list (as many rows as `b` has),
         beside the main stream: after the event `after` (None: after everything queued on the main stream so far).
         `last`: the chunk beside the top-k (its own copy programs, margin and priority; its logits are on the main
         stream, so `after` is None for it, which `on_normal` follows)."""
@@ -570,7 +613,7 @@ class EssDecodeStack(_StackBase):
         with self.streams.on_normal() if beside_topk else self.streams.on_side(after=after):
             cand = pf.candidates(layer, chunk_logits, b.req_to_token, b.req_pool_indices, b.seq_lens,
                                  self.m.loc_to_slot[layer], self.m.num_locations,
-                                 margin=opts.last_chunk_margin if last else None)
+                                 margin=opts.last_chunk_margin if last else None, first_pos=first_pos)
             record = FetchList(pl.src[lo * W:hi * W], pl.dst[lo * W:hi * W], self._prefetch_counts[i:i + 1])
             self.m.prefetch(layer, cand, record, programs=opts.last_chunk_programs
                             if last and opts.last_chunk_programs is not None else opts.overlap_programs,
@@ -640,4 +683,5 @@ class EssDecodeStack(_StackBase):
 
 
 __all__ = ["MODES", "TopK", "DecodeBatch", "LayerInputs", "StackOptions", "HbmDecodeStack", "EssDecodeStack",
-           "attend", "merge_attention", "topk_with_scores", "selection_kth_scores", "latent_store_rows"]
+           "chunk_bounds", "segment_bounds", "attend", "merge_attention", "topk_with_scores", "selection_kth_scores",
+           "latent_store_rows"]

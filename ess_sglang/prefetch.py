@@ -9,7 +9,10 @@ not resident is a prefetch candidate. Candidates are taken most recent first, at
 
     cap(seq_len) = clamp(ceil(cap_fraction * seq_len), cap_min_tokens, width),   width = the static list width
 
-so the cap grows with context length and bounds the bytes a wrong guess can waste. With `margin` > 0 the bar a
+so the cap grows with context length and bounds the bytes a wrong guess can waste. Logits of a segment of the
+positions only (the decode stack's prefetch in position segments) take the segment's share of the cap, rounded up:
+ceil(cap x seen / seq_len), seen the segment's positions below seq_len; segments that tile the positions take at most
+the cap plus one per segment. With `margin` > 0 the bar a
 position must pass is lowered to threshold - margin x |threshold| (finite thresholds): more of the step's misses are
 caught, for more wasted bytes. The margin may differ per layer (an overlap profile's *_margin layers). The cache
 manager fetches them (`HotPoolCacheManager.prefetch`) on a side stream while the main stream runs the top-k; the
@@ -86,17 +89,24 @@ class EchoPrefetcher:
         """Forget the thresholds of request rows (a new request takes them)."""
         self.threshold[:, rows.long().to(self.device)] = math.inf
 
-    def caps(self, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Most entries prefetched per request and layer, [B] int64."""
+    def caps(self, seq_lens: torch.Tensor, first_pos: int = 0, positions: int | None = None) -> torch.Tensor:
+        """Most entries prefetched per request and layer, [B] int64; for logits of the positions [first_pos,
+        first_pos + positions) only, the segment's share (see the module docstring)."""
         cap = torch.ceil(seq_lens.double() * self.cap_fraction).long()
-        return cap.clamp(min=self.cap_min_tokens).clamp(max=self.width)
+        cap = cap.clamp(min=self.cap_min_tokens).clamp(max=self.width)
+        seq = seq_lens.long()
+        seen = (seq - first_pos).clamp(min=0)
+        if positions is not None:
+            seen = seen.clamp(max=positions)
+        return torch.where(seen > 0, (cap * seen + seq.clamp(min=1) - 1) // seq.clamp(min=1), 0)
 
     def candidates(self, layer: int, logits: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                    seq_lens: torch.Tensor, loc_to_slot: torch.Tensor, num_locations: int,
-                   impl: str | None = None, margin: float | None = None) -> torch.Tensor:
+                   impl: str | None = None, margin: float | None = None, first_pos: int = 0) -> torch.Tensor:
         """KV locations to prefetch for one layer: int64 [B * width], -1 padded.
 
-        logits [B, Q, T] (T <= the table width); loc_to_slot: the layer's token -> slot map (with its sink element).
+        logits [B, Q, T] of the positions [first_pos, first_pos + T) (within the table width; a segment takes its
+        share of the cap); loc_to_slot: the layer's token -> slot map (with its sink element).
         impl: "triton" (two launches, `ess_sglang.kernels.prefetch`), "torch" (the definition below), "auto"
         (triton on CUDA); None: the prefetcher's own `impl`. margin: this call's threshold margin instead of the
         layer's (None: the layer's).
@@ -114,7 +124,7 @@ class EchoPrefetcher:
             return prefetch_candidates_triton(rows, self.threshold[layer], req_to_token,
                                               req_pool_indices, seq_lens, loc_to_slot, num_locations,
                                               self._cap_fraction, self.cap_min_tokens, self.width, float(margin),
-                                              pdl=self.pdl and logits.is_cuda)
+                                              pdl=self.pdl and logits.is_cuda, first_pos=first_pos)
         B, _, T = logits.shape
         rows = req_pool_indices.long()
         row_ok = (rows >= 0) & (rows < req_to_token.shape[0])  # a row outside the table: no candidates
@@ -122,14 +132,14 @@ class EchoPrefetcher:
         thr = self.threshold[layer, rows]
         thr = torch.where(torch.isfinite(thr), thr - margin * thr.abs(), thr).view(B, 1, 1)
         above = (logits > thr).any(dim=1)  # [B, T]
-        pos = torch.arange(T, device=logits.device).view(1, T)
-        locs = req_to_token[rows, :T].long()
+        pos = torch.arange(first_pos, first_pos + T, device=logits.device).view(1, T)
+        locs = req_to_token[rows, first_pos:first_pos + T].long()
         ok = row_ok.view(B, 1) & (pos < seq_lens.long().view(B, 1)) & (locs >= 0) & (locs < num_locations)
         at = torch.where(ok, locs, num_locations)
         resident = loc_to_slot[at] >= 0
         cand = above & ok & ~resident
         rank = cand.flip(-1).cumsum(-1).flip(-1) - 1  # 0 = the most recent candidate
-        take = cand & (rank < self.caps(seq_lens).view(B, 1))
+        take = cand & (rank < self.caps(seq_lens, first_pos, T).view(B, 1))
         W = self.width
         out = torch.full((B, W + 1), -1, dtype=torch.int64, device=logits.device)
         out.scatter_(1, torch.where(take, rank, W), torch.where(take, locs, -1))

@@ -182,7 +182,8 @@ def _along_misses(points: Sequence[MeasuredPoint], mode: str, misses: float) -> 
 
 
 def load_calibration(path: str | Path | Sequence[str | Path], where: str | None = None,
-                     spare_slots: bool = False, topk: str | None = None) -> StackCalibration:
+                     spare_slots: bool = False, topk: str | None = None,
+                     prefetch_split: str | None = None) -> StackCalibration:
     """`calibration_from_decode_layers` of a JSON file, or of two: a run at margin 0 and a run at a threshold margin
     (`--prefetch-margin`), whose prefetch modes join as the *_margin modes. Every error is a CalibrationError
     starting with `where` (default: the path or paths)."""
@@ -202,11 +203,11 @@ def load_calibration(path: str | Path | Sequence[str | Path], where: str | None 
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CalibrationError(f"{at}: cannot read JSON: {exc}") from None
     return calibration_from_decode_layers(runs[0], where, spare_slots, margin_run=runs[1] if len(runs) > 1 else None,
-                                          topk=topk)
+                                          topk=topk, prefetch_split=prefetch_split)
 
 
 COMPARABLE_META = ("layers", "warm", "steps", "ratio", "pool_batch", "dba_split", "overlap_programs", "topk", "spare",
-                   "device", "prefetch_indexer", "prefetch_fractions", "threshold_update",
+                   "device", "prefetch_indexer", "prefetch_fractions", "prefetch_split", "threshold_update",
                    "resolve_pdl", "prefetch_pdl", "last_chunk_programs", "last_chunk_margin", "last_chunk_priority")
 """`meta` keys of a decode-stack run that the two runs of a margin calibration must share (what else they measure
 with), besides the margin itself."""
@@ -234,7 +235,8 @@ def _run_margin(meta: Mapping, where: str) -> float:
 
 
 def calibration_from_decode_layers(data: Any, where: str = "decode-stack results", spare_slots: bool = False,
-                                   margin_run: Any = None, topk: str | None = None) -> StackCalibration:
+                                   margin_run: Any = None, topk: str | None = None,
+                                   prefetch_split: str | None = None) -> StackCalibration:
     """A calibration from the parsed JSON of `benchmarks/decode_layers.py` (`{"meta": ..., "rows": [...]}`).
 
     Every configuration (context, batch, hit) with an all-HBM row and a sync row with misses becomes a point; the
@@ -245,7 +247,8 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
     otherwise (`COMPARABLE_META`): its prefetch modes, against its own all-HBM rows, become "prefetch_margin" /
     "prefetch2_margin", which must then be measured at every point. `topk`: the top-k (decode_layers.py --topk) the
     runs must have selected with (`meta.topk`; a run without it selected with torch.topk): the prefetch hides beside
-    the top-k, so another one's exposed times do not apply."""
+    the top-k, so another one's exposed times do not apply. `prefetch_split`: likewise, what the runs' prefetch
+    chunks split (`meta.prefetch_split`, "rows" where absent): the prefetch2 layers of the profile run that way."""
     meta = _meta(data, where)
     where2 = f"{where} (margin run)"
     meta2 = _meta(margin_run, where2) if margin_run is not None else {}
@@ -260,6 +263,10 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
                 raise CalibrationError(f"{w}: measured with --topk {measured_with} (meta.topk), this run selects with "
                                        f"--topk {topk}: its exposed times do not apply (the top-k is what ECHO hides "
                                        f"beside)")
+        if prefetch_split is not None and m.get("prefetch_split", "rows") != prefetch_split:
+            raise CalibrationError(f"{w}: its prefetch chunks split {m.get('prefetch_split', 'rows')} "
+                                   f"(meta.prefetch_split), this run's split {prefetch_split}: its exposed times do "
+                                   f"not apply")
     first = _run_margin(meta, where)
     if first != 0:
         raise CalibrationError(f"{where}: measured at prefetch margin {first} (meta.prefetch_margin), but its prefetch "

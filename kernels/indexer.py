@@ -53,7 +53,7 @@ DOT_FP32, DOT_BF16, DOT_FP8 = 0, 1, 2
 assert INDEX_HEAD_DIM == 128 and ENTRY_WORDS == 33
 
 
-def _check(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens, max_len):
+def _check(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens, max_len, first_pos=0):
     if q_index.dim() != 4 or q_index.shape[-1] != INDEX_HEAD_DIM:
         raise ValueError(f"indexer_logits wants q_index [B, Q, H, {INDEX_HEAD_DIM}], got {tuple(q_index.shape)}")
     B, Q, H = q_index.shape[:3]
@@ -69,19 +69,22 @@ def _check(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_le
                          f"got {tuple(req_to_token.shape)}, {tuple(req_pool_indices.shape)}, {tuple(seq_lens.shape)}")
     if max_len < 0:
         raise ValueError(f"indexer_logits: max_len must be >= 0, got {max_len}")
+    if not 0 <= first_pos <= max_len:
+        raise ValueError(f"indexer_logits: first_pos must be in [0, max_len = {max_len}], got {first_pos}")
 
 
 def indexer_logits_reference(q_index: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                              req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                             max_len: int) -> torch.Tensor:
-    """Plain torch: logits [B, Q, max_len] fp32; the definition the kernel is tested against.
+                             max_len: int, first_pos: int = 0) -> torch.Tensor:
+    """Plain torch: logits [B, Q, max_len - first_pos] fp32 of positions [first_pos, max_len); the definition the
+    kernel is tested against.
 
     q_index [B, Q, H, 128] in any float dtype (fp8 e4m3 included: its values are used as they are, the q scale being
     folded into weights), weights [B, Q, H]. Same arithmetic as `reference.dsa.indexer_logits`, plus the kernel's
     bounds rules: a visible position whose table entry lies outside [0, N) (or past the table's width) gets -inf, and
     so does every position of a request whose row is outside the table.
     """
-    _check(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens, max_len)
+    _check(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens, max_len, first_pos)
     B, Q = q_index.shape[:2]
     N, C = index_cache.shape[0], req_to_token.shape[1]
     dev = q_index.device
@@ -97,24 +100,24 @@ def indexer_logits_reference(q_index: torch.Tensor, weights: torch.Tensor, index
     dots = torch.einsum("bqhd,btd->bqht", q_index.float(), keys) * scale.view(B, 1, 1, -1)
     logits = (dots.relu() * weights.float().unsqueeze(-1)).sum(dim=2)  # [B, Q, T]
     visible = pos.view(1, 1, -1) < causal_lengths(seq_lens, Q).unsqueeze(-1)
-    return logits.masked_fill(~(visible & in_range.unsqueeze(1)), float("-inf"))
+    return logits.masked_fill(~(visible & in_range.unsqueeze(1)), float("-inf"))[..., first_pos:]
 
 
 @triton.jit
 def _indexer_logits_kernel(q_ptr, w_ptr, cache_ptr, r2t_ptr, rpi_ptr, seq_ptr, out_ptr,
                            q_sb, q_sq, q_sh, w_sb, w_sq, w_sh, r2t_stride, out_sb, out_sq,
-                           num_locations, table_width, table_rows, max_len, H, Q,
+                           num_locations, table_width, table_rows, first_pos, max_len, H, Q,
                            HP: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr, Q_FP8: tl.constexpr):
-    # program (tile of BLOCK_T positions, (request b, query token j))
+    # program (tile of BLOCK_T positions from first_pos, (request b, query token j)); out[..., 0] is first_pos
     tile = tl.program_id(0)
     bq = tl.program_id(1)
     b = bq // Q
     j = bq % Q
     seq = tl.load(seq_ptr + b).to(tl.int64)
     visible = tl.minimum(tl.minimum(seq - (Q - 1) + j, max_len), table_width)  # readable positions: [0, visible)
-    start = tile * BLOCK_T
+    start = first_pos + tile * BLOCK_T
     pos = start + tl.arange(0, BLOCK_T)
-    out_at = out_ptr + b.to(tl.int64) * out_sb + j * out_sq + pos
+    out_at = out_ptr + b.to(tl.int64) * out_sb + j * out_sq + (pos - first_pos)
     out_mask = pos < max_len
     row = tl.load(rpi_ptr + b).to(tl.int64)
     # a request row outside the table: nothing is read, nothing is visible
@@ -167,59 +170,64 @@ def dot_mode(q_dtype: torch.dtype, fp8_dot: bool = False) -> int:
 def indexer_logits_triton(q_index: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                           max_len: int, out: torch.Tensor | None = None, block_t: int = BLOCK_T,
-                          num_warps: int = NUM_WARPS, fp8_dot: bool = False) -> torch.Tensor:
-    """Triton kernel: logits [B, Q, max_len] fp32, equal to `indexer_logits_reference` up to fp32 summation order.
+                          num_warps: int = NUM_WARPS, fp8_dot: bool = False, first_pos: int = 0) -> torch.Tensor:
+    """Triton kernel: logits [B, Q, max_len - first_pos] fp32 of positions [first_pos, max_len), equal to
+    `indexer_logits_reference` up to fp32 summation order. A nonzero `first_pos` scores a later part of the positions
+    alone (the decode stack's prefetch in position segments: `out` a slice of the whole logits).
 
     One program per (tile of `block_t` positions, request, query token); the grid depends only on B, Q and max_len
     (CUDA-graph safe). Every output element is written (-inf where not visible), so `out` may hold garbage.
     q_index [B, Q, H, 128] (last dim contiguous) in fp8 e4m3 / bf16 / fp16 / fp32; weights [B, Q, H];
     index_cache [N, 132] uint8 (rows contiguous); req_to_token [R, C] int32/int64; req_pool_indices, seq_lens [B].
     """
-    _check(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens, max_len)
+    _check(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens, max_len, first_pos)
     B, Q, H = q_index.shape[:3]
     if q_index.stride(-1) != 1 or index_cache.stride(1) != 1 or index_cache.stride(0) != INDEXER_ENTRY_BYTES \
             or req_to_token.stride(1) != 1:
         raise ValueError("indexer_logits_triton wants q_index's last dim, index_cache and req_to_token rows contiguous")
     mode = dot_mode(q_index.dtype, fp8_dot)
+    T = max_len - first_pos
     if out is None:
-        out = torch.empty((B, Q, max_len), dtype=torch.float32, device=q_index.device)
-    _check_out(out, q_index, max_len)
-    if B == 0 or max_len == 0:
+        out = torch.empty((B, Q, T), dtype=torch.float32, device=q_index.device)
+    _check_out(out, q_index, T)
+    if B == 0 or T == 0:
         return out
     cache_words = index_cache.view(torch.int32)  # [N, 33]
-    grid = (triton.cdiv(max_len, block_t), B * Q)
+    grid = (triton.cdiv(T, block_t), B * Q)
     q_fp8 = q_index.dtype == FP8
     _indexer_logits_kernel[grid](
         q_index.view(torch.uint8) if q_fp8 else q_index, weights, cache_words, req_to_token, req_pool_indices,
         seq_lens, out,
         q_index.stride(0), q_index.stride(1), q_index.stride(2), weights.stride(0), weights.stride(1),
         weights.stride(2), req_to_token.stride(0), out.stride(0), out.stride(1),
-        index_cache.shape[0], req_to_token.shape[1], req_to_token.shape[0], max_len, H, Q,
+        index_cache.shape[0], req_to_token.shape[1], req_to_token.shape[0], first_pos, max_len, H, Q,
         HP=max(16, triton.next_power_of_2(H)), BLOCK_T=block_t, DOT=mode, Q_FP8=q_fp8,
         num_warps=num_warps)
     return out
 
 
-def _check_out(out: torch.Tensor, q_index: torch.Tensor, max_len: int) -> None:
+def _check_out(out: torch.Tensor, q_index: torch.Tensor, positions: int) -> None:
     B, Q = q_index.shape[:2]
-    if tuple(out.shape) != (B, Q, max_len) or out.dtype != torch.float32 or out.stride(-1) != 1 or \
+    if tuple(out.shape) != (B, Q, positions) or out.dtype != torch.float32 or out.stride(-1) != 1 or \
             out.device != q_index.device:
-        raise ValueError(f"indexer_logits: out must be fp32 [B, Q, max_len] = {(B, Q, max_len)} on {q_index.device} "
-                         f"with its last dim contiguous, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        raise ValueError(f"indexer_logits: out must be fp32 [B, Q, positions] = {(B, Q, positions)} on "
+                         f"{q_index.device} with its last dim contiguous, got {out.dtype} {tuple(out.shape)} on "
+                         f"{out.device}")
 
 
 def indexer_logits(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens, max_len,
-                   impl: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
-    """impl: "auto" (the kernel for CUDA tensors, the reference otherwise), "triton" or "torch".
-    `out` (fp32 [B, Q, max_len], e.g. a batch chunk's rows of a larger tensor) receives the logits when given."""
+                   impl: str = "auto", out: torch.Tensor | None = None, first_pos: int = 0) -> torch.Tensor:
+    """impl: "auto" (the kernel for CUDA tensors, the reference otherwise), "triton" or "torch". Logits of positions
+    [first_pos, max_len). `out` (fp32 [B, Q, max_len - first_pos], e.g. a batch chunk's rows or a position segment of
+    a larger tensor) receives the logits when given."""
     if impl == "triton" or (impl == "auto" and q_index.is_cuda):
         return indexer_logits_triton(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens,
-                                     max_len, out=out)
+                                     max_len, out=out, first_pos=first_pos)
     if impl in ("torch", "auto"):
         if out is not None:
-            _check_out(out, q_index, max_len)
+            _check_out(out, q_index, max_len - first_pos)
         logits = indexer_logits_reference(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens,
-                                          max_len)
+                                          max_len, first_pos)
         return logits if out is None else out.copy_(logits)
     raise ValueError(f"indexer_logits: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
 

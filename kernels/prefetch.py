@@ -65,13 +65,14 @@ def new_tile_candidates(batch: int, positions: int, tile: int, num_locations: in
 
 
 @triton.jit
-def _count_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, margin, rpi_ptr, seq_ptr, r2t_ptr, r2t_stride,
-                  r2t_rows, r2t_width, l2s_ptr, num_locations, counts_ptr, kept_ptr, tiles, TILE: tl.constexpr,
-                  PDL: tl.constexpr):
+def _count_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr_ptr, margin, rpi_ptr, seq_ptr, r2t_ptr,
+                  r2t_stride, r2t_rows, r2t_width, l2s_ptr, num_locations, counts_ptr, kept_ptr, tiles,
+                  TILE: tl.constexpr, PDL: tl.constexpr):
     _pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
-    t = tile * TILE + tl.arange(0, TILE)
+    i = tile * TILE + tl.arange(0, TILE)  # logits column; position first_pos + i
+    t = first_pos + i
     row = tl.load(rpi_ptr + b).to(tl.int64)
     row_ok = (row >= 0) & (row < r2t_rows)  # a row outside the table has no threshold and no candidates
     thr = tl.load(thr_ptr + tl.where(row_ok, row, 0))
@@ -79,10 +80,10 @@ def _count_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, thr_ptr, margin, rpi
     thr = tl.where(tl.abs(thr) != float("inf"), thr - margin * tl.abs(thr), thr)  # the bar a candidate must pass
     above = tl.zeros((TILE,), tl.int1)
     for q in range(Q):
-        x = tl.load(logits_ptr + b * l_stride_b + q * l_stride_q + t, mask=t < T, other=float("-inf"))
+        x = tl.load(logits_ptr + b * l_stride_b + q * l_stride_q + i, mask=i < T, other=float("-inf"))
         above = above | (x > thr)
     # only positions above the threshold (a few percent) read the request table and the slot map
-    loc, _, ok = locate(t, tl.zeros_like(t) + b, (t < T) & above, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows,
+    loc, _, ok = locate(t, tl.zeros_like(t) + b, (i < T) & above, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows,
                         r2t_width, num_locations)
     cand = ok & (tl.load(l2s_ptr + loc, mask=ok, other=-1) < 0)
     # the tile's count, and its candidates' locations in position order at the front of kept[b, tile, :]
@@ -103,8 +104,8 @@ def _offsets_kernel(counts_ptr, after_ptr, tiles, TILES: tl.constexpr, PDL: tl.c
 
 
 @triton.jit
-def _write_kernel(counts_ptr, after_ptr, kept_ptr, tiles, seq_ptr, cap_fraction_ptr, cap_min, out_ptr, width,
-                  TILE: tl.constexpr, GROUP: tl.constexpr, WBLOCK: tl.constexpr, PDL: tl.constexpr):
+def _write_kernel(counts_ptr, after_ptr, kept_ptr, tiles, seq_ptr, cap_fraction_ptr, cap_min, first_pos, T, out_ptr,
+                  width, TILE: tl.constexpr, GROUP: tl.constexpr, WBLOCK: tl.constexpr, PDL: tl.constexpr):
     _pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -114,8 +115,13 @@ def _write_kernel(counts_ptr, after_ptr, kept_ptr, tiles, seq_ptr, cap_fraction_
     after = tl.load(after_ptr + b * tiles + tile, mask=mt, other=0)
     # the request's cap, as EchoPrefetcher.caps: clamp(ceil(seq_len * cap_fraction), cap_min, width), in float64 (a
     # Python float argument would arrive as float32, whose rounding moves some caps by one)
-    seq = tl.load(seq_ptr + b).to(tl.float64)
-    cap = tl.minimum(tl.maximum(tl.math.ceil(seq * tl.load(cap_fraction_ptr)).to(tl.int64), cap_min), width)
+    seq = tl.load(seq_ptr + b).to(tl.int64)
+    cap = tl.minimum(tl.maximum(tl.math.ceil(seq.to(tl.float64) * tl.load(cap_fraction_ptr)).to(tl.int64), cap_min),
+                     width)
+    # a segment of the positions ([first_pos, first_pos + T)) gets its share of the cap, rounded up (the whole cap
+    # where the logits cover every position below seq_len)
+    seen = tl.minimum(tl.maximum(seq - first_pos, 0), T)
+    cap = tl.where(seen > 0, (cap * seen + tl.maximum(seq, 1) - 1) // tl.maximum(seq, 1), 0)
     if g == 0:  # the request's row past its last candidate is padding (-1): no separate fill launch
         total = tl.minimum(tl.sum(tl.where(tile == 0, after + n, 0)).to(tl.int64), cap)
         for r0 in range(0, width, WBLOCK):
@@ -130,12 +136,20 @@ def _write_kernel(counts_ptr, after_ptr, kept_ptr, tiles, seq_ptr, cap_fraction_
 
 
 def candidates_from_tiles(tc: TileCandidates, seq_lens: torch.Tensor, cap_fraction: torch.Tensor,
-                          cap_min_tokens: int, width: int, pdl: bool = False) -> torch.Tensor:
+                          cap_min_tokens: int, width: int, pdl: bool = False, first_pos: int = 0,
+                          positions: int | None = None) -> torch.Tensor:
     """K2 + K3: the per-tile candidates of B requests -> int64 KV locations [B * width], most recent first per
-    request, at most clamp(ceil(seq_len * cap_fraction), cap_min_tokens, width) each, -1 padded. cap_fraction: a
-    float64 [1] device tensor. `pdl` (sm_90+): both launched with programmatic dependent launch, each waiting for
-    the kernel before it first thing, so that their launches overlap the kernel before."""
+    request, at most cap = clamp(ceil(seq_len * cap_fraction), cap_min_tokens, width) each, -1 padded; where the
+    tiles cover only the positions [first_pos, first_pos + positions) (a segment; positions None: every position
+    from first_pos), at most ceil(cap * seen / seq_len), seen the segment's positions below seq_len (the whole cap
+    where the segment holds all of them). cap_fraction: a float64 [1] device tensor. `pdl` (sm_90+): both launched
+    with programmatic dependent launch, each waiting for the kernel before it first thing, so that their launches
+    overlap the kernel before."""
     B, tiles = tc.counts.shape
+    if positions is None:
+        positions = 1 << 62
+    if first_pos < 0 or positions < 0:
+        raise ValueError(f"candidates_from_tiles: first_pos and positions must be >= 0, got {first_pos}, {positions}")
     if cap_fraction.dtype != torch.float64 or cap_fraction.numel() != 1:
         raise ValueError("candidates_from_tiles wants cap_fraction as a float64 tensor of one element")
     if B == 0 or tiles == 0:
@@ -145,7 +159,8 @@ def candidates_from_tiles(tc: TileCandidates, seq_lens: torch.Tensor, cap_fracti
     _offsets_kernel[(B,)](tc.counts, after, tiles, TILES=triton.next_power_of_2(tiles), **pdl_launch(pdl))
     group = WRITE_BLOCK // tc.tile
     _write_kernel[(B, triton.cdiv(tiles, group))](tc.counts, after, tc.kept, tiles, seq_lens, cap_fraction,
-                                                  int(cap_min_tokens), out, width, TILE=tc.tile, GROUP=group,
+                                                  int(cap_min_tokens), int(first_pos), int(positions), out, width,
+                                                  TILE=tc.tile, GROUP=group,
                                                   WBLOCK=min(triton.next_power_of_2(max(width, 1)), 1024),
                                                   **pdl_launch(pdl))
     return out.view(-1)
@@ -154,22 +169,24 @@ def candidates_from_tiles(tc: TileCandidates, seq_lens: torch.Tensor, cap_fracti
 def prefetch_candidates_triton(logits: torch.Tensor, thresholds: torch.Tensor, req_to_token: torch.Tensor,
                                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, loc_to_slot: torch.Tensor,
                                num_locations: int, cap_fraction: torch.Tensor, cap_min_tokens: int,
-                               width: int, margin: float = 0.0, pdl: bool = False) -> torch.Tensor:
-    """K1-K3 over logits [B, Q, T] (T <= the table width); thresholds [rows] (by request row), lowered by `margin` x
-    their magnitude where finite (as `EchoPrefetcher.candidates` defines); caps as in `candidates_from_tiles`.
-    `pdl` (sm_90+): K1 launched plainly but releasing K2 at once, K2 and K3 with programmatic dependent launch.
-    Returns int64 KV locations [B * width], most recent first per request, -1 padded."""
+                               width: int, margin: float = 0.0, pdl: bool = False, first_pos: int = 0) -> torch.Tensor:
+    """K1-K3 over logits [B, Q, T] of positions [first_pos, first_pos + T) (within the table width); thresholds
+    [rows] (by request row), lowered by `margin` x their magnitude where finite (as `EchoPrefetcher.candidates`
+    defines); caps as in `candidates_from_tiles` (a segment's share where the logits miss some of a request's
+    positions). `pdl` (sm_90+): K1 launched plainly but releasing K2 at once, K2 and K3 with programmatic dependent
+    launch. Returns int64 KV locations [B * width], most recent first per request, -1 padded."""
     B, Q, T = logits.shape
     if logits.stride(-1) != 1 or req_to_token.stride(1) != 1:
         raise ValueError("prefetch_candidates_triton wants logits and req_to_token rows contiguous")
     tc = new_tile_candidates(B, T, TILE, num_locations, logits.device)
     tiles = tc.counts.shape[1]
     if B and T:
-        _count_kernel[(B, tiles)](logits, logits.stride(0), logits.stride(1), Q, T, thresholds, float(margin),
+        _count_kernel[(B, tiles)](logits, logits.stride(0), logits.stride(1), Q, T, int(first_pos), thresholds,
+                                  float(margin),
                                   req_pool_indices, seq_lens, req_to_token, req_to_token.stride(0),
                                   req_to_token.shape[0], req_to_token.shape[1], loc_to_slot, num_locations, tc.counts,
                                   tc.kept, tiles, TILE=TILE, PDL=pdl)
-    return candidates_from_tiles(tc, seq_lens, cap_fraction, cap_min_tokens, width, pdl)
+    return candidates_from_tiles(tc, seq_lens, cap_fraction, cap_min_tokens, width, pdl, first_pos, T)
 
 
 @triton.jit

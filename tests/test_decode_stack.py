@@ -16,6 +16,7 @@ from ess_sglang.decode_stack import (
     chunk_bounds,
     latent_store_rows,
     merge_attention,
+    segment_bounds,
     topk_with_scores,
 )
 from ess_sglang.formats import INDEXER_ENTRY_BYTES, pack_indexer_key, pack_latent
@@ -92,7 +93,9 @@ def steps(n, table, rows, locs, seed=1):
     (("sync", "sync"), True, "new tokens inserted"), (("dba", "sync"), False, "fused kernels, new tokens inserted"),
     (("dba", "sync"), True, "prefetch in chunks"), (("sync", "dba"), True, "fused kernels, prefetch in chunks"),
     (("sync", "dba"), True, "spare slots"), (("dba", "sync"), True, "fused kernels, spare slots"),
-    (("sync", "sync"), False, "fused kernels, spare slots, counted copy")])
+    (("sync", "sync"), False, "fused kernels, spare slots, counted copy"),
+    (("dba", "sync"), True, "prefetch in position segments"),
+    (("sync", "dba"), True, "fused kernels, prefetch in position segments")])
 def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attention):
     # "fused kernels": the Triton resolve, prefetch candidates and counted copy (interpreted), as on the GPU
     split = (0.4, 0.3, 0.3) if dba_attention == "three chunks" else 0.5
@@ -102,10 +105,13 @@ def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attent
         options["new_tokens"] = "insert"
     if "prefetch in chunks" in dba_attention:  # the indexer in 3 chunks of one request, each prefetched at once
         options["prefetch_chunks"] = 3
+    if "position segments" in dba_attention:  # the indexer in 3 segments of the positions, each prefetched at once
+        options.update(prefetch_chunks=(0.5, 0.3, 0.2), prefetch_split="positions")
     # "spare slots": 48 per layer, refilled beside attention (fewer than some steps' misses: both paths run)
     spare = 48 if "spare slots" in dba_attention else 0
     dba_attention = "whole" if dba_attention in ("three chunks", "new tokens inserted", "prefetch in chunks",
-                                                 "spare slots") or impl == "triton" else dba_attention
+                                                 "spare slots", "prefetch in position segments") or impl == "triton" \
+        else dba_attention
     ess, hbm, table, rows, locs = build(modes, prefetch=prefetch, split_attention=dba_attention == "split",
                                         dba_attention=dba_attention, dba_split=split, resolve_impl=impl, spare=spare,
                                         **options)
@@ -162,6 +168,53 @@ def test_prefetch_in_chunks_fetches_what_one_prefetch_over_the_batch_fetches():
     for other in runs[1:]:
         for s, (want, got) in enumerate(zip(runs[0], other, strict=True)):
             assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), f"step {s}"
+
+
+def test_prefetch_in_position_segments_fetches_what_one_prefetch_over_the_positions_fetches():
+    # As above, by segments of the positions: where no cap binds (cap_fraction 1) and nothing is evicted, each
+    # segment's candidates are the whole logits' candidates in its positions, so every layer ends every step with the
+    # same entries resident, the same stamps and counters as one prefetch over all positions; each segment wrote a
+    # whole list of its own (every request's rows) with its first position passed on.
+    runs = []
+    for chunks, split in ((1, "rows"), (2, "positions"), ((0.5, 0.3, 0.2), "positions")):
+        ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, slots=1024, prefetch_chunks=chunks,
+                                            prefetch_split=split, cap_fraction=1.0)
+        calls = []
+        candidates = ess.prefetcher.candidates
+        ess.prefetcher.candidates = lambda layer, logits, *a, calls=calls, candidates=candidates, **kw: (
+            calls.append((logits.shape[-1], kw.get("first_pos", 0))), candidates(layer, logits, *a, **kw))[1]
+        states = []
+        for batch, inputs in steps(8, table, rows, locs):
+            calls.clear()
+            ess.step(batch, inputs)
+            width = table.req_to_token.shape[1]
+            want = [(width, 0)] if chunks == 1 else [(hi - lo, lo) for lo, hi in segment_bounds(
+                width, ess.options.prefetch_fractions)]
+            assert calls == want * LAYERS and len(want) == len(ess.options.prefetch_fractions), (chunks, calls)
+            m = ess.m
+            l2s = m.loc_to_slot.long()
+            stamps = torch.where(l2s >= 0, torch.gather(m.slot_stamp, 1, l2s.clamp(min=0)), -1)
+            states.append((l2s >= 0, stamps, m.counters.clone()))
+        runs.append(states)
+    c = runs[0][-1][2].sum(0)
+    assert c[Counter.PREFETCHED] > 0 and c[Counter.PREFETCH_WASTED] > 0 and c[Counter.MISSES] > 0
+    assert c[Counter.EVICTIONS] == 0
+    for other in runs[1:]:
+        for s, (want, got) in enumerate(zip(runs[0], other, strict=True)):
+            assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), f"step {s}"
+
+
+def test_segment_bounds_are_whole_tiles_and_checked():
+    assert segment_bounds(964, (0.5, 0.5)) == [(0, 512), (512, 964)]
+    assert segment_bounds(4096, (0.5, 0.3, 0.2)) == [(0, 2048), (2048, 3264), (3264, 4096)]
+    assert segment_bounds(100, (0.1, 0.9)) == [(0, 100)]  # a segment rounded to nothing is dropped
+    with pytest.raises(ValueError, match="prefetch_split must be 'rows' or 'positions', got 'cols'"):
+        StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, prefetch_split="cols")
+    ess, *_ = build(("sync", "sync"), prefetch=True, prefetch_chunks=2)
+    with pytest.raises(ValueError, match="score hook"):
+        EssDecodeStack(ess.m, ess.index_cache, 964, StackOptions(modes=["sync", "sync"], prefetch=True,
+                                                                 prefetch_chunks=2, prefetch_split="positions"),
+                       max_batch=3, prefetcher=ess.prefetcher, score_hook=lambda layer, logits, batch: logits)
 
 
 def test_the_last_chunks_copy_takes_its_own_program_count():
@@ -503,6 +556,45 @@ def test_prefetch_candidate_kernels_equal_the_torch_definition():
     want_bad = pf.candidates(*bad, impl="torch")
     assert torch.equal(pf.candidates(*bad, impl="triton"), want_bad)
     assert torch.equal(want_bad.view(B, -1)[0], want.view(B, -1)[0]) and bool((want_bad.view(B, -1)[1:] == -1).all())
+
+
+def test_prefetch_candidates_of_position_segments():
+    """Logits of a segment of the positions: the same candidates as the whole logits give there, on both paths, at
+    most the segment's share of the cap each (ceil(cap x seen / seq_len)); segments that tile the positions find every
+    candidate of the whole where no cap binds."""
+    g = torch.Generator().manual_seed(9)
+    B, Q, T, rows = 3, 2, 2600, 5
+    req_to_token = torch.randint(-1, 9000, (rows, T), generator=g).int()
+    logits = torch.randn(B, Q, T, generator=g) * 2
+    rpi, seq = torch.tensor([4, 1, 0]), torch.tensor([T, 900, 1500])
+    loc_to_slot = torch.full((8001,), -1, dtype=torch.int32)
+    loc_to_slot[torch.randint(0, 8000, (3000,), generator=g)] = 5
+    for cap_fraction in (0.02, 1.0):  # a binding cap, and none
+        pf = EchoPrefetcher(1, rows, T, cap_fraction=cap_fraction, cap_min_tokens=7)
+        pf.threshold[0] = torch.tensor([0.0, 2.0, 1.0, 0.0, 1.5])
+        whole = pf.candidates(0, logits, req_to_token, rpi, seq, loc_to_slot, 8000, impl="torch").view(B, -1)
+        found = [set() for _ in range(B)]
+        for lo, hi in ((0, 1024), (1024, 1300), (1300, T)):
+            args = (0, logits[..., lo:hi], req_to_token, rpi, seq, loc_to_slot, 8000)
+            want = pf.candidates(*args, impl="torch", first_pos=lo)
+            assert torch.equal(pf.candidates(*args, impl="triton", first_pos=lo), want), (cap_fraction, lo)
+            seen = (seq - lo).clamp(0, hi - lo)
+            caps = pf.caps(seq, lo, hi - lo)
+            full = pf.caps(seq)
+            assert torch.equal(caps, torch.where(seen > 0, -(-full * seen // seq), 0))
+            per_row = want.view(B, -1)
+            assert torch.equal((per_row >= 0).sum(1) <= caps, torch.ones(B, dtype=torch.bool))
+            # what the segment holds is what the whole logits hold there (most recent first, as many as its cap)
+            pos = torch.arange(lo, hi)
+            locs = req_to_token[rpi, lo:hi].long()
+            for b in range(B):
+                mine = set(per_row[b][per_row[b] >= 0].tolist())
+                assert mine <= set(locs[b][pos < seq[b]].tolist())
+                found[b] |= mine
+        if cap_fraction == 1.0:  # no cap binds: the segments together find exactly the whole's candidates
+            for b in range(B):
+                assert found[b] == set(whole[b][whole[b] >= 0].tolist()), b
+            assert sum(len(f) for f in found) > 0
 
 
 @pytest.mark.parametrize("tile", [64, 1024])

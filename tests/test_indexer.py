@@ -106,6 +106,31 @@ def test_signed_weights_and_tiles(block_t):
     _check_close(got, args, name=f"signed weights, block_t={block_t}", seed=seed)
 
 
+@pytest.mark.parametrize("first_pos", [0, 64, 128, 256])
+def test_position_segments_tile_the_whole(first_pos):
+    """Scoring positions [first_pos, max_len) alone into a slice of the whole logits gives what the whole call gives
+    there (the decode stack's prefetch in position segments), on both paths; segments that tile the positions
+    rebuild the whole."""
+    seed = _seed()
+    args = _case(3, 2, 8, 300, seed)
+    whole, cond = dsa_indexer_logits(*args), _condition(*args)
+    for impl in ("torch", "triton"):
+        buf = torch.full((3, 2, 300), float("nan"))
+        got = indexer_logits(*args[:-1], 300, impl=impl, out=buf[..., first_pos:], first_pos=first_pos)
+        assert got.shape == (3, 2, 300 - first_pos) and buf[..., :first_pos].isnan().all()
+        if impl == "torch":
+            assert torch.equal(got, whole[..., first_pos:]), f"seed {seed}"
+        else:  # the tolerances of _check_close
+            rel, err = _compare(got, whole[..., first_pos:], cond[..., first_pos:])
+            assert rel <= 1e-5 and err <= 1e-6, f"seed {seed}"
+        if first_pos:
+            indexer_logits(*args[:-1], first_pos, impl=impl, out=buf[..., :first_pos])
+            rel, err = _compare(buf, whole, cond)
+            assert rel <= 1e-5 and err <= 1e-6, f"seed {seed}"
+    with pytest.raises(ValueError, match="first_pos"):
+        indexer_logits_triton(*args, first_pos=301)
+
+
 def test_short_and_empty_requests():
     seed = _seed()
     q, w, cache, r2t, rpi, seq, T = _case(4, 3, 4, 40, seed)
@@ -261,7 +286,7 @@ def test_dispatch_and_bad_arguments():
         indexer_logits_triton(q, w, cache, r2t, rpi, seq, T, out=torch.empty(2, 1, T + 1))
     for impl in ("torch", "triton"):  # the same check on both paths, before anything is written
         for bad in (torch.empty(2, 1, T + 1), torch.empty(2, 1, T, dtype=torch.float64), torch.empty(1, 1, T)):
-            with pytest.raises(ValueError, match=r"out must be fp32 \[B, Q, max_len\]"):
+            with pytest.raises(ValueError, match=r"out must be fp32 \[B, Q, positions\]"):
                 indexer_logits(q, w, cache, r2t, rpi, seq, T, impl=impl, out=bad)
     rows = torch.full((4, 1, T), float("nan"))
     assert torch.equal(indexer_logits(q, w, cache, r2t, rpi, seq, T, impl="torch", out=rows[1:3]), rows[1:3])
@@ -277,6 +302,19 @@ def test_gpu_kernel_matches_reference(q_dtype):
     got = indexer_logits_triton(*args, out=_poisoned(8, 2, 3000, "cuda"))
     _check_close(got, args, want, seed=seed)
     assert torch.equal(indexer_topk(got, 2048) >= 0, topk_positions(want, 2048) >= 0)
+
+
+@pytest.mark.gpu
+def test_gpu_position_segments_are_bit_identical_to_the_whole():
+    """The decode stack's prefetch in position segments scores each segment alone: for its exact modes to stay
+    bit-identical to the all-HBM stack, every logit must come out as the whole call computes it."""
+    seed = _seed()
+    args = _case(8, 2, 64, 3000, seed, rows=10, q_dtype=FP8, device="cuda")
+    whole = indexer_logits_triton(*args)
+    parts = _poisoned(8, 2, 3000, "cuda")
+    for lo, hi in ((0, 1280), (1280, 2240), (2240, 3000)):
+        indexer_logits_triton(*args[:-1], hi, out=parts[..., lo:hi], first_pos=lo)
+    assert torch.equal(parts, whole), f"seed {seed}"
 
 
 @pytest.mark.gpu

@@ -96,6 +96,20 @@ def test_a_run_with_another_top_k_is_refused_when_the_top_k_is_named():
         calibration_from_decode_layers(run, "run.json", margin_run=margin, topk="sglang")
 
 
+def test_a_run_whose_prefetch_chunks_split_otherwise_is_refused_when_the_split_is_named():
+    run = _run()  # (no meta.prefetch_split: chunks of batch rows)
+    calibration_from_decode_layers(run, "run.json", prefetch_split="rows")
+    with pytest.raises(CalibrationError, match=r"run\.json: its prefetch chunks split rows \(meta\.prefetch_split\), "
+                                               r"this run's split positions: its exposed times do not apply"):
+        calibration_from_decode_layers(run, "run.json", prefetch_split="positions")
+    run["meta"]["prefetch_split"] = "positions"
+    calibration_from_decode_layers(run, "run.json", prefetch_split="positions")
+    margin = _run()
+    margin["meta"].update(prefetch_margin=0.01)
+    with pytest.raises(CalibrationError, match=r"\(margin run\): its prefetch chunks split rows"):
+        calibration_from_decode_layers(run, "run.json", margin_run=margin, prefetch_split="positions")
+
+
 def test_points_from_benchmark_rows_and_exact_at_measured_points():
     cal = calibration_from_decode_layers(_run(), "run.json")
     assert cal.batches == [16, 64] and cal.contexts == [32768, 131072]  # batch 1 has one miss count only

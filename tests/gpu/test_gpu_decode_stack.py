@@ -91,7 +91,7 @@ def _inputs(w, s, q_index=None):
 
 def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand", prefetch_chunks=1,
          prefetch_layers=None, spare=0, prefetch_indexer="serial", threshold_update="side", resolve_pdl=None,
-         last_chunk_priority="high", prefetch_pdl=None):
+         last_chunk_priority="high", prefetch_pdl=None, prefetch_split="rows"):
     slots = math.ceil(0.25 * B * CTX / 64) * 64
     m = HotPoolCacheManager(w["host"], slots, max_selected=B * TOPK, spare_slots=spare, resolve_pdl=resolve_pdl)
     recent = slots // B - 64
@@ -101,7 +101,7 @@ def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand"
     opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, dba_attention=dba_attention,
                         new_tokens=new_tokens, prefetch_chunks=prefetch_chunks, prefetch_layers=prefetch_layers,
                         prefetch_indexer=prefetch_indexer, threshold_update=threshold_update,
-                        last_chunk_priority=last_chunk_priority)
+                        last_chunk_priority=last_chunk_priority, prefetch_split=prefetch_split)
     return EssDecodeStack(m, w["index_cache"], w["width"], opts, max_batch=B, prefetcher=pf)
 
 
@@ -141,7 +141,10 @@ def reference(world):
     ("sync", 2, "whole", "spare, overlapped, normal"), ("sync", 3, "whole", "normal"),
     ("dba", 2, "whole", "spare, overlapped, normal"),
     # the prefetch's candidate and claim kernels without programmatic dependent launch (on by default on the H200)
-    ("sync", 2, "whole", "spare, overlapped, nopfpdl")])
+    ("sync", 2, "whole", "spare, overlapped, nopfpdl"),
+    # the prefetch in segments of the positions (every request's positions lo:hi) instead of batch rows
+    ("sync", 3, "whole", "positions"), ("sync", 2, "whole", "spare, overlapped, positions"),
+    ("dba", 2, "whole", "spare, overlapped, positions")])
 def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attention, new_tokens):
     variant = new_tokens  # "insert", or the case's other settings ("on_demand" new tokens)
     spare = 1024 if "spare" in variant else 0
@@ -152,7 +155,8 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
                spare=spare, prefetch_indexer=indexer, threshold_update=update,
                resolve_pdl=False if "nopdl" in variant else None,
                last_chunk_priority="normal" if "normal" in variant else "high",
-               prefetch_pdl=False if "nopfpdl" in variant else None)
+               prefetch_pdl=False if "nopfpdl" in variant else None,
+               prefetch_split="positions" if "positions" in variant else "rows")
     assert ess.m._fused.pdl == ("nopdl" not in variant)  # (the H200: on by default)
     assert ess.prefetcher is None or ess.prefetcher.pdl == ("nopfpdl" not in variant)
     assert ess.options.last_chunk_priority == ("normal" if "normal" in variant else "high")
@@ -195,7 +199,9 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
     # the last chunk's prefetch at the main stream's priority
     (["sync", "sync"], 3, 1024, "overlapped, normal"), (["dba", "sync"], 2, 1024, "overlapped, normal"),
     # the prefetch's kernels without programmatic dependent launch
-    (["sync", "sync"], 2, 1024, "overlapped, nopfpdl")])
+    (["sync", "sync"], 2, 1024, "overlapped, nopfpdl"),
+    # the prefetch in segments of the positions
+    (["sync", "sync"], 3, 1024, "overlapped, positions"), (["dba", "sync"], 2, 1024, "overlapped, positions")])
 def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, spare, indexer):
     """Capture a step with prefetch and mixed modes; replaying it over later steps gives what the all-HBM stack and
     the same steps run eagerly give (exact layers bit-identical; DA within 1e-2 of single-pass attention: graph and
@@ -211,7 +217,8 @@ def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, 
                            threshold_update="main" if "main" in indexer else "side",
                            resolve_pdl=False if "nopdl" in indexer else None,
                            last_chunk_priority="normal" if "normal" in indexer else "high",
-                           prefetch_pdl=False if "nopfpdl" in indexer else None) for _ in range(2))
+                           prefetch_pdl=False if "nopfpdl" in indexer else None,
+                           prefetch_split="positions" if "positions" in indexer else "rows") for _ in range(2))
     for s in range(3):  # warm-up (Triton compiles) on both
         for st in (eager, graphed):
             st.step(_batch(world, s), _inputs(world, s))
