@@ -83,14 +83,16 @@ check(kt._tile_count_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, prefix_p
       dict(BLOCK=2048))
 check(kt._tile_write_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, K=I32, prefix_ptr=P64, need_ptr=P32,
                                   offsets_ptr=P32, tiles=I32, out_pos_ptr=P32), dict(BLOCK=2048))
-common = dict(logits_ptr=PF, l_stride_b=I64, l_stride_q=I64, Q=I32, T=I64, thr_ptr=PF, rpi_ptr=P64, seq_ptr=P64,
-              r2t_ptr=P32, r2t_stride=I64, r2t_rows=I64, r2t_width=I64, l2s_ptr=P32, num_locations=I64, tiles=I32)
+common = dict(logits_ptr=PF, l_stride_b=I64, l_stride_q=I64, Q=I32, T=I64, first_pos=I64, thr_ptr=PF, rpi_ptr=P64,
+              seq_ptr=P64, r2t_ptr=P32, r2t_stride=I64, r2t_rows=I64, r2t_width=I64, l2s_ptr=P32, num_locations=I64,
+              tiles=I32)
 for pdl in (False, True):  # (the prefetch's candidate kernels, with and without programmatic dependent launch)
     check(kp._count_kernel, dict(common, margin="fp32", counts_ptr=P32, kept_ptr=P32), dict(TILE=kp.TILE, PDL=pdl))
     check(kp._offsets_kernel, dict(counts_ptr=P32, after_ptr=P32, tiles=I32), dict(TILES=512, PDL=pdl))
     for tile in (kp.TILE, 64):
         check(kp._write_kernel, dict(counts_ptr=P32, after_ptr=P32, kept_ptr=P32, tiles=I32, seq_ptr=P64,
-                                     cap_fraction_ptr="*fp64", cap_min=I64, out_ptr=P64, width=I64),
+                                     cap_fraction_ptr="*fp64", cap_min=I64, first_pos=I64, T=I64, out_ptr=P64,
+                                     width=I64),
               dict(TILE=tile, GROUP=kp.WRITE_BLOCK // tile, WBLOCK=512, PDL=pdl))
 check(kp._ema_kernel, dict(kth_ptr=PF, kth_stride=I64, Q=I32, rpi_ptr=P64, thr_ptr=PF, num_rows=I64, B=I32,
                            alpha="fp32", keep="fp32"), dict(BLOCK=128))
@@ -119,7 +121,7 @@ for dot, q_type, q_fp8 in ((ki.DOT_BF16, "*u8", True), (ki.DOT_BF16, "*bf16", Fa
     check(ki._indexer_logits_kernel, dict(q_ptr=q_type, w_ptr=PF, cache_ptr=P32, r2t_ptr=P32, rpi_ptr=P64,
                                           seq_ptr=P64, out_ptr=PF, q_sb=I64, q_sq=I64, q_sh=I64, w_sb=I64, w_sq=I64,
                                           w_sh=I64, r2t_stride=I64, out_sb=I64, out_sq=I64, num_locations=I64,
-                                          table_width=I64, table_rows=I64, max_len=I64, H=I32, Q=I32),
+                                          table_width=I64, table_rows=I64, first_pos=I64, max_len=I64, H=I32, Q=I32),
           dict(HP=64, BLOCK_T=ki.BLOCK_T, DOT=dot, Q_FP8=q_fp8))
 for not_resident in (13, -1):
     check(kn._store_reserved_kernel, dict(entries_ptr=P32, host_ptr=P32, hot_ptr=P32, locs_ptr=P32, l2s_ptr=P32,
