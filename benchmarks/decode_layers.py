@@ -69,6 +69,7 @@ from ess_sglang.decode_stack import (
     StackOptions,
     chunk_bounds,
     latent_store_rows,
+    topk_with_scores,
 )
 from ess_sglang.formats import INDEXER_ENTRY_BYTES, LATENT_ENTRY_BYTES, pack_indexer_key, pack_latent
 from ess_sglang.host_pool import HostTotalPool
@@ -161,6 +162,13 @@ class Config:
                                        torch.randn(batch, 64, device=dev, generator=g)) for _ in range(layers)]
         self.new_key = [pack_indexer_key(torch.randn(batch, 128, device=dev, generator=g)) for _ in range(layers)]
         self.q0 = [torch.randn(batch, 1, IHEADS, 128, device=dev, generator=g) for _ in range(layers)]
+        # each step's new tokens, distinct from every other step's (one key repeated every step would give equal
+        # logits, ties that the top-k may break either way: a selection unlike the all-HBM stack's, both exact)
+        self.step_latent = [[pack_latent(torch.randn(batch, 512, device=dev, generator=g),
+                                         torch.randn(batch, 64, device=dev, generator=g)) for _ in range(layers)]
+                            for _ in range(steps)]
+        self.step_key = [[pack_indexer_key(torch.randn(batch, 128, device=dev, generator=g)) for _ in range(layers)]
+                         for _ in range(steps)]
         self.noise_seed = seed + 1
         # static buffers the captured graphs read
         self.seq_lens = torch.zeros(batch, dtype=torch.int64, device=dev)
@@ -189,6 +197,8 @@ class Config:
         self.new_locs.copy_(self.rows.long() * self.width + self.context + s)
         for layer in range(self.layers):
             self.q_index[layer].copy_(queries[s][layer])
+            self.new_latent[layer].copy_(self.step_latent[s][layer])
+            self.new_key[layer].copy_(self.step_key[s][layer])
 
 
 def spare_slots(size: float | str, batch: int, slots: int, sync_misses=None) -> int:
@@ -202,7 +212,7 @@ def stack_topk(topk, ordered: bool = False):
     """A stack's `StackOptions.topk` from the run's top-k: a name ("torch", "triton"), or SGLang's decode top-k (a
     built `sglang_topk.SglangTopKV2`) as a callable, ordered for the correctness check (benchmarks/sglang_topk.py).
     It gives positions only, as in SGLang: a prefetching ESS stack finds the k-th scores itself."""
-    return topk if isinstance(topk, str) else topk.stack_topk(ordered)
+    return topk if isinstance(topk, str | SelectionLog) else topk.stack_topk(ordered)
 
 
 def build_ess(pools: Pools, cfg: Config, slots: int, modes, prefetch: bool, spare: int = 0, margin: float = 0.0,
@@ -317,14 +327,71 @@ def stack_knobs(args) -> dict:
                 last_chunk_priority=args.last_chunk_priority)
 
 
+class SelectionLog:
+    """A stack's top-k, recorded for the correctness check: per call, the positions (ascending, -1 last) and per row
+    whether they are k best scores of the row (a valid top-k: no visible unselected score above the lowest selected
+    one; ties may go either way). So an exact mode that is not bit-identical to the all-HBM stack says why: another
+    selection (which of the two stacks' top-k calls selected validly), or the same selection and other attention
+    inputs (a bug). One query token per request (the harness's)."""
+
+    def __init__(self, topk):
+        self.topk = topk  # a name ("torch", "triton") or a callable (StackOptions.topk)
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name in ("begin_step", "prepare"):
+            if hasattr(topk, name):
+                setattr(self, name, getattr(topk, name))
+
+    def __call__(self, scores: torch.Tensor, k: int, seq_lens: torch.Tensor):
+        pos, kth = self.topk(scores, k, seq_lens) if callable(self.topk) else topk_with_scores(scores, k, self.topk)
+        B, Q, T = scores.shape
+        p = pos.reshape(B * Q, -1).long()
+        rows = scores.reshape(B * Q, T).float()
+        visible = torch.arange(T, device=scores.device).view(1, T) < seq_lens.repeat_interleave(Q).view(-1, 1)
+        chosen = torch.zeros_like(visible)
+        chosen.scatter_(1, torch.where(p >= 0, p, 0), p >= 0)
+        lowest = torch.where(chosen, rows, float("inf")).amin(dim=1)
+        highest_left = torch.where(visible & ~chosen, rows, float("-inf")).amax(dim=1)
+        ordered = torch.where(p >= 0, p, T).sort(dim=1).values
+        self.calls.append((torch.where(ordered < T, ordered, -1).int(), lowest >= highest_left))
+        return pos, kth
+
+    def per_layer(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The calls grouped into whole-batch selections of `rows` rows (DBA selects chunk by chunk)."""
+        out, pos, ok = [], [], []
+        for p, v in self.calls:
+            pos.append(p)
+            ok.append(v)
+            if sum(x.shape[0] for x in pos) == rows:
+                out.append((torch.cat(pos), torch.cat(ok)))
+                pos, ok = [], []
+        return out
+
+
+def compare_selections(got: SelectionLog, want: SelectionLog, rows: int) -> dict:
+    """Per-row comparison of two stacks' selections over the same steps."""
+    g, w = got.per_layer(rows), want.per_layer(rows)
+    if len(g) != len(w):
+        return dict(same_selection=False, note=f"{len(g)} selections against {len(w)}")
+    differ = invalid_got = invalid_want = 0
+    for (pg, vg), (pw, vw) in zip(g, w, strict=True):
+        d = (pg != pw).any(dim=1)
+        differ += int(d.sum())
+        invalid_got += int((d & ~vg).sum())
+        invalid_want += int((d & ~vw).sum())
+    return dict(same_selection=differ == 0, rows_selected_otherwise=differ, of_those_not_a_valid_topk=invalid_got,
+                of_those_hbm_not_a_valid_topk=invalid_want)
+
+
 def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 0.0, margin: float = 0.0,
                       prefetch_fractions: tuple[float, ...] | None = None, resolve_pdl: bool | None = None,
                       prefetch_pdl: bool | None = None, topk="torch", **knobs) -> dict:
     """Eager steps from the same state: ESS modes against the all-HBM stack (whole-batch and split attention), every
-    stack with the run's top-k. `knobs`: `stack_knobs` of the run."""
+    stack with the run's top-k, each stack's selections recorded (`SelectionLog`) and compared with the all-HBM
+    stack's. `knobs`: `stack_knobs` of the run."""
     res = {}
+    hbm_log = SelectionLog(stack_topk(topk, True))
     hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
-                         StackOptions(modes=["sync"] * cfg.layers, top_k=TOP_K, topk=stack_topk(topk, True)))
+                         StackOptions(modes=["sync"] * cfg.layers, top_k=TOP_K, topk=hbm_log))
     hbm_split = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
                                StackOptions(modes=["dba"] * cfg.layers, top_k=TOP_K,
                                             topk=stack_topk(topk, True)), split_attention=True)
@@ -338,10 +405,11 @@ def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 
     if spare_fraction:  # the same modes with spare slots (refilled beside attention)
         variants += [(f"{n}+spare", m, p) for n, m, p in variants if n != "prefetch"]
     for name, modes, prefetch in variants:
+        log = SelectionLog(stack_topk(topk, True))
         ess = build_ess(pools, cfg, slots, [modes] * cfg.layers, prefetch, margin=margin,
                         spare=spare_slots(spare_fraction, cfg.batch, slots) if name.endswith("+spare") else 0,
                         prefetch_chunks=chunk_fractions(name.removesuffix("+spare"), prefetch_fractions),
-                        resolve_pdl=resolve_pdl, prefetch_pdl=prefetch_pdl, topk=topk, ordered=True, **knobs)
+                        resolve_pdl=resolve_pdl, prefetch_pdl=prefetch_pdl, topk=log, **knobs)
         reset_and_warm(ess, cfg)
         identical, identical_split, rel = True, True, 0.0
         for s in range(cfg.steps):
@@ -354,7 +422,8 @@ def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 
                 rel = max(rel, float((g - w).abs().max() / w.abs().max()))
         c = ess.m.counters.cpu()
         res[name] = dict(bit_identical=identical, bit_identical_to_split_hbm=identical_split, max_rel_err=rel,
-                         hit_rate=int(c[:, Counter.HITS].sum()) / max(1, int(c[:, Counter.LOOKUPS].sum())))
+                         hit_rate=int(c[:, Counter.HITS].sum()) / max(1, int(c[:, Counter.LOOKUPS].sum())),
+                         **compare_selections(log, hbm_log, cfg.batch))
         del ess
     return res
 

@@ -1,0 +1,61 @@
+"""decode_layers.py's correctness check says why an exact mode is not bit-identical: the recorded selections of
+each stack's top-k (`SelectionLog`) and their comparison (`compare_selections`), on CPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import decode_layers as dl  # noqa: E402
+
+
+def _scores(B=4, T=60, seed=0):
+    """Indexer-like scores: -inf past each request's length, as the indexer writes them."""
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.tensor([60, 40, 33, 12])
+    scores = torch.randn(B, 1, T, generator=g)
+    return scores.masked_fill(torch.arange(T).view(1, 1, T) >= seq.view(B, 1, 1), float("-inf")), seq
+
+
+def test_a_valid_selection_is_recorded_ascending_and_valid_in_every_row():
+    scores, seq = _scores()
+    log = dl.SelectionLog("torch")
+    pos, _ = log(scores, 8, seq)
+    got, valid = log.calls[0]
+    assert bool(valid.all())
+    want = scores[:, 0].topk(8).indices
+    assert torch.equal(got.long(), want.sort(dim=1).values)
+    assert torch.equal(pos[:, 0].long().sort(dim=1).values, got.long())  # the stack still gets the top-k's own output
+
+
+def test_another_selection_is_found_and_judged_row_by_row():
+    scores, seq = _scores()
+    exact = dl.SelectionLog("torch")
+    exact(scores, 8, seq)
+
+    def second_best(s, k, lens):  # row 1 takes its 9th best instead of its 8th: not a valid top-k there
+        pos, kth = dl.topk_with_scores(s, k + 1, "torch")
+        pos = pos[..., :k].clone()
+        pos[1, 0, k - 1] = pos.new_tensor(int(dl.topk_with_scores(s, k + 1, "torch")[0][1, 0, k]))
+        return pos, None
+
+    other = dl.SelectionLog(second_best)
+    other(scores, 8, seq)
+    assert not bool(other.calls[0][1][1]) and bool(other.calls[0][1][[0, 2, 3]].all())
+    assert dl.compare_selections(other, exact, 4) == dict(
+        same_selection=False, rows_selected_otherwise=1, of_those_not_a_valid_topk=1, of_those_hbm_not_a_valid_topk=0)
+    assert dl.compare_selections(exact, exact, 4)["same_selection"]
+
+
+def test_chunked_calls_are_joined_into_whole_batch_selections():
+    scores, seq = _scores()
+    whole, chunks = dl.SelectionLog("torch"), dl.SelectionLog("torch")
+    for _ in range(2):  # two layers: the whole batch at once, or in chunks of 3 and 1 rows (DBA)
+        whole(scores, 8, seq)
+        chunks(scores[:3], 8, seq[:3])
+        chunks(scores[3:], 8, seq[3:])
+    assert len(chunks.per_layer(4)) == 2
+    assert dl.compare_selections(chunks, whole, 4)["same_selection"]
