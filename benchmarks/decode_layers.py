@@ -329,10 +329,11 @@ def stack_knobs(args) -> dict:
 
 class SelectionLog:
     """A stack's top-k, recorded for the correctness check: per call, the positions (ascending, -1 last) and per row
-    whether they are k best scores of the row (a valid top-k: no visible unselected score above the lowest selected
-    one; ties may go either way). So an exact mode that is not bit-identical to the all-HBM stack says why: another
-    selection (which of the two stacks' top-k calls selected validly), or the same selection and other attention
-    inputs (a bug). One query token per request (the harness's)."""
+    whether they are k best scores of the row (a valid top-k: min(k, visible) distinct visible positions, no visible
+    unselected score above the lowest selected one; ties may go either way). So an exact mode that is not
+    bit-identical to the all-HBM stack says why: another selection (which of the two stacks' top-k calls selected
+    validly), or the same selection and other attention inputs (a bug). One query token per request (the
+    harness's)."""
 
     def __init__(self, topk):
         self.topk = topk  # a name ("torch", "triton") or a callable (StackOptions.topk)
@@ -351,8 +352,11 @@ class SelectionLog:
         chosen.scatter_(1, torch.where(p >= 0, p, 0), p >= 0)
         lowest = torch.where(chosen, rows, float("inf")).amin(dim=1)
         highest_left = torch.where(visible & ~chosen, rows, float("-inf")).amax(dim=1)
+        # as many as there are to select, each visible, none of them twice
+        counted = (chosen.sum(dim=1) == (p >= 0).sum(dim=1)) & \
+            ((p >= 0).sum(dim=1) == visible.sum(dim=1).clamp(max=k)) & ~(chosen & ~visible).any(dim=1)
         ordered = torch.where(p >= 0, p, T).sort(dim=1).values
-        self.calls.append((torch.where(ordered < T, ordered, -1).int(), lowest >= highest_left))
+        self.calls.append((torch.where(ordered < T, ordered, -1).int(), (lowest >= highest_left) & counted))
         return pos, kth
 
     def per_layer(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -612,7 +616,8 @@ def main(argv=None) -> int:
                    help="ECHO candidates above threshold - margin x |threshold| (EchoPrefetcher margin)")
     p.add_argument("--prefetch-split", default="rows", choices=["rows", "positions"],
                    help="prefetchN: the indexer chunks are N groups of requests (rows) or N segments of the positions "
-                   "of every request (positions: the last segment's copy is its share of the misses)")
+                   "of every request (positions: the last segment's copy is its share of the misses; segments are "
+                   "fractions of the table width, which here is each request's length)")
     p.add_argument("--prefetch-indexer", default="overlapped", choices=["serial", "overlapped"],
                    help="prefetchN: the chunks' indexer launches one after the other on the main stream (serial), or "
                    "all but the last on a high-priority stream of their own, the last at once on the main stream "
@@ -745,6 +750,7 @@ def main(argv=None) -> int:
                 dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk, **topk_meta,
                 spare=args.spare,
                 prefetch_margin=args.prefetch_margin, prefetch_fractions=args.prefetch_fractions,
+                new_tokens_per_step=True,  # each step's new tokens its own (before: one new key and latent every step)
                 resolve_pdl=args.resolve_pdl, prefetch_pdl=args.prefetch_pdl, **stack_knobs(args),
                 calibration=timings.measured.source if timings.measured is not None else None,
                 calibration_prefetch_margin=timings.measured.prefetch_margin if timings.measured is not None else None,

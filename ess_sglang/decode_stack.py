@@ -119,7 +119,10 @@ class StackOptions:
     prefetch_split: str = "rows"  # with chunks: what the chunks split: "rows" (batch rows: each chunk is some requests
     # over all their positions) or "positions" (segments of the positions, as fractions of the table width rounded to
     # the indexer's 64-position tiles: each chunk is every request over positions [lo, hi); the last segment's copy is
-    # its share of the misses whatever the batch size; each segment prefetches at most its share of a request's cap)
+    # its share of the misses whatever the batch size; each segment prefetches at most its share of a request's cap;
+    # the segments are fractions of the table width, not of each request's length: they split the work as intended
+    # where requests are about as long as the table is wide, as in the benchmark; a request much shorter than the
+    # table has all its positions in the first segments, and the last ones then prefetch nothing for it)
     prefetch_indexer: str = "overlapped"  # with chunks: "serial" (the chunks' indexer launches one after the other
     # on the main stream) or "overlapped" (every chunk but the last on a high-priority stream of their own, the last
     # on the main stream at once: the block scheduler fills the first launch's last wave with the next one's blocks;
@@ -399,35 +402,34 @@ class HbmDecodeStack(_StackBase):
         return [self.forward_layer(layer, batch, inputs[layer]) for layer in range(self.num_layers)]
 
 
-def segment_bounds(T: int, fractions: Sequence[float], align: int = 64) -> list[tuple[int, int]]:
-    """[lo, hi) position ranges of the prefetch's segments: cumulative fractions of T rounded to multiples of
-    `align` (the indexer's tile); empty segments dropped."""
-    ends, acc = [], 0.0
-    for f in fractions[:-1]:
-        acc += f
-        ends.append(min(T, round(T * acc / align) * align))
-    ends.append(T)
+def _ranges(ends: Sequence[int]) -> list[tuple[int, int]]:
+    """[lo, hi) ranges from 0 to each end in turn; empty ones dropped."""
     bounds, lo = [], 0
     for hi in ends:
         if hi > lo:
             bounds.append((lo, hi))
             lo = hi
     return bounds
+
+
+def _cumulative(fractions: Sequence[float]) -> list[float]:
+    """The running sums of every fraction but the last (the boundaries between chunks, as fractions of the whole)."""
+    out, acc = [], 0.0
+    for f in fractions[:-1]:
+        acc += f
+        out.append(acc)
+    return out
+
+
+def segment_bounds(T: int, fractions: Sequence[float], align: int = 64) -> list[tuple[int, int]]:
+    """[lo, hi) position ranges of the prefetch's segments: cumulative fractions of T rounded to multiples of
+    `align` (the indexer's tile); empty segments dropped."""
+    return _ranges([min(T, round(T * c / align) * align) for c in _cumulative(fractions)] + [T])
 
 
 def chunk_bounds(B: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
     """[lo, hi) row ranges of DBA's chunks: cumulative fractions of B, rounded; empty chunks dropped."""
-    ends, acc = [], 0.0
-    for f in fractions[:-1]:
-        acc += f
-        ends.append(min(B, max(1, round(B * acc))))
-    ends.append(B)
-    bounds, lo = [], 0
-    for hi in ends:
-        if hi > lo:
-            bounds.append((lo, hi))
-            lo = hi
-    return bounds
+    return _ranges([min(B, max(1, round(B * c))) for c in _cumulative(fractions)] + [B])
 
 
 class EssDecodeStack(_StackBase):

@@ -112,6 +112,10 @@ class EchoPrefetcher:
         layer's (None: the layer's).
         """
         impl = self.impl if impl is None else impl
+        T = logits.shape[-1]
+        if first_pos < 0 or (first_pos and first_pos + T > req_to_token.shape[1]):
+            raise ValueError(f"prefetch candidates: logits of positions [{first_pos}, {first_pos + T}) must lie within "
+                             f"the request table's {req_to_token.shape[1]} positions")
         if margin is None:
             margin = self.margins[layer]
         elif not is_margin(margin):

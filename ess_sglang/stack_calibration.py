@@ -207,10 +207,19 @@ def load_calibration(path: str | Path | Sequence[str | Path], where: str | None 
 
 
 COMPARABLE_META = ("layers", "warm", "steps", "ratio", "pool_batch", "dba_split", "overlap_programs", "topk", "spare",
-                   "device", "prefetch_indexer", "prefetch_fractions", "prefetch_split", "threshold_update",
-                   "resolve_pdl", "prefetch_pdl", "last_chunk_programs", "last_chunk_margin", "last_chunk_priority")
+                   "device", "prefetch_indexer", "prefetch_fractions", "prefetch_split", "new_tokens_per_step",
+                   "threshold_update", "resolve_pdl", "prefetch_pdl", "last_chunk_programs", "last_chunk_margin",
+                   "last_chunk_priority")
 """`meta` keys of a decode-stack run that the two runs of a margin calibration must share (what else they measure
 with), besides the margin itself."""
+
+
+META_DEFAULTS = {"prefetch_split": "rows", "new_tokens_per_step": False}
+"""What a run's meta key meant before the key was recorded (older runs lack it)."""
+
+
+def _setting(meta: Mapping, key: str) -> Any:
+    return meta.get(key, META_DEFAULTS.get(key))
 
 
 def _meta(data: Any, where: str) -> Mapping:
@@ -263,8 +272,8 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
                 raise CalibrationError(f"{w}: measured with --topk {measured_with} (meta.topk), this run selects with "
                                        f"--topk {topk}: its exposed times do not apply (the top-k is what ECHO hides "
                                        f"beside)")
-        if prefetch_split is not None and m.get("prefetch_split", "rows") != prefetch_split:
-            raise CalibrationError(f"{w}: its prefetch chunks split {m.get('prefetch_split', 'rows')} "
+        if prefetch_split is not None and _setting(m, "prefetch_split") != prefetch_split:
+            raise CalibrationError(f"{w}: its prefetch chunks split {_setting(m, 'prefetch_split')} "
                                    f"(meta.prefetch_split), this run's split {prefetch_split}: its exposed times do "
                                    f"not apply")
     first = _run_margin(meta, where)
@@ -278,11 +287,11 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
         if margin == 0:
             raise CalibrationError(f"{where}: the margin run must be at a prefetch margin in (0, 1) "
                                    f"(meta.prefetch_margin; decode_layers.py --prefetch-margin), got 0")
-        differ = [k for k in COMPARABLE_META if meta.get(k) != meta2.get(k)]
+        differ = [k for k in COMPARABLE_META if _setting(meta, k) != _setting(meta2, k)]
         if differ:
             k = differ[0]
-            raise CalibrationError(f"{where}: the two runs differ in meta.{k} ({meta.get(k)!r} against "
-                                   f"{meta2.get(k)!r}): measure both with the same settings but the margin")
+            raise CalibrationError(f"{where}: the two runs differ in meta.{k} ({_setting(meta, k)!r} against "
+                                   f"{_setting(meta2, k)!r}): measure both with the same settings but the margin")
     raw = _measured(data, where, spare_slots)
     if margin_run is not None:
         extra = _measured(margin_run, where2, spare_slots, with_misses=False)

@@ -138,6 +138,24 @@ def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attent
     ess.m.check_invariants()
 
 
+def _pool_state(m):
+    """Which locations are resident in each layer, their slots' stamps, and every counter."""
+    l2s = m.loc_to_slot.long()
+    stamps = torch.where(l2s >= 0, torch.gather(m.slot_stamp, 1, l2s.clamp(min=0)), -1)
+    return l2s >= 0, stamps, m.counters.clone()
+
+
+def _assert_same_states(runs):
+    """Every run's pool states equal the first run's after every step (which prefetched, wasted and missed, with no
+    eviction)."""
+    c = runs[0][-1][2].sum(0)
+    assert c[Counter.PREFETCHED] > 0 and c[Counter.PREFETCH_WASTED] > 0 and c[Counter.MISSES] > 0
+    assert c[Counter.EVICTIONS] == 0
+    for other in runs[1:]:
+        for s, (want, got) in enumerate(zip(runs[0], other, strict=True)):
+            assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), f"step {s}"
+
+
 def test_prefetch_in_chunks_fetches_what_one_prefetch_over_the_batch_fetches():
     # In a pool that holds every selection and prefetch (no evictions), prefetching chunk by chunk takes the same
     # candidates as one prefetch over the whole batch: after every step the same locations are resident in every
@@ -157,17 +175,9 @@ def test_prefetch_in_chunks_fetches_what_one_prefetch_over_the_batch_fetches():
             ess.step(batch, inputs)
             want = [hi - lo for lo, hi in chunk_bounds(len(LENGTHS), ess.options.prefetch_fractions)] * LAYERS
             assert calls == [n * ess.prefetcher.width for n in want], (chunks, calls)
-            m = ess.m
-            l2s = m.loc_to_slot.long()
-            stamps = torch.where(l2s >= 0, torch.gather(m.slot_stamp, 1, l2s.clamp(min=0)), -1)
-            states.append((l2s >= 0, stamps, m.counters.clone()))
+            states.append(_pool_state(ess.m))
         runs.append(states)
-    c = runs[0][-1][2].sum(0)
-    assert c[Counter.PREFETCHED] > 0 and c[Counter.PREFETCH_WASTED] > 0 and c[Counter.MISSES] > 0
-    assert c[Counter.EVICTIONS] == 0
-    for other in runs[1:]:
-        for s, (want, got) in enumerate(zip(runs[0], other, strict=True)):
-            assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), f"step {s}"
+    _assert_same_states(runs)
 
 
 def test_prefetch_in_position_segments_fetches_what_one_prefetch_over_the_positions_fetches():
@@ -191,23 +201,22 @@ def test_prefetch_in_position_segments_fetches_what_one_prefetch_over_the_positi
             want = [(width, 0)] if chunks == 1 else [(hi - lo, lo) for lo, hi in segment_bounds(
                 width, ess.options.prefetch_fractions)]
             assert calls == want * LAYERS and len(want) == len(ess.options.prefetch_fractions), (chunks, calls)
-            m = ess.m
-            l2s = m.loc_to_slot.long()
-            stamps = torch.where(l2s >= 0, torch.gather(m.slot_stamp, 1, l2s.clamp(min=0)), -1)
-            states.append((l2s >= 0, stamps, m.counters.clone()))
+            states.append(_pool_state(ess.m))
         runs.append(states)
-    c = runs[0][-1][2].sum(0)
-    assert c[Counter.PREFETCHED] > 0 and c[Counter.PREFETCH_WASTED] > 0 and c[Counter.MISSES] > 0
-    assert c[Counter.EVICTIONS] == 0
-    for other in runs[1:]:
-        for s, (want, got) in enumerate(zip(runs[0], other, strict=True)):
-            assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), f"step {s}"
+    _assert_same_states(runs)
 
 
 def test_segment_bounds_are_whole_tiles_and_checked():
     assert segment_bounds(964, (0.5, 0.5)) == [(0, 512), (512, 964)]
     assert segment_bounds(4096, (0.5, 0.3, 0.2)) == [(0, 2048), (2048, 3264), (3264, 4096)]
     assert segment_bounds(100, (0.1, 0.9)) == [(0, 100)]  # a segment rounded to nothing is dropped
+    pf = EchoPrefetcher(1, 3, 964)
+    loc_to_slot = torch.full((100,), -1, dtype=torch.int32)
+    args = (torch.zeros(3, 964, dtype=torch.int32), torch.arange(3), torch.full((3,), 900), loc_to_slot, 99)
+    for first_pos, width in ((-1, 10), (900, 100)):  # before the table, past its end: refused on both paths
+        for impl in ("torch", "triton"):
+            with pytest.raises(ValueError, match="must lie within the request table's 964 positions"):
+                pf.candidates(0, torch.zeros(3, 1, width), *args, impl=impl, first_pos=first_pos)
     with pytest.raises(ValueError, match="prefetch_split must be 'rows' or 'positions', got 'cols'"):
         StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, prefetch_split="cols")
     ess, *_ = build(("sync", "sync"), prefetch=True, prefetch_chunks=2)
@@ -591,6 +600,12 @@ def test_prefetch_candidates_of_position_segments():
                 mine = set(per_row[b][per_row[b] >= 0].tolist())
                 assert mine <= set(locs[b][pos < seq[b]].tolist())
                 found[b] |= mine
+        if cap_fraction == 0.02:  # the shares by hand: caps 52 / 18 / 30 (seq 2600 / 900 / 1500, at least 7)
+            assert pf.caps(seq).tolist() == [52, 18, 30]
+            # ceil(52 x 1024 / 2600), all 18 of the 900-long request, ceil(30 x 1024 / 1500)
+            assert pf.caps(seq, 0, 1024).tolist() == [21, 18, 21]
+            assert pf.caps(seq, 1024, 276).tolist() == [6, 0, 6]  # the 900-long request has nothing there
+            assert pf.caps(seq, 1300, 1300).tolist() == [26, 0, 4]
         if cap_fraction == 1.0:  # no cap binds: the segments together find exactly the whole's candidates
             for b in range(B):
                 assert found[b] == set(whole[b][whole[b] >= 0].tolist()), b

@@ -59,3 +59,20 @@ def test_chunked_calls_are_joined_into_whole_batch_selections():
         chunks(scores[3:], 8, seq[3:])
     assert len(chunks.per_layer(4)) == 2
     assert dl.compare_selections(chunks, whole, 4)["same_selection"]
+
+
+def test_too_few_repeated_or_hidden_positions_are_not_a_valid_top_k():
+    scores, seq = _scores()
+    exact = dl.SelectionLog("torch")
+    pos, _ = exact(scores, 8, seq)
+
+    def spoiled(s, k, lens):
+        p = pos.clone()
+        p[0, 0, 0] = -1  # one position short
+        p[1, 0, 1] = p[1, 0, 0]  # one twice
+        p[2, 0, 2] = 50  # past the request's 33 positions
+        return p, None
+
+    bad = dl.SelectionLog(spoiled)
+    bad(scores, 8, seq)
+    assert bad.calls[0][1].tolist() == [False, False, False, True]

@@ -108,6 +108,10 @@ def test_a_run_whose_prefetch_chunks_split_otherwise_is_refused_when_the_split_i
     margin["meta"].update(prefetch_margin=0.01)
     with pytest.raises(CalibrationError, match=r"\(margin run\): its prefetch chunks split rows"):
         calibration_from_decode_layers(run, "run.json", margin_run=margin, prefetch_split="positions")
+    # a run from before the key (rows) pairs with one that records "rows"
+    old, new = _run(), _run()
+    new["meta"].update(prefetch_margin=0.01, prefetch_split="rows", new_tokens_per_step=False)
+    calibration_from_decode_layers(old, "run.json", margin_run=new, prefetch_split="rows")
 
 
 def test_points_from_benchmark_rows_and_exact_at_measured_points():

@@ -196,8 +196,9 @@ def select(config: Any, metadata: Any, logits: Any, topk: int, args: tuple, kwar
     return out
 
 
-def startup_line(topk_backend: str, config: Any) -> tuple[bool, str]:
-    """(warn, line): which top-k an ESS instance's decode runs with these launch settings, for the start-up log."""
+def startup_line(topk_backend: str, config: Any, fused: bool | None = True) -> tuple[bool, str]:
+    """(warn, line): which top-k an ESS instance's decode runs with these launch settings, for the start-up log.
+    `fused`: the attention backend's ``use_fused_topk`` (None: not readable, then decode falls back, see ``select``)."""
     from sglang.srt.environ import envs
     from sglang.srt.layers.attention.dsa.dsa_topk_backend import DSATopKBackend
 
@@ -206,6 +207,12 @@ def startup_line(topk_backend: str, config: Any) -> tuple[bool, str]:
         return True, ("ESS decode top-k: SGLang's HiSparse top-k (ess decode_topk: hisparse); it can select other "
                       "entries than SGLang without ESS")
     backend = DSATopKBackend(topk_backend)
+    if fused is None:
+        return True, ("ESS decode top-k: the attention backend's use_fused_topk cannot be read, so decode selects with "
+                      "SGLang's HiSparse top-k, which can select other entries than SGLang without ESS")
+    if not fused:
+        return False, ("ESS decode top-k: SGLang's unfused top-k (the attention backend does not fuse it), as SGLang "
+                       "without ESS runs it")
     if not envs.SGLANG_DSA_FUSE_TOPK.get():
         return False, (f"ESS decode top-k: SGLang's unfused {backend.value} top-k (SGLANG_DSA_FUSE_TOPK is off), as "
                        f"SGLang without ESS runs it")
@@ -225,8 +232,10 @@ def startup_line(topk_backend: str, config: Any) -> tuple[bool, str]:
 def log_startup(runner: Any, config: Any) -> None:
     """Log, once per process at start-up, which top-k the decode of this ESS instance runs."""
     topk_backend = getattr(getattr(runner, "server_args", None), "dsa_topk_backend", None) or "sgl-kernel"
+    attn = getattr(runner, "attn_backend", None)
+    fused = getattr(attn, "use_fused_topk", None) if attn is not None else True  # (no backend yet: as configured)
     try:
-        warn, line = startup_line(topk_backend, config)
+        warn, line = startup_line(topk_backend, config, fused if isinstance(fused, bool) else None)
     except Exception as exc:
         warn, line = True, f"ESS decode top-k: cannot tell which top-k decode runs ({type(exc).__name__}: {exc})"
     (logger.warning if warn else logger.info)("%s", line)

@@ -399,6 +399,23 @@ def test_start_up_line_names_the_decode_top_k(env, backend, config, warn, words,
     assert record.levelno == (logging.WARNING if warn else logging.INFO)
 
 
+@pytest.mark.parametrize("attn,warn,words", [
+    (types.SimpleNamespace(use_fused_topk=True), False, "top-k v2 kernel (topk_transform_paged_v2)"),
+    (types.SimpleNamespace(use_fused_topk=False), False, "SGLang's unfused top-k (the attention backend does not fuse"),
+    (types.SimpleNamespace(), True, "use_fused_topk cannot be read"),  # e.g. a wrapper that does not forward it
+])
+def test_start_up_line_follows_the_attention_backend(attn, warn, words, caplog):
+    """What `select` decides per forward from the backend's use_fused_topk, the start-up line says too."""
+    from ess_sglang.sglang_plugin import decode_topk
+
+    runner = types.SimpleNamespace(server_args=types.SimpleNamespace(dsa_topk_backend="sgl-kernel"), attn_backend=attn)
+    with caplog.at_level(logging.INFO, logger="ess_sglang.sglang_plugin"):
+        decode_topk.log_startup(runner, None)
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("ESS decode top-k:")]
+    assert words in record.getMessage()
+    assert record.levelno == (logging.WARNING if warn else logging.INFO)
+
+
 def test_start_up_line_warns_when_the_kernel_is_missing(monkeypatch):
     from ess_sglang.sglang_plugin import decode_topk
 
