@@ -337,7 +337,8 @@ class SelectionLog:
 
     def __init__(self, topk):
         self.topk = topk  # a name ("torch", "triton") or a callable (StackOptions.topk)
-        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (positions ascending, valid) per call
+        self.given: list[torch.Tensor] = []  # the positions as the top-k gave them (their order is attention's)
         for name in ("begin_step", "prepare"):
             if hasattr(topk, name):
                 setattr(self, name, getattr(topk, name))
@@ -357,18 +358,46 @@ class SelectionLog:
             ((p >= 0).sum(dim=1) == visible.sum(dim=1).clamp(max=k)) & ~(chosen & ~visible).any(dim=1)
         ordered = torch.where(p >= 0, p, T).sort(dim=1).values
         self.calls.append((torch.where(ordered < T, ordered, -1).int(), (lowest >= highest_left) & counted))
+        self.given.append(p.int())
         return pos, kth
 
-    def per_layer(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The calls grouped into whole-batch selections of `rows` rows (DBA selects chunk by chunk)."""
+    def per_layer(self, rows: int, given: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The calls grouped into whole-batch selections of `rows` rows (DBA selects chunk by chunk): (positions
+        ascending, or with `given` in the top-k's own order; valid) per selection."""
         out, pos, ok = [], [], []
-        for p, v in self.calls:
-            pos.append(p)
+        for (p, v), g in zip(self.calls, self.given, strict=True):
+            pos.append(g if given else p)
             ok.append(v)
             if sum(x.shape[0] for x in pos) == rows:
                 out.append((torch.cat(pos), torch.cat(ok)))
                 pos, ok = [], []
         return out
+
+
+class ReplayedSelection:
+    """A top-k that gives, call by call, the selections another stack's `SelectionLog` recorded, in the order that
+    top-k gave them (whole-batch selections of `rows` rows; a DBA chunk's call takes the next rows of the current
+    one): an ESS stack run with it attends over exactly what the all-HBM stack attended over, so its exact modes must
+    then be bit-identical whatever the top-k does with ties. Positions only (a prefetching stack finds the k-th
+    scores itself)."""
+
+    def __init__(self, log: SelectionLog, rows: int):
+        self.selections = [p for p, _ in log.per_layer(rows, given=True)]
+        self.at, self.row = 0, 0
+
+    def __call__(self, scores: torch.Tensor, k: int, seq_lens: torch.Tensor):
+        B, Q, _ = scores.shape
+        if self.at >= len(self.selections):
+            raise RuntimeError(f"replayed selection: more top-k calls than the {len(self.selections)} recorded")
+        whole = self.selections[self.at]
+        if whole.shape[1] != k or self.row + B * Q > whole.shape[0]:
+            raise RuntimeError(f"replayed selection: a call of {B * Q} rows x k {k} does not fit the recorded "
+                               f"selection {tuple(whole.shape)} at row {self.row}")
+        pos = whole[self.row:self.row + B * Q].reshape(B, Q, k).to(scores.device)
+        self.row += B * Q
+        if self.row == whole.shape[0]:
+            self.at, self.row = self.at + 1, 0
+        return pos, None
 
 
 def compare_selections(got: SelectionLog, want: SelectionLog, rows: int) -> dict:
@@ -409,26 +438,33 @@ def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 
     if spare_fraction:  # the same modes with spare slots (refilled beside attention)
         variants += [(f"{n}+spare", m, p) for n, m, p in variants if n != "prefetch"]
     for name, modes, prefetch in variants:
+        def run(top, name=name, modes=modes, prefetch=prefetch):
+            """(bit-identical to all-HBM, to split all-HBM, max relative error, hit rate) of the variant with `top`."""
+            ess = build_ess(pools, cfg, slots, [modes] * cfg.layers, prefetch, margin=margin,
+                            spare=spare_slots(spare_fraction, cfg.batch, slots) if name.endswith("+spare") else 0,
+                            prefetch_chunks=chunk_fractions(name.removesuffix("+spare"), prefetch_fractions),
+                            resolve_pdl=resolve_pdl, prefetch_pdl=prefetch_pdl, topk=top, **knobs)
+            reset_and_warm(ess, cfg)
+            identical, identical_split, rel = True, True, 0.0
+            for s in range(cfg.steps):
+                cfg.load_step(s, queries)
+                got = ess.step(cfg.batch_tables, cfg.inputs)
+                for layer in range(cfg.layers):
+                    w, ws, g = want[s][layer].float(), want_split[s][layer].float(), got[layer].float()
+                    identical &= torch.equal(g, w)
+                    identical_split &= torch.equal(g, ws)
+                    rel = max(rel, float((g - w).abs().max() / w.abs().max()))
+            c = ess.m.counters.cpu()
+            return identical, identical_split, rel, int(c[:, Counter.HITS].sum()) / max(1, int(
+                c[:, Counter.LOOKUPS].sum()))
+
         log = SelectionLog(stack_topk(topk, True))
-        ess = build_ess(pools, cfg, slots, [modes] * cfg.layers, prefetch, margin=margin,
-                        spare=spare_slots(spare_fraction, cfg.batch, slots) if name.endswith("+spare") else 0,
-                        prefetch_chunks=chunk_fractions(name.removesuffix("+spare"), prefetch_fractions),
-                        resolve_pdl=resolve_pdl, prefetch_pdl=prefetch_pdl, topk=log, **knobs)
-        reset_and_warm(ess, cfg)
-        identical, identical_split, rel = True, True, 0.0
-        for s in range(cfg.steps):
-            cfg.load_step(s, queries)
-            got = ess.step(cfg.batch_tables, cfg.inputs)
-            for layer in range(cfg.layers):
-                w, ws, g = want[s][layer].float(), want_split[s][layer].float(), got[layer].float()
-                identical &= torch.equal(g, w)
-                identical_split &= torch.equal(g, ws)
-                rel = max(rel, float((g - w).abs().max() / w.abs().max()))
-        c = ess.m.counters.cpu()
+        identical, identical_split, rel, hit = run(log)
         res[name] = dict(bit_identical=identical, bit_identical_to_split_hbm=identical_split, max_rel_err=rel,
-                         hit_rate=int(c[:, Counter.HITS].sum()) / max(1, int(c[:, Counter.LOOKUPS].sum())),
-                         **compare_selections(log, hbm_log, cfg.batch))
-        del ess
+                         hit_rate=hit, **compare_selections(log, hbm_log, cfg.batch))
+        if not res[name]["same_selection"]:  # the all-HBM stack's own selections, replayed: ESS's output for them
+            same, _, rel_same, _ = run(SelectionLog(ReplayedSelection(hbm_log, cfg.batch)))
+            res[name].update(bit_identical_given_hbm_selection=same, max_rel_err_given_hbm_selection=rel_same)
     return res
 
 

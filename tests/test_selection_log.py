@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -76,3 +77,20 @@ def test_too_few_repeated_or_hidden_positions_are_not_a_valid_top_k():
     bad = dl.SelectionLog(spoiled)
     bad(scores, 8, seq)
     assert bad.calls[0][1].tolist() == [False, False, False, True]
+
+
+def test_a_replayed_selection_gives_the_recorded_positions_call_by_call_and_chunk_by_chunk():
+    scores, seq = _scores()
+    other_scores, _ = _scores(seed=1)
+    hbm = dl.SelectionLog("torch")
+    for s in (scores, other_scores):  # two layers' whole-batch selections
+        hbm(s, 8, seq)
+    replay = dl.ReplayedSelection(hbm, 4)
+    first, kth = replay(other_scores, 8, seq)  # whatever the scores, the first recorded selection, in its order
+    assert kth is None and torch.equal(first[:, 0], hbm.given[0])
+    assert torch.equal(first[:, 0].long(), dl.topk_with_scores(scores, 8, "torch")[0][:, 0].long())  # (score order)
+    a, _ = replay(scores[:3], 8, seq[:3])  # then the second, in a DBA chunk of 3 rows and one of 1
+    b, _ = replay(scores[3:], 8, seq[3:])
+    assert torch.equal(torch.cat([a, b])[:, 0], hbm.given[1])
+    with pytest.raises(RuntimeError, match="more top-k calls than the 2 recorded"):
+        replay(scores, 8, seq)
