@@ -19,8 +19,9 @@ ESS stack over hot pools filled by the cache manager from a pinned host pool, in
                layer the sync run of the same configuration measured (`ess_sglang.overlap_policy.build_profile`,
                the offline profile), written as YAML, read back (`layer_settings`), and each layer runs the mode it
                names: sync / da / dba from the analytic cost model, or, with `--calibration` (the JSON of an
-               earlier run of this benchmark), whichever of sync / da / dba / prefetch / prefetch2 that run
-               measured fastest at this batch, context and miss count (interpolated between its points);
+               earlier run of this benchmark), whichever of sync / da / dba / prefetch / prefetch2 / prefetch3
+               that run measured fastest (prefetch3 layers with the run's --prefetch-fractions, which this run must
+               give too) at this batch, context and miss count (interpolated between its points);
                layerwise+spare from that run's modes with spare slots, where it measured them; with
                `--calibration-margin` (a second run, at `--prefetch-margin m`) also prefetch / prefetch2 with
                threshold margin m (modes prefetch_margin / prefetch2_margin), per layer
@@ -542,6 +543,8 @@ def run_config(pools, layers, context, batch, hit, args, timings, timings_spare)
                             **dict(options, sync_copy="counted" if mode == "sync_counted" else "inline",
                                    prefetch_chunks=chunk_fractions(mode, args.prefetch_fractions),
                                    prefetch_layers=layer_prefetch,
+                                   chunk_plans={len(args.prefetch_fractions): args.prefetch_fractions}
+                                   if layer_prefetch is not None and args.prefetch_fractions else None,
                                    dba_attention="split" if mode == "dba_split" else "whole",
                                    new_tokens="insert" if mode == "sync_insert" else "on_demand"))
             r = run_variant(ess, cfg, queries, args.warm, is_ess=True, all_resident=resident)
@@ -661,7 +664,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefetch-fractions", metavar="F,F,...",
                    help="prefetchN modes with N of these: the indexer chunks are these fractions of the batch (or of "
                    "the positions, --prefetch-split positions; summing "
-                   "to 1, e.g. 0.6,0.4) instead of N equal ones; layerwise keeps equal chunks")
+                   "to 1, e.g. 0.5,0.3,0.2) instead of N equal ones; layerwise runs its profile's prefetchN layers "
+                   "with them too, from a calibration measured with the same fractions")
     p.add_argument("--threshold-update", default="side", choices=["main", "side"],
                    help="prefetch: the EMA threshold update at the layer's end on the main stream, or on the side "
                    "stream beside attention")
@@ -722,9 +726,10 @@ def main(argv=None) -> int:
             StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=args.prefetch_fractions)
         except ValueError as exc:
             p.error(f"--prefetch-fractions: {exc}")
-        if not any(known(m) and prefetch_chunks(m) == len(args.prefetch_fractions) for m in args.modes):
+        if not any(m == "layerwise" or known(m) and prefetch_chunks(m) == len(args.prefetch_fractions)
+                   for m in args.modes):
             p.error(f"--prefetch-fractions: {len(args.prefetch_fractions)} fractions, but no prefetch"
-                    f"{len(args.prefetch_fractions)} mode in --modes runs that many chunks")
+                    f"{len(args.prefetch_fractions)} mode (nor layerwise) in --modes runs that many chunks")
     split = [float(f) for f in args.dba_split.split(",")]
     args.dba_split = split[0] if len(split) == 1 else tuple(split)
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -739,15 +744,16 @@ def main(argv=None) -> int:
     if args.calibration:
         runs = [args.calibration] + ([args.calibration_margin] if args.calibration_margin else [])
         try:
-            timings = timings.model_copy(update={"measured": load_calibration(runs, topk=args.topk,
-                                                                                    prefetch_split=args.prefetch_split)})
+            timings = timings.model_copy(update={"measured": load_calibration(
+                runs, topk=args.topk, prefetch_split=args.prefetch_split, prefetch_fractions=args.prefetch_fractions)})
         except CalibrationError as exc:
             p.error(f"--calibration: {exc}")
         timings_spare = timings  # layerwise+spare: the calibration's runs with spare slots, where it has them
         if any(args.spare):
             try:
                 spare_runs = load_calibration(runs, spare_slots=True, topk=args.topk,
-                                              prefetch_split=args.prefetch_split)
+                                              prefetch_split=args.prefetch_split,
+                                              prefetch_fractions=args.prefetch_fractions)
                 timings_spare = timings.model_copy(update={"measured": spare_runs})
             except CalibrationError as exc:
                 print(f"layerwise+spare chooses from the runs without spare slots: {exc}", flush=True)

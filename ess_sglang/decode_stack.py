@@ -63,7 +63,7 @@ and every step can be captured in one CUDA graph (no host synchronisation anywhe
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +116,9 @@ class StackOptions:
     # next chunk's indexer (1: one indexer launch, the prefetch beside the top-k only)
     prefetch_layers: Sequence[int] | None = None  # instead of `prefetch`: per layer, 0 (no prefetch) or the number
     # of indexer chunks its prefetch runs in (the overlap profile's prefetch* layers)
+    chunk_plans: Mapping[int, Sequence[float]] | None = None  # prefetch_layers: the fractions a layer of N chunks runs
+    # (N: fractions of N values summing to 1; N not given: N equal chunks), e.g. {3: (0.5, 0.3, 0.2)} for the profile's
+    # prefetch3 layers measured so
     prefetch_split: str = "rows"  # with chunks: what the chunks split: "rows" (batch rows: each chunk is some requests
     # over all their positions) or "positions" (segments of the positions, as fractions of the table width rounded to
     # the indexer's 64-position tiles: each chunk is every request over positions [lo, hi); the last segment's copy is
@@ -186,7 +189,12 @@ class StackOptions:
             if bad_chunks:
                 raise ValueError(f"prefetch_layers: each layer's value must be 0 (no prefetch) or a chunk count >= 1, "
                                  f"got {bad_chunks[0]!r}")
-            per_layer = [_fractions("prefetch_layers", int(c)) if c else None for c in chunks]
+            plans = {}
+            for n, fr in (self.chunk_plans or {}).items():
+                plans[n] = _fractions("chunk_plans", tuple(fr))
+                if isinstance(n, bool) or not isinstance(n, numbers.Integral) or len(plans[n]) != n:
+                    raise ValueError(f"chunk_plans: {n!r} chunks need {n!r} fractions, got {tuple(fr)!r}")
+            per_layer = [plans.get(int(c)) or _fractions("prefetch_layers", int(c)) if c else None for c in chunks]
         self.layer_prefetch_fractions: tuple[tuple[float, ...] | None, ...] = tuple(per_layer)
         """Per layer: its prefetch's chunk fractions of the batch, or None where the layer does not prefetch."""
         self.any_prefetch = any(f is not None for f in per_layer)

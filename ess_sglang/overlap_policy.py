@@ -15,7 +15,9 @@ misses over PCIe before attention reads them. Seven modes, chosen per layer:
                stream beside the top-k; the exact resolve then fetches what is still missing.
     prefetch2  prefetch with the indexer run in two batch chunks: the first chunk's prefetch also overlaps the
                second chunk's indexer.
-    prefetch_margin, prefetch2_margin
+    prefetch3  the same in three chunks, of the fractions the calibration was measured with (e.g. 0.5 / 0.3 / 0.2,
+               `decode_layers.py --prefetch-fractions`; the decode harness runs them so, the plugin in one call).
+    prefetch_margin, prefetch2_margin, prefetch3_margin
                the same with the threshold lowered by the calibration's margin m (candidates above thr - m|thr|):
                more of the step's misses caught, more copies wasted; offered only by a calibration that measured a
                run at that margin (`ess_sglang.stack_calibration`), whose margin the layer then runs with
@@ -101,7 +103,7 @@ File layout (`save_profile` writes it, `load_profile` validates it)::
     device:  {entry_bytes, h2d_gbps, attention_us, indexer_topk_us, ..., note}
     layers:
     - {layer: 0, misses_mean, misses_p95, lookups_mean, hit_rate, model_misses, mode,
-       exposed_us: {sync, da, dba, prefetch, prefetch2, prefetch_margin, prefetch2_margin}}
+       exposed_us: {sync, da, dba, prefetch, prefetch2, prefetch3, and their _margin modes}}
                                                              (null: the mode is not offered there)
     (device.measured, when calibrated: its source, points and prefetch_margin, the margin of the *_margin modes)
 
@@ -133,10 +135,11 @@ from pydantic import (
 from ess_sglang.stack_calibration import CALIBRATED_MODES, MARGIN_MODES, NonNegFloat, StackCalibration
 
 MODES = CALIBRATED_MODES
-"""What a layer may run, in the policy's order (ties go to the earlier). prefetch / prefetch2 are sync with ECHO
-prefetch (the indexer in one launch / in two batch chunks), *_margin the same with the calibration's threshold margin;
-only a measured calibration offers them."""
-PREFETCH_CHUNKS = {"prefetch": 1, "prefetch2": 2, "prefetch_margin": 1, "prefetch2_margin": 2}
+"""What a layer may run, in the policy's order (ties go to the earlier). prefetch / prefetch2 / prefetch3 are sync with
+ECHO prefetch (the indexer in one launch / in two / three chunks), *_margin the same with the calibration's threshold
+margin; only a measured calibration offers them."""
+PREFETCH_CHUNKS = {"prefetch": 1, "prefetch2": 2, "prefetch3": 3, "prefetch_margin": 1, "prefetch2_margin": 2,
+                   "prefetch3_margin": 3}
 FORMAT_VERSION = 1
 OVERLAP_LEVELS = ("none", "da", "full")
 """`ess_config.prefetch_overlap_level` values that `restrict_modes` understands."""
@@ -262,8 +265,10 @@ class ModeTimes(BaseModel):
     dba: NonNegFloat | None
     prefetch: NonNegFloat | None = None
     prefetch2: NonNegFloat | None = None
+    prefetch3: NonNegFloat | None = None
     prefetch_margin: NonNegFloat | None = None
     prefetch2_margin: NonNegFloat | None = None
+    prefetch3_margin: NonNegFloat | None = None
 
     def as_dict(self) -> dict[str, float | None]:
         return {m: getattr(self, m) for m in MODES}

@@ -4,9 +4,9 @@ The trace (a recorded ``.npz``, a synthetic one, or the demo model's own) is rep
 `HotPoolCacheManager` (plain-torch resolve, no entry bytes moved) exactly as `ess_sglang.traces.replay_ess` does:
 warm-up, then per step `begin_step`, and per layer `write_new_tokens` and `resolve`. The manager's device counters are
 snapshotted after every step, which gives the distinct misses and the lookups of every layer in every step. The cost
-model of `ess_sglang.overlap_policy` then picks sync / da / dba per layer (and prefetch / prefetch2 too, with a
-measured `--calibration`, and their threshold-margin variants with `--calibration-margin`), and the profile is written
-as YAML::
+model of `ess_sglang.overlap_policy` then picks sync / da / dba per layer (and prefetch / prefetch2 / prefetch3 too,
+with a measured `--calibration`, and their threshold-margin variants with `--calibration-margin`), and the profile is
+written as YAML::
 
     ess profile --trace benchmarks/traces/smollm2-135m_sample.npz --ratio 0.2 --out configs/overlap/x.yaml
     ess profile --synthetic --gen-layers 16 --batch 64 --context 32768 --top-k 2048

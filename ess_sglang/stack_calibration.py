@@ -49,9 +49,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 
-CALIBRATED_MODES = ("sync", "da", "dba", "prefetch", "prefetch2", "prefetch_margin", "prefetch2_margin")
+CALIBRATED_MODES = ("sync", "da", "dba", "prefetch", "prefetch2", "prefetch3", "prefetch_margin", "prefetch2_margin",
+                    "prefetch3_margin")
 """Modes a calibration may hold, in the policy's order (ties go to the earlier)."""
-MARGIN_MODES = {"prefetch_margin": "prefetch", "prefetch2_margin": "prefetch2"}
+MARGIN_MODES = {"prefetch_margin": "prefetch", "prefetch2_margin": "prefetch2", "prefetch3_margin": "prefetch3"}
 """The prefetch modes run with the calibration's threshold margin, and the mode each is measured as in its run."""
 
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -181,9 +182,13 @@ def _along_misses(points: Sequence[MeasuredPoint], mode: str, misses: float) -> 
     return y0 + (y1 - y0) * (misses - x0) / (x1 - x0)
 
 
+UNCHECKED = object()
+"""`prefetch_fractions` not named by the caller: a run measured with uneven chunks is refused."""
+
+
 def load_calibration(path: str | Path | Sequence[str | Path], where: str | None = None,
                      spare_slots: bool = False, topk: str | None = None,
-                     prefetch_split: str | None = None) -> StackCalibration:
+                     prefetch_split: str | None = None, prefetch_fractions: Any = UNCHECKED) -> StackCalibration:
     """`calibration_from_decode_layers` of a JSON file, or of two: a run at margin 0 and a run at a threshold margin
     (`--prefetch-margin`), whose prefetch modes join as the *_margin modes. Every error is a CalibrationError
     starting with `where` (default: the path or paths)."""
@@ -203,7 +208,8 @@ def load_calibration(path: str | Path | Sequence[str | Path], where: str | None 
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CalibrationError(f"{at}: cannot read JSON: {exc}") from None
     return calibration_from_decode_layers(runs[0], where, spare_slots, margin_run=runs[1] if len(runs) > 1 else None,
-                                          topk=topk, prefetch_split=prefetch_split)
+                                          topk=topk, prefetch_split=prefetch_split,
+                                          prefetch_fractions=prefetch_fractions)
 
 
 COMPARABLE_META = ("layers", "warm", "steps", "ratio", "pool_batch", "dba_split", "overlap_programs", "topk", "spare",
@@ -216,6 +222,10 @@ with), besides the margin itself."""
 
 META_DEFAULTS = {"prefetch_split": "rows", "new_tokens_per_step": False}
 """What a run's meta key meant before the key was recorded (older runs lack it)."""
+
+
+def _fractions_key(fractions: Any) -> tuple[float, ...] | None:
+    return None if fractions is None else tuple(round(float(f), 9) for f in fractions)
 
 
 def _setting(meta: Mapping, key: str) -> Any:
@@ -245,7 +255,8 @@ def _run_margin(meta: Mapping, where: str) -> float:
 
 def calibration_from_decode_layers(data: Any, where: str = "decode-stack results", spare_slots: bool = False,
                                    margin_run: Any = None, topk: str | None = None,
-                                   prefetch_split: str | None = None) -> StackCalibration:
+                                   prefetch_split: str | None = None,
+                                   prefetch_fractions: Any = UNCHECKED) -> StackCalibration:
     """A calibration from the parsed JSON of `benchmarks/decode_layers.py` (`{"meta": ..., "rows": [...]}`).
 
     Every configuration (context, batch, hit) with an all-HBM row and a sync row with misses becomes a point; the
@@ -257,15 +268,24 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
     "prefetch2_margin", which must then be measured at every point. `topk`: the top-k (decode_layers.py --topk) the
     runs must have selected with (`meta.topk`; a run without it selected with torch.topk): the prefetch hides beside
     the top-k, so another one's exposed times do not apply. `prefetch_split`: likewise, what the runs' prefetch
-    chunks split (`meta.prefetch_split`, "rows" where absent): the prefetch2 layers of the profile run that way."""
+    chunks split (`meta.prefetch_split`, "rows" where absent): the prefetch2 layers of the profile run that way.
+    `prefetch_fractions`: the chunk fractions the caller runs its prefetchN layers with (decode_layers.py
+    --prefetch-fractions, None for equal chunks): the runs must have measured with the same (`meta.prefetch_fractions`);
+    not named, a run measured with uneven chunks is refused (a profile's layers would run equal ones)."""
     meta = _meta(data, where)
     where2 = f"{where} (margin run)"
     meta2 = _meta(margin_run, where2) if margin_run is not None else {}
     for m, w in [(meta, where)] + ([(meta2, where2)] if margin_run is not None else []):
-        if m.get("prefetch_fractions") is not None:
-            raise CalibrationError(f"{w}: measured with uneven indexer chunks (meta.prefetch_fractions "
-                                   f"{m['prefetch_fractions']!r}), but a profile's prefetch2 layers run equal chunks: "
-                                   f"calibrate without --prefetch-fractions")
+        measured_fr = m.get("prefetch_fractions")
+        if prefetch_fractions is UNCHECKED:
+            if measured_fr is not None:
+                raise CalibrationError(f"{w}: measured with uneven indexer chunks (meta.prefetch_fractions "
+                                       f"{measured_fr!r}), but a profile's prefetch layers run equal chunks: "
+                                       f"calibrate without --prefetch-fractions")
+        elif _fractions_key(measured_fr) != _fractions_key(prefetch_fractions):
+            raise CalibrationError(f"{w}: measured with indexer chunks {measured_fr!r} (meta.prefetch_fractions), this "
+                                   f"run's are {None if prefetch_fractions is None else list(prefetch_fractions)!r}: "
+                                   f"its exposed times do not apply")
         if topk is not None:
             measured_with = m.get("topk", "torch")
             if measured_with != topk:

@@ -286,6 +286,14 @@ def test_prefetch_in_some_layers_only(modes, prefetch_layers):
     ess.m.check_invariants()
 
 
+def test_chunk_plans_give_a_profiles_prefetchN_layers_their_fractions():
+    opts = StackOptions(modes=["sync"] * 3, prefetch_layers=[0, 3, 2], chunk_plans={3: (0.5, 0.3, 0.2)})
+    assert opts.layer_prefetch_fractions == (None, (0.5, 0.3, 0.2), (0.5, 0.5))  # (2 chunks: no plan, equal)
+    for bad in ({3: (0.5, 0.5)}, {2: (0.7, 0.7)}, {True: (1.0,)}):
+        with pytest.raises(ValueError, match="chunk_plans"):
+            StackOptions(modes=["sync"] * 3, prefetch_layers=[0, 3, 2], chunk_plans=bad)
+
+
 def test_prefetch_layers_are_checked():
     assert StackOptions(modes=["sync"] * 3, prefetch_layers=[0, 1, 2]).layer_prefetch_fractions == (
         None, (1.0,), (0.5, 0.5))

@@ -39,6 +39,7 @@ RUN_2104 = ROOT / "benchmarks" / "results" / "decode_layers_2104.json"  # 21:04 
 RUN_M0 = ROOT / "benchmarks" / "results" / "margin_calibration" / "m0" / "decode_layers.json"
 RUN_M001 = ROOT / "benchmarks" / "results" / "margin_calibration" / "m001" / "decode_layers.json"
 ONE_RUN_MODES = ("sync", "da", "dba", "prefetch", "prefetch2")  # what a run at one margin measures
+RUN_MODES = tuple(m for m in MODES if not m.startswith("prefetch3"))  # what the committed pair measured (no prefetch3)
 
 
 def _rows(context, batch, hit, misses, layer_us):
@@ -94,6 +95,26 @@ def test_a_run_with_another_top_k_is_refused_when_the_top_k_is_named():
     margin["meta"].update(topk="torch", prefetch_margin=0.01)
     with pytest.raises(CalibrationError, match=r"run\.json \(margin run\): measured with --topk torch"):
         calibration_from_decode_layers(run, "run.json", margin_run=margin, topk="sglang")
+
+
+def test_prefetch3_measured_with_uneven_chunks_calibrates_a_run_with_the_same_chunks():
+    # the best plan measured on the H200: the indexer in three chunks of 0.5 / 0.3 / 0.2 (benchmarks/RESULTS.md)
+    run = _run()
+    for r in run["rows"]:
+        if r["variant"] == "prefetch2":
+            run["rows"].append(dict(r, variant="prefetch3", layer_us=r["layer_us"] - 20))
+    run["meta"]["prefetch_fractions"] = [0.5, 0.3, 0.2]
+    cal = calibration_from_decode_layers(run, "run.json", prefetch_fractions=(0.5, 0.3, 0.2))
+    assert all("prefetch3" in p.exposed_us for p in cal.points)
+    with pytest.raises(CalibrationError, match=r"run\.json: measured with indexer chunks \[0\.5, 0\.3, 0\.2\] "
+                                               r"\(meta\.prefetch_fractions\), this run's are None"):
+        calibration_from_decode_layers(run, "run.json", prefetch_fractions=None)
+    with pytest.raises(CalibrationError, match="measured with uneven indexer chunks"):  # not named: refused as before
+        calibration_from_decode_layers(run, "run.json")
+    from ess_sglang.overlap_policy import PREFETCH_CHUNKS, stack_settings
+
+    assert stack_settings(["prefetch3", "prefetch3_margin", "sync"]) == (["sync", "sync", "sync"], [3, 3, 0])
+    assert PREFETCH_CHUNKS["prefetch3"] == 3
 
 
 def test_a_run_whose_prefetch_chunks_split_otherwise_is_refused_when_the_split_is_named():
@@ -187,14 +208,15 @@ def test_policy_takes_prefetch_modes_from_a_calibration_inside_its_grid_only():
 
 
 def test_restrict_and_stack_settings_of_prefetch_modes():
-    modes = ["sync", "da", "dba", "prefetch", "prefetch2", "prefetch_margin", "prefetch2_margin"]
+    modes = ["sync", "da", "dba", "prefetch", "prefetch2", "prefetch3", "prefetch_margin", "prefetch2_margin",
+             "prefetch3_margin"]
     assert tuple(modes) == MODES
     assert restrict_modes(modes, "full") == modes
-    assert restrict_modes(modes, "da") == ["sync", "da", "da"] + ["sync"] * 4  # prefetch is part of "full"
-    assert restrict_modes(modes, "none") == ["sync"] * 7
-    assert stack_settings(modes) == (["sync", "da", "dba"] + ["sync"] * 4, [0, 0, 0, 1, 2, 1, 2])
-    with pytest.raises(ValueError, match="mode 'prefetch3' is not one of"):
-        stack_settings(["prefetch3"])
+    assert restrict_modes(modes, "da") == ["sync", "da", "da"] + ["sync"] * 6  # prefetch is part of "full"
+    assert restrict_modes(modes, "none") == ["sync"] * 9
+    assert stack_settings(modes) == (["sync", "da", "dba"] + ["sync"] * 6, [0, 0, 0, 1, 2, 3, 1, 2, 3])
+    with pytest.raises(ValueError, match="mode 'prefetch4' is not one of"):
+        stack_settings(["prefetch4"])
 
 
 def test_calibrated_profile_round_trip_and_layer_settings(tmp_path):
@@ -342,7 +364,7 @@ def test_a_run_at_a_margin_adds_the_margin_modes():
     assert m0["meta"]["prefetch_margin"] == 0 and m1["meta"]["prefetch_margin"] == 0.01
     plain = calibration_from_decode_layers(m0, "m0", spare_slots=True)
     cal = load_calibration([RUN_M0, RUN_M001], spare_slots=True)
-    assert cal.modes == MODES and cal.prefetch_margin == 0.01 and plain.prefetch_margin is None
+    assert cal.modes == RUN_MODES and cal.prefetch_margin == 0.01 and plain.prefetch_margin is None
     assert "prefetch margin 0.01" in cal.source and str(RUN_M001) in cal.source
     rows1 = {(r["context"], r["batch"], r["target_hit"], r["variant"]): r for r in m1["rows"]}
     for p, q in zip(cal.points, plain.points, strict=True):
@@ -404,7 +426,7 @@ def test_margin_runs_are_checked(tmp_path):
     only_prefetch = margin_run(rows=lambda rows: [r for r in rows
                                                   if not r["variant"].startswith(("sync", "da", "dba"))])
     cal = calibration_from_decode_layers(m0, "cal", spare_slots=True, margin_run=only_prefetch)
-    assert cal.modes == MODES and cal.prefetch_margin == 0.01
+    assert cal.modes == RUN_MODES and cal.prefetch_margin == 0.01
     assert cal == calibration_from_decode_layers(m0, "cal", spare_slots=True, margin_run=m1)
     with pytest.raises(ValueError, match="prefetch_margin: the points measure 'prefetch_margin'"):
         StackCalibration(source="s", points=[
@@ -422,9 +444,9 @@ def test_a_profile_from_a_margin_calibration_runs_the_margin_in_its_layers(tmp_p
     assert main(argv) == 0
     prof = load_profile(out, num_layers=3)
     assert "--calibration-margin" in prof.header.command and prof.device.measured.prefetch_margin == 0.01
-    for lp in prof.layers:  # every layer's choice is the fastest of the seven modes' times
+    for lp in prof.layers:  # every layer's choice is the fastest of the seven measured modes' times
         times = {m: v for m, v in lp.exposed_us.as_dict().items() if v is not None}
-        assert set(times) == set(MODES)
+        assert set(times) == set(RUN_MODES)
         assert lp.mode == min(times, key=lambda m: (times[m], MODES.index(m))) or lp.model_misses == 0
     assert any(m.endswith("_margin") for m in prof.modes()) and not all(m.endswith("_margin") for m in prof.modes())
     want = [0.01 if lp.mode.endswith("_margin") else 0.0 for lp in prof.layers]
