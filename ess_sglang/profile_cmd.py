@@ -347,6 +347,12 @@ def print_table(profile: OverlapProfile, stderr: bool = False) -> None:
                       f"{profile.device.measured.batches} x contexts {profile.device.measured.contexts}"
                       + (f"; the *_margin modes prefetch with threshold margin {margin:g}" if margin else ""),
                       highlight=False)
+        topk = profile.device.measured.topk
+        if topk not in (None, "sglang"):
+            console.print(f"warning: the calibration selected with --topk {topk}; SGLang's decode (and the plugin) "
+                          f"selects with its own top-k kernel, which takes far less time: the prefetch modes hide "
+                          f"less beside it than this calibration measured (calibrate with --topk sglang)",
+                          highlight=False)
 
 
 def run(args: argparse.Namespace) -> int:

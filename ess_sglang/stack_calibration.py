@@ -97,6 +97,9 @@ class StackCalibration(BaseModel):
     prefetch_margin: Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)] | None = None
     """The threshold margin the "prefetch_margin" / "prefetch2_margin" modes were measured with (and run with);
     None when the calibration has no such mode."""
+    topk: StrictStr | None = None
+    """The top-k the runs selected with (`decode_layers.py --topk`: "sglang", SGLang's decode kernel, or "torch" /
+    "triton"); None where not recorded. The prefetch hides beside the top-k, so its modes' times depend on it."""
 
     @model_validator(mode="after")
     def _full_grid(self) -> StackCalibration:
@@ -343,7 +346,7 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
                    f"margin {margin}")
     try:
         return StackCalibration(source=source, points=[MeasuredPoint(**p) for p in raw.values()],
-                                prefetch_margin=margin)
+                                prefetch_margin=margin, topk=meta.get("topk", "torch"))
     except ValueError as exc:
         raise CalibrationError(f"{where}: {exc}") from None
 

@@ -282,6 +282,16 @@ def test_a_run_without_spare_slots_is_no_spare_calibration(tmp_path, capsys):
     assert "--calibration-spare: needs --calibration" in capsys.readouterr().err
 
 
+def test_ess_profile_with_a_calibration_measured_with_sglangs_top_k_says_nothing_of_it(tmp_path, capsys):
+    run = ROOT / "benchmarks" / "results" / "sglang_topk_calibration" / "m0" / "decode_layers.json"
+    argv = ["profile", "--synthetic", "--gen-layers", "2", "--gen-steps", "8", "--batch", "64", "--context", "32768",
+            "--top-k", "2048", "--calibration", str(run), "--out", str(tmp_path / "p.yaml")]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert load_profile(tmp_path / "p.yaml", num_layers=2).device.measured.topk == "sglang"
+    assert main(argv) == 0 and "the calibration selected with --topk" not in capsys.readouterr().out
+
+
 def test_ess_profile_with_a_spare_slot_calibration(tmp_path, capsys):
     out = tmp_path / "p.yaml"
     argv = ["profile", "--synthetic", "--gen-layers", "2", "--gen-steps", "8", "--batch", "64", "--context", "32768",
@@ -314,8 +324,11 @@ def test_ess_profile_with_a_calibration(tmp_path, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "prefetch2" in printed and "is inside its grid" in printed
+    # that run selected with torch.topk (no meta.topk): the plugin selects with SGLang's kernel, so a warning
+    assert "the calibration selected with --topk torch" in printed
     prof = load_profile(out, num_layers=3)
     assert prof.device.measured is not None and "--calibration" in prof.header.command
+    assert prof.device.measured.topk == "torch"
     for lp in prof.layers:  # every mode's time came from the calibration; the choice is the fastest of them
         assert lp.exposed_us.prefetch is not None and lp.exposed_us.prefetch2 is not None
         times = {m: v for m, v in lp.exposed_us.as_dict().items() if v is not None}
