@@ -745,7 +745,8 @@ def main(argv=None) -> int:
         runs = [args.calibration] + ([args.calibration_margin] if args.calibration_margin else [])
         try:
             timings = timings.model_copy(update={"measured": load_calibration(
-                runs, topk=args.topk, prefetch_split=args.prefetch_split, prefetch_fractions=args.prefetch_fractions)})
+                runs, topk=args.topk, prefetch_split=args.prefetch_split, prefetch_fractions=args.prefetch_fractions,
+                prefetch_indexer=args.prefetch_indexer)})
         except CalibrationError as exc:
             p.error(f"--calibration: {exc}")
         timings_spare = timings  # layerwise+spare: the calibration's runs with spare slots, where it has them
@@ -753,7 +754,8 @@ def main(argv=None) -> int:
             try:
                 spare_runs = load_calibration(runs, spare_slots=True, topk=args.topk,
                                               prefetch_split=args.prefetch_split,
-                                              prefetch_fractions=args.prefetch_fractions)
+                                              prefetch_fractions=args.prefetch_fractions,
+                                              prefetch_indexer=args.prefetch_indexer)
                 timings_spare = timings.model_copy(update={"measured": spare_runs})
             except CalibrationError as exc:
                 print(f"layerwise+spare chooses from the runs without spare slots: {exc}", flush=True)

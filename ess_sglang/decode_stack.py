@@ -178,6 +178,9 @@ class StackOptions:
             raise ValueError(f"topk must be 'auto', 'triton', 'torch' or a callable, got {self.topk!r}")
         self.prefetch_fractions = _fractions("prefetch_chunks", self.prefetch_chunks)
         if self.prefetch_layers is None:
+            if self.chunk_plans:
+                raise ValueError("chunk_plans give prefetch_layers' N-chunk layers their fractions: give "
+                                 "prefetch_layers, or prefetch_chunks for every layer")
             per_layer = [self.prefetch_fractions if self.prefetch else None] * len(self.modes)
         else:
             chunks = list(self.prefetch_layers)

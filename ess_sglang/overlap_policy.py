@@ -141,6 +141,8 @@ margin; only a measured calibration offers them."""
 PREFETCH_CHUNKS = {"prefetch": 1, "prefetch2": 2, "prefetch3": 3, "prefetch_margin": 1, "prefetch2_margin": 2,
                    "prefetch3_margin": 3}
 FORMAT_VERSION = 1
+LATER_MODE_KEYS = ("prefetch3", "prefetch3_margin")
+"""Modes added to format 1 later: written only where a layer has a time for them."""
 OVERLAP_LEVELS = ("none", "da", "full")
 """`ess_config.prefetch_overlap_level` values that `restrict_modes` understands."""
 
@@ -570,6 +572,15 @@ def dump_profile(profile: OverlapProfile) -> str:
         return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False, width=10**6, allow_unicode=True)
 
     data = profile.model_dump(mode="python")
+    # keys added after format 1 was first written, left out where unset, so that a profile that does not use them
+    # stays readable by code from before them (the models refuse unknown keys)
+    for lp in data["layers"]:
+        for key in LATER_MODE_KEYS:
+            if lp["exposed_us"].get(key, 0) is None:
+                del lp["exposed_us"][key]
+    measured = data["device"].get("measured")
+    if measured is not None and measured.get("topk") is None:
+        del measured["topk"]
     lines = [f"# {_LINE}",
              "# Written by `ess profile` (ess_sglang/profile_cmd.py); regenerate with header.command. The decode",
              "# stack runs the `mode` of every layer (overlap_policy.layer_settings); the other numbers explain it.",

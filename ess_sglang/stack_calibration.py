@@ -191,7 +191,8 @@ UNCHECKED = object()
 
 def load_calibration(path: str | Path | Sequence[str | Path], where: str | None = None,
                      spare_slots: bool = False, topk: str | None = None,
-                     prefetch_split: str | None = None, prefetch_fractions: Any = UNCHECKED) -> StackCalibration:
+                     prefetch_split: str | None = None, prefetch_fractions: Any = UNCHECKED,
+                     prefetch_indexer: str | None = None) -> StackCalibration:
     """`calibration_from_decode_layers` of a JSON file, or of two: a run at margin 0 and a run at a threshold margin
     (`--prefetch-margin`), whose prefetch modes join as the *_margin modes. Every error is a CalibrationError
     starting with `where` (default: the path or paths)."""
@@ -212,7 +213,7 @@ def load_calibration(path: str | Path | Sequence[str | Path], where: str | None 
             raise CalibrationError(f"{at}: cannot read JSON: {exc}") from None
     return calibration_from_decode_layers(runs[0], where, spare_slots, margin_run=runs[1] if len(runs) > 1 else None,
                                           topk=topk, prefetch_split=prefetch_split,
-                                          prefetch_fractions=prefetch_fractions)
+                                          prefetch_fractions=prefetch_fractions, prefetch_indexer=prefetch_indexer)
 
 
 COMPARABLE_META = ("layers", "warm", "steps", "ratio", "pool_batch", "dba_split", "overlap_programs", "topk", "spare",
@@ -259,7 +260,8 @@ def _run_margin(meta: Mapping, where: str) -> float:
 def calibration_from_decode_layers(data: Any, where: str = "decode-stack results", spare_slots: bool = False,
                                    margin_run: Any = None, topk: str | None = None,
                                    prefetch_split: str | None = None,
-                                   prefetch_fractions: Any = UNCHECKED) -> StackCalibration:
+                                   prefetch_fractions: Any = UNCHECKED,
+                                   prefetch_indexer: str | None = None) -> StackCalibration:
     """A calibration from the parsed JSON of `benchmarks/decode_layers.py` (`{"meta": ..., "rows": [...]}`).
 
     Every configuration (context, batch, hit) with an all-HBM row and a sync row with misses becomes a point; the
@@ -274,7 +276,9 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
     chunks split (`meta.prefetch_split`, "rows" where absent): the prefetch2 layers of the profile run that way.
     `prefetch_fractions`: the chunk fractions the caller runs its prefetchN layers with (decode_layers.py
     --prefetch-fractions, None for equal chunks): the runs must have measured with the same (`meta.prefetch_fractions`);
-    not named, a run measured with uneven chunks is refused (a profile's layers would run equal ones)."""
+    not named, a run measured with uneven chunks is refused (a profile's layers would run equal ones).
+    `prefetch_indexer`: how the caller launches its chunks ("serial" / "overlapped"); a run that recorded another
+    (`meta.prefetch_indexer`) is refused (serial and overlapped chunks measured 1.168 against 1.243 x at 64 / 32K)."""
     meta = _meta(data, where)
     where2 = f"{where} (margin run)"
     meta2 = _meta(margin_run, where2) if margin_run is not None else {}
@@ -295,6 +299,10 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
                 raise CalibrationError(f"{w}: measured with --topk {measured_with} (meta.topk), this run selects with "
                                        f"--topk {topk}: its exposed times do not apply (the top-k is what ECHO hides "
                                        f"beside)")
+        recorded = m.get("prefetch_indexer")
+        if prefetch_indexer is not None and recorded is not None and recorded != prefetch_indexer:
+            raise CalibrationError(f"{w}: its prefetch chunks were launched {recorded} (meta.prefetch_indexer), this "
+                                   f"run's {prefetch_indexer}: its exposed times do not apply")
         if prefetch_split is not None and _setting(m, "prefetch_split") != prefetch_split:
             raise CalibrationError(f"{w}: its prefetch chunks split {_setting(m, 'prefetch_split')} "
                                    f"(meta.prefetch_split), this run's split {prefetch_split}: its exposed times do "
@@ -332,7 +340,7 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
     common = [m for m in CALIBRATED_MODES if all(m in p["exposed_us"] for p in raw.values())]
     if margin_run is not None and not any(m in MARGIN_MODES for m in common):
         lacking = [key for key, p in raw.items() if not any(m in p["exposed_us"] for m in MARGIN_MODES)]
-        raise CalibrationError(f"{where}: the margin run measured neither prefetch nor prefetch2"
+        raise CalibrationError(f"{where}: the margin run measured neither prefetch, prefetch2 nor prefetch3"
                                f"{' with spare slots' if spare_slots else ''} at every point of the first run; "
                                f"missing at (context, batch, hit) {lacking[0]}" + (f" and {len(lacking) - 1} more"
                                                                                    if len(lacking) > 1 else ""))

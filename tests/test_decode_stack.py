@@ -292,6 +292,8 @@ def test_chunk_plans_give_a_profiles_prefetchN_layers_their_fractions():
     for bad in ({3: (0.5, 0.5)}, {2: (0.7, 0.7)}, {True: (1.0,)}):
         with pytest.raises(ValueError, match="chunk_plans"):
             StackOptions(modes=["sync"] * 3, prefetch_layers=[0, 3, 2], chunk_plans=bad)
+    with pytest.raises(ValueError, match="chunk_plans give prefetch_layers"):  # (not silently ignored)
+        StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=3, chunk_plans={3: (0.5, 0.3, 0.2)})
 
 
 def test_prefetch_layers_are_checked():

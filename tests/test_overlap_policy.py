@@ -233,6 +233,8 @@ def test_build_save_load_round_trip(tmp_path):
     assert q == p
     assert dump_profile(q) == path.read_text()
     assert modes_for_layers(path, 4) == modes_for_layers(q, 4) == p.modes()
+    # a profile without prefetch3 times names no prefetch3 key: code from before those modes reads it too
+    assert "prefetch3" not in path.read_text()
 
 
 def _write(tmp_path, mutate) -> Path:

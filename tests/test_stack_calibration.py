@@ -117,6 +117,16 @@ def test_prefetch3_measured_with_uneven_chunks_calibrates_a_run_with_the_same_ch
     assert PREFETCH_CHUNKS["prefetch3"] == 3
 
 
+def test_a_run_whose_chunks_were_launched_otherwise_is_refused_when_the_launch_is_named():
+    run = _run()  # (no meta.prefetch_indexer: not checked)
+    calibration_from_decode_layers(run, "run.json", prefetch_indexer="serial")
+    run["meta"]["prefetch_indexer"] = "overlapped"
+    calibration_from_decode_layers(run, "run.json", prefetch_indexer="overlapped")
+    with pytest.raises(CalibrationError, match=r"run\.json: its prefetch chunks were launched overlapped "
+                                               r"\(meta\.prefetch_indexer\), this run's serial"):
+        calibration_from_decode_layers(run, "run.json", prefetch_indexer="serial")
+
+
 def test_a_run_whose_prefetch_chunks_split_otherwise_is_refused_when_the_split_is_named():
     run = _run()  # (no meta.prefetch_split: chunks of batch rows)
     calibration_from_decode_layers(run, "run.json", prefetch_split="rows")
@@ -431,9 +441,9 @@ def test_margin_runs_are_checked(tmp_path):
         calibration_from_decode_layers(dict(m0, meta=[]), "cal")
     # a margin run that leaves out a point: refused, naming it (no silent fall-back to the margin-0 modes)
     drop = lambda rows: [r for r in rows if (r["context"], r["batch"], r["target_hit"]) != (32768, 64, 0.95)]  # noqa
-    with pytest.raises(CalibrationError, match=r"measured neither prefetch nor prefetch2 with spare slots at every "
-                                               r"point of the first run; missing at \(context, batch, hit\) "
-                                               r"\(32768, 64, 0.95\)"):
+    with pytest.raises(CalibrationError, match=r"measured neither prefetch, prefetch2 nor prefetch3 with spare "
+                                               r"slots at every point of the first run; missing at "
+                                               r"\(context, batch, hit\) \(32768, 64, 0.95\)"):
         calibration_from_decode_layers(m0, "cal", spare_slots=True, margin_run=margin_run(rows=drop))
     # its sync rows are not needed (the misses are the first run's): a run of the prefetch modes alone will do
     only_prefetch = margin_run(rows=lambda rows: [r for r in rows

@@ -100,8 +100,11 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
                                config.overlap_profile, measured.prefetch_margin)
             margins = profile.prefetch_margins()
         other = sorted({m for m in modes if m not in PREFETCH_CHUNKS and m != "sync"})
-        why = f"overlap profile {config.overlap_profile}" + (
-            f" ({', '.join(other)} layers fetch synchronously in the plugin)" if other else "")
+        chunked = sorted({m for m in modes if PREFETCH_CHUNKS.get(m, 0) > 1})
+        notes = ([f"{', '.join(other)} layers fetch synchronously in the plugin"] if other else []) + (
+            [f"{', '.join(chunked)} layers prefetch in one indexer call (SGLang's indexer is not split), not in the "
+             f"chunks the profile's times were measured with"] if chunked else [])
+        why = f"overlap profile {config.overlap_profile}" + (f" ({'; '.join(notes)})" if notes else "")
     else:
         layers, why = [True] * num_layers, "prefetch_overlap_level full"
     fraction = config.spare_slot_fraction

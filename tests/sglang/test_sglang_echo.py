@@ -54,6 +54,10 @@ def test_plan_follows_the_overlap_profile(tmp_path):
     p = _plan(overlap_profile=path)
     assert p.prefetch_layers[:4] == (False, False, False, True) and sum(p.prefetch_layers) == 27
     assert "da, dba layers fetch synchronously" in p.note
+    # the profile's times for chunked prefetch came from the harness, where the indexer runs in chunks; here it is one
+    assert "prefetch2 layers prefetch in one indexer call" in p.note
+    three = _plan(overlap_profile=_profile_with(tmp_path, {0: "prefetch3", 1: "sync"}))
+    assert three.prefetch_layers[:2] == (True, False) and "prefetch2, prefetch3 layers prefetch in one" in three.note
     with pytest.raises(OverlapProfileError, match="lists 30 layers, the model has 61"):
         _plan(layers=61, overlap_profile=path)
     assert not any(_plan(overlap_profile=path, prefetch_overlap_level="none").prefetch_layers)
