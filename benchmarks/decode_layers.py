@@ -75,6 +75,7 @@ from ess_sglang.decode_stack import (
 from ess_sglang.formats import INDEXER_ENTRY_BYTES, LATENT_ENTRY_BYTES, pack_indexer_key, pack_latent
 from ess_sglang.host_pool import HostTotalPool
 from ess_sglang.overlap_policy import (
+    PREFETCH_CHUNKS,
     DeviceTimings,
     ProfileHeader,
     build_profile,
@@ -726,10 +727,13 @@ def main(argv=None) -> int:
             StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=args.prefetch_fractions)
         except ValueError as exc:
             p.error(f"--prefetch-fractions: {exc}")
-        if not any(m == "layerwise" or known(m) and prefetch_chunks(m) == len(args.prefetch_fractions)
+        n = len(args.prefetch_fractions)
+        policy_chunks = {c for c in PREFETCH_CHUNKS.values() if c > 1}  # what a layer-wise profile's layers run
+        if not any(m == "layerwise" and n in policy_chunks or known(m) and prefetch_chunks(m) == n
                    for m in args.modes):
-            p.error(f"--prefetch-fractions: {len(args.prefetch_fractions)} fractions, but no prefetch"
-                    f"{len(args.prefetch_fractions)} mode (nor layerwise) in --modes runs that many chunks")
+            can = " or ".join(str(c) for c in sorted(policy_chunks))
+            p.error(f"--prefetch-fractions: {n} fractions, but no prefetch{n} mode in --modes runs that many chunks"
+                    + ("" if n in policy_chunks else f" (nor a layer-wise profile's layers: they run {can})"))
     split = [float(f) for f in args.dba_split.split(",")]
     args.dba_split = split[0] if len(split) == 1 else tuple(split)
     contexts = [int(x) for x in args.contexts.split(",")]
