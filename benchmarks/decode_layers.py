@@ -747,19 +747,17 @@ def main(argv=None) -> int:
         p.error("--calibration-margin: needs --calibration (the run at margin 0)")
     if args.calibration:
         runs = [args.calibration] + ([args.calibration_margin] if args.calibration_margin else [])
+        # what the calibration's runs must have measured with: this run's top-k and prefetch chunks
+        same_as_this_run = dict(topk=args.topk, prefetch_split=args.prefetch_split,
+                                prefetch_fractions=args.prefetch_fractions, prefetch_indexer=args.prefetch_indexer)
         try:
-            timings = timings.model_copy(update={"measured": load_calibration(
-                runs, topk=args.topk, prefetch_split=args.prefetch_split, prefetch_fractions=args.prefetch_fractions,
-                prefetch_indexer=args.prefetch_indexer)})
+            timings = timings.model_copy(update={"measured": load_calibration(runs, **same_as_this_run)})
         except CalibrationError as exc:
             p.error(f"--calibration: {exc}")
         timings_spare = timings  # layerwise+spare: the calibration's runs with spare slots, where it has them
         if any(args.spare):
             try:
-                spare_runs = load_calibration(runs, spare_slots=True, topk=args.topk,
-                                              prefetch_split=args.prefetch_split,
-                                              prefetch_fractions=args.prefetch_fractions,
-                                              prefetch_indexer=args.prefetch_indexer)
+                spare_runs = load_calibration(runs, spare_slots=True, **same_as_this_run)
                 timings_spare = timings.model_copy(update={"measured": spare_runs})
             except CalibrationError as exc:
                 print(f"layerwise+spare chooses from the runs without spare slots: {exc}", flush=True)

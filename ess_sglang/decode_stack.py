@@ -453,6 +453,9 @@ class EssDecodeStack(_StackBase):
             raise ValueError("options.prefetch / prefetch_layers need an EchoPrefetcher")
         if manager.slots_per_layer % 64:
             raise ValueError("hot pools must hold a multiple of 64 slots (FlashMLA pages)")
+        if options.prefetch_split == "positions" and score_hook is not None:
+            raise ValueError("prefetch_split='positions' scores segments of the positions: a score hook (which "
+                             "replaces the whole logits) needs prefetch_split='rows'")
         self.m = manager
         self.prefetcher = prefetcher if options.any_prefetch else None
         self._pending_thresholds: list = []
@@ -460,9 +463,6 @@ class EssDecodeStack(_StackBase):
         q_rows = max_batch * 2  # up to 2 query tokens per request (MTP)
         self.fetch_list = manager.new_fetch_list(q_rows * options.top_k)  # DA: the deferred copies
         self.fetch_early = manager.new_fetch_list(q_rows * options.top_k)
-        if options.prefetch_split == "positions" and score_hook is not None:
-            raise ValueError("prefetch_split='positions' scores segments of the positions: a score hook (which "
-                             "replaces the whole logits) needs prefetch_split='rows'")
         if self.prefetcher is not None:
             most_chunks = max(len(f) for f in options.layer_prefetch_fractions if f is not None)
             # by rows, the chunks' lists are the slices of their rows; by positions, each segment has a whole one
