@@ -326,7 +326,7 @@ def stack_knobs(args) -> dict:
     return dict(prefetch_split=args.prefetch_split, prefetch_indexer=args.prefetch_indexer,
                 threshold_update=args.threshold_update,
                 last_chunk_programs=args.last_chunk_programs, last_chunk_margin=args.last_chunk_margin,
-                last_chunk_priority=args.last_chunk_priority)
+                last_chunk_priority=args.last_chunk_priority, last_chunk_prefetch=args.last_chunk_prefetch == "on")
 
 
 class SelectionLog:
@@ -437,6 +437,8 @@ def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 
         want_split.append([o.clone() for o in hbm_split.step(cfg.batch_tables, cfg.inputs)])
     variants = [("sync", "sync", False), ("prefetch", "sync", True), ("prefetch2", "sync", True),
                 ("da", "da", False), ("dba", "dba", False)]
+    if prefetch_fractions is not None and len(prefetch_fractions) > 2:  # the run's own plan of N chunks as well
+        variants.insert(3, (f"prefetch{len(prefetch_fractions)}", "sync", True))
     if spare_fraction:  # the same modes with spare slots (refilled beside attention)
         variants += [(f"{n}+spare", m, p) for n, m, p in variants if n != "prefetch"]
     for name, modes, prefetch in variants:
@@ -675,6 +677,9 @@ def main(argv=None) -> int:
                    "--overlap-programs")
     p.add_argument("--last-chunk-margin", type=float, default=None,
                    help="prefetchN: the last chunk's threshold margin (beside the top-k) instead of --prefetch-margin")
+    p.add_argument("--last-chunk-prefetch", default="on", choices=["on", "off"],
+                   help="prefetchN: off runs the last chunk's indexer launch without its prefetch (nothing beside the "
+                   "top-k); its misses are left to the exact resolve")
     p.add_argument("--last-chunk-priority", default="high", choices=["high", "normal"],
                    help="prefetchN: the last chunk's candidate, claim and copy launches (beside the top-k) on the "
                    "high-priority side stream, or at the main stream's priority")
@@ -749,7 +754,8 @@ def main(argv=None) -> int:
         runs = [args.calibration] + ([args.calibration_margin] if args.calibration_margin else [])
         # what the calibration's runs must have measured with: this run's top-k and prefetch chunks
         same_as_this_run = dict(topk=args.topk, prefetch_split=args.prefetch_split,
-                                prefetch_fractions=args.prefetch_fractions, prefetch_indexer=args.prefetch_indexer)
+                                prefetch_fractions=args.prefetch_fractions, prefetch_indexer=args.prefetch_indexer,
+                                last_chunk_prefetch=args.last_chunk_prefetch == "on")
         try:
             timings = timings.model_copy(update={"measured": load_calibration(runs, **same_as_this_run)})
         except CalibrationError as exc:

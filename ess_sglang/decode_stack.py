@@ -18,6 +18,8 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
        queues the last chunk's launches at the main stream's priority instead of the side stream's high one; with
        `prefetch_split="positions"` the chunks are segments of the positions instead (every request, positions
        [lo, hi)), so the last segment's copy (its share of the misses) is what is left beside the top-k;
+       `last_chunk_prefetch=False` drops the last chunk's prefetch (its launch still covers the previous chunk's
+       copy): its misses are left to the exact resolve's copy;
     4. top-k positions (torch.topk, the Triton kernel `ess_sglang.kernels.topk`, or a caller's, e.g. SGLang's decode
        top-k); the k-th best score (the top-k's, or, from a top-k that gives positions only, the lowest selected
        logit, found by `selection_kth_scores` where it is folded in) updates the prefetch threshold on the side stream
@@ -142,6 +144,9 @@ class StackOptions:
     # many programs instead of overlap_programs (None: the same; 8 measured much slower than 16, benchmarks/RESULTS.md)
     last_chunk_margin: float | None = None  # prefetch in chunks: the last chunk's threshold margin instead of the
     # layer's (None: the layer's), e.g. 0: fewer wasted copies beside the top-k, more misses left to the exact resolve
+    last_chunk_prefetch: bool = True  # prefetch in chunks: False runs the last chunk's indexer only (its own launch,
+    # under which the previous chunk's copy hides) and leaves its misses to the exact resolve, whose copy moves only
+    # what the top-k selected, on every SM: no candidate, claim or copy kernels beside the top-k
     last_chunk_priority: str = "high"  # prefetch in chunks: the last chunk's candidate, claim and copy launches on the
     # high-priority side stream ("high"), or on a stream at the main stream's priority, joined into the side stream
     # ("normal": its wide candidate kernel then shares the SMs with the top-k's first kernels, not taking them all;
@@ -213,6 +218,8 @@ class StackOptions:
             raise ValueError(f"last_chunk_programs must be >= 1 or None, got {self.last_chunk_programs}")
         if self.last_chunk_margin is not None and not is_margin(self.last_chunk_margin):
             raise ValueError(f"last_chunk_margin must be in [0, 1) or None, got {self.last_chunk_margin!r}")
+        if not isinstance(self.last_chunk_prefetch, bool):
+            raise ValueError(f"last_chunk_prefetch must be True or False, got {self.last_chunk_prefetch!r}")
         if self.last_chunk_priority not in ("high", "normal"):
             raise ValueError(f"last_chunk_priority must be 'high' or 'normal', got {self.last_chunk_priority!r}")
 
@@ -601,6 +608,8 @@ class EssDecodeStack(_StackBase):
                 chunk_logits = self._scores(layer, xi, b, out=out, first_pos=first, end_pos=end)
                 done = None
             last = i == len(bounds) - 1 and len(bounds) > 1  # the chunk whose prefetch runs beside the top-k
+            if last and not self.options.last_chunk_prefetch:
+                break  # its misses are the exact resolve's
             # its slice of the prefetch list: its rows' part, or (by positions) a whole list of its own
             at = (lo, hi) if by_rows else (i * B, (i + 1) * B)
             self._prefetch_chunk(layer, i, *at, b, chunk_logits, done, last, first_pos=first)

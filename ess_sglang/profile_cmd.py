@@ -281,8 +281,9 @@ def _calibration(path: str, spare_slots: bool = False, margin_path: str | None =
 
     where = f"--calibration {path}" + (f" --calibration-margin {margin_path}" if margin_path else "")
     try:
+        # the plugin prefetches in every indexer call it runs (it has no chunk without a prefetch)
         return load_calibration([path] if margin_path is None else [path, margin_path], where,
-                                spare_slots=spare_slots)
+                                spare_slots=spare_slots, last_chunk_prefetch=True)
     except CalibrationError as exc:
         raise _FlagError(str(exc)) from None
 

@@ -192,7 +192,8 @@ UNCHECKED = object()
 def load_calibration(path: str | Path | Sequence[str | Path], where: str | None = None,
                      spare_slots: bool = False, topk: str | None = None,
                      prefetch_split: str | None = None, prefetch_fractions: Any = UNCHECKED,
-                     prefetch_indexer: str | None = None) -> StackCalibration:
+                     prefetch_indexer: str | None = None,
+                     last_chunk_prefetch: bool | None = None) -> StackCalibration:
     """`calibration_from_decode_layers` of a JSON file, or of two: a run at margin 0 and a run at a threshold margin
     (`--prefetch-margin`), whose prefetch modes join as the *_margin modes. Every error is a CalibrationError
     starting with `where` (default: the path or paths)."""
@@ -213,18 +214,19 @@ def load_calibration(path: str | Path | Sequence[str | Path], where: str | None 
             raise CalibrationError(f"{at}: cannot read JSON: {exc}") from None
     return calibration_from_decode_layers(runs[0], where, spare_slots, margin_run=runs[1] if len(runs) > 1 else None,
                                           topk=topk, prefetch_split=prefetch_split,
-                                          prefetch_fractions=prefetch_fractions, prefetch_indexer=prefetch_indexer)
+                                          prefetch_fractions=prefetch_fractions, prefetch_indexer=prefetch_indexer,
+                                          last_chunk_prefetch=last_chunk_prefetch)
 
 
 COMPARABLE_META = ("layers", "warm", "steps", "ratio", "pool_batch", "dba_split", "overlap_programs", "topk", "spare",
                    "device", "prefetch_indexer", "prefetch_fractions", "prefetch_split", "new_tokens_per_step",
                    "threshold_update", "resolve_pdl", "prefetch_pdl", "last_chunk_programs", "last_chunk_margin",
-                   "last_chunk_priority")
+                   "last_chunk_priority", "last_chunk_prefetch")
 """`meta` keys of a decode-stack run that the two runs of a margin calibration must share (what else they measure
 with), besides the margin itself."""
 
 
-META_DEFAULTS = {"prefetch_split": "rows", "new_tokens_per_step": False}
+META_DEFAULTS = {"prefetch_split": "rows", "new_tokens_per_step": False, "last_chunk_prefetch": True}
 """What a run's meta key meant before the key was recorded (older runs lack it)."""
 
 
@@ -261,7 +263,8 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
                                    margin_run: Any = None, topk: str | None = None,
                                    prefetch_split: str | None = None,
                                    prefetch_fractions: Any = UNCHECKED,
-                                   prefetch_indexer: str | None = None) -> StackCalibration:
+                                   prefetch_indexer: str | None = None,
+                                   last_chunk_prefetch: bool | None = None) -> StackCalibration:
     """A calibration from the parsed JSON of `benchmarks/decode_layers.py` (`{"meta": ..., "rows": [...]}`).
 
     Every configuration (context, batch, hit) with an all-HBM row and a sync row with misses becomes a point; the
@@ -278,7 +281,9 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
     --prefetch-fractions, None for equal chunks): the runs must have measured with the same (`meta.prefetch_fractions`);
     not named, a run measured with uneven chunks is refused (a profile's layers would run equal ones).
     `prefetch_indexer`: how the caller launches its chunks ("serial" / "overlapped"); a run that recorded another
-    (`meta.prefetch_indexer`) is refused (serial and overlapped chunks measured 1.168 against 1.243 x at 64 / 32K)."""
+    (`meta.prefetch_indexer`) is refused (serial and overlapped chunks measured 1.168 against 1.243 x at 64 / 32K).
+    `last_chunk_prefetch`: whether the caller's last chunk prefetches; a run measured otherwise
+    (`meta.last_chunk_prefetch`, True where absent) is refused."""
     meta = _meta(data, where)
     where2 = f"{where} (margin run)"
     meta2 = _meta(margin_run, where2) if margin_run is not None else {}
@@ -303,6 +308,10 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
         if prefetch_indexer is not None and recorded is not None and recorded != prefetch_indexer:
             raise CalibrationError(f"{w}: its prefetch chunks were launched {recorded} (meta.prefetch_indexer), this "
                                    f"run's {prefetch_indexer}: its exposed times do not apply")
+        if last_chunk_prefetch is not None and _setting(m, "last_chunk_prefetch") != last_chunk_prefetch:
+            raise CalibrationError(f"{w}: its last prefetch chunk prefetched: {_setting(m, 'last_chunk_prefetch')} "
+                                   f"(meta.last_chunk_prefetch), this run's: {last_chunk_prefetch}: its exposed "
+                                   f"times do not apply")
         if prefetch_split is not None and _setting(m, "prefetch_split") != prefetch_split:
             raise CalibrationError(f"{w}: its prefetch chunks split {_setting(m, 'prefetch_split')} "
                                    f"(meta.prefetch_split), this run's split {prefetch_split}: its exposed times do "

@@ -724,6 +724,29 @@ def test_the_last_chunk_takes_its_own_margin():
             StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, last_chunk_margin=bad)
 
 
+@pytest.mark.parametrize("split", ["rows", "positions"])
+def test_the_last_chunk_can_leave_its_misses_to_the_exact_resolve(split):
+    """last_chunk_prefetch False: every chunk's indexer still runs (the logits are whole), but only the chunks before
+    the last look for candidates; the outputs stay those of the all-HBM stack and the resolve fetches the rest."""
+    ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=3, prefetch_split=split,
+                                        last_chunk_prefetch=False)
+    first_positions = []
+    candidates = ess.prefetcher.candidates
+    ess.prefetcher.candidates = lambda *a, seen=first_positions, **kw: (seen.append(kw.get("first_pos")),
+                                                                       candidates(*a, **kw))[1]
+    for batch, inputs in steps(2, table, rows, locs):
+        got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    assert len(first_positions) == 2 * LAYERS * 2  # two of the three chunks, in each layer and step
+    if split == "positions":
+        bounds = segment_bounds(ess.max_len, ess.options.layer_prefetch_fractions[0])
+        assert first_positions[:2] == [bounds[0][0], bounds[1][0]]
+    counters = ess.m.counters.sum(0)
+    assert int(counters[Counter.PREFETCHED]) > 0 and int(counters[Counter.MISSES]) > 0
+    with pytest.raises(ValueError, match="last_chunk_prefetch must be True or False, got 'off'"):
+        StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, last_chunk_prefetch="off")
+
+
 def test_the_last_chunk_runs_at_its_own_priority():
     """last_chunk_priority "normal": the chunk beside the top-k queues its candidate, claim and copy launches in
     `SideStream.on_normal` (the other chunks on the side stream), and the outputs stay those of the all-HBM stack."""

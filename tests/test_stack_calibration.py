@@ -127,6 +127,17 @@ def test_a_run_whose_chunks_were_launched_otherwise_is_refused_when_the_launch_i
         calibration_from_decode_layers(run, "run.json", prefetch_indexer="serial")
 
 
+def test_a_run_whose_last_chunk_prefetched_otherwise_is_refused_when_named():
+    run = _run()  # (no meta.last_chunk_prefetch: it prefetched, as every run before the key)
+    calibration_from_decode_layers(run, "run.json", last_chunk_prefetch=True)
+    with pytest.raises(CalibrationError, match=r"run\.json: its last prefetch chunk prefetched: True "
+                                               r"\(meta\.last_chunk_prefetch\), this run's: False"):
+        calibration_from_decode_layers(run, "run.json", last_chunk_prefetch=False)
+    run["meta"]["last_chunk_prefetch"] = False
+    calibration_from_decode_layers(run, "run.json", last_chunk_prefetch=False)
+    calibration_from_decode_layers(run, "run.json")  # not named: not checked
+
+
 def test_a_run_whose_prefetch_chunks_split_otherwise_is_refused_when_the_split_is_named():
     run = _run()  # (no meta.prefetch_split: chunks of batch rows)
     calibration_from_decode_layers(run, "run.json", prefetch_split="rows")
@@ -300,6 +311,19 @@ def test_ess_profile_with_a_calibration_measured_with_sglangs_top_k_says_nothing
     capsys.readouterr()
     assert load_profile(tmp_path / "p.yaml", num_layers=2).device.measured.topk == "sglang"
     assert main(argv) == 0 and "the calibration selected with --topk" not in capsys.readouterr().out
+
+
+def test_ess_profile_refuses_a_calibration_whose_last_chunk_did_not_prefetch(tmp_path, capsys):
+    """The plugin prefetches in each indexer call it runs: a run that left its last chunk's misses to the resolve
+    measured another plan."""
+    run = json.loads((ROOT / "benchmarks" / "results" / "sglang_topk_calibration" / "m0" / "decode_layers.json")
+                     .read_text())
+    run["meta"]["last_chunk_prefetch"] = False
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(run))
+    assert main(["profile", "--synthetic", "--gen-layers", "2", "--gen-steps", "8", "--batch", "64", "--context",
+                 "32768", "--top-k", "2048", "--calibration", str(path), "--out", str(tmp_path / "p.yaml")]) == 2
+    assert "its last prefetch chunk prefetched: False (meta.last_chunk_prefetch)" in capsys.readouterr().err
 
 
 def test_ess_profile_with_a_spare_slot_calibration(tmp_path, capsys):
