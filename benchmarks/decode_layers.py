@@ -8,8 +8,10 @@ ESS stack over hot pools filled by the cache manager from a pinned host pool, in
 
     sync       resolve + copy, then attention
     prefetch   sync, plus ECHO prefetch of candidates above the EMA threshold while the top-k runs
-    prefetchN  prefetch with the indexer run in N batch chunks (e.g. prefetch2): each chunk's prefetch starts as soon
-               as its logits exist, beside the next chunk's indexer (the last chunk's beside the top-k); the chunks
+    prefetchN  prefetch with the indexer run in N batch chunks (e.g. prefetch2; `--prefetch-split positions`:
+               segments of every request's positions; `--prefetch-fractions`: uneven ones): each chunk's prefetch
+               starts as soon as its logits exist, beside the next chunk's indexer (the last chunk's beside the
+               top-k, or, `--last-chunk-prefetch off`, none: its misses go to the exact resolve); the chunks
                before the last launch on a high-priority stream, the last at once on the main stream
                (`--prefetch-indexer overlapped`, the default; `serial`: one after the other)
     da         dual attention (hits while misses copy; then misses; merged by LSE)
@@ -739,6 +741,15 @@ def main(argv=None) -> int:
             can = " or ".join(str(c) for c in sorted(policy_chunks))
             p.error(f"--prefetch-fractions: {n} fractions, but no prefetch{n} mode in --modes runs that many chunks"
                     + ("" if n in policy_chunks else f" (nor a layer-wise profile's layers: they run {can})"))
+    if args.last_chunk_prefetch == "off" and not any(m == "layerwise" or known(m) and prefetch_chunks(m) > 1
+                                                     for m in args.modes):
+        p.error("--last-chunk-prefetch off: no prefetchN mode (N >= 2) or layerwise in --modes has a last chunk to "
+                "leave out")
+    idle = [f for f, on in (("--last-chunk-programs", args.last_chunk_programs is not None),
+                            ("--last-chunk-margin", args.last_chunk_margin is not None),
+                            ("--last-chunk-priority", args.last_chunk_priority != "high")) if on]
+    if args.last_chunk_prefetch == "off" and idle:
+        p.error(f"{idle[0]}: sets the last chunk's prefetch, which --last-chunk-prefetch off drops")
     split = [float(f) for f in args.dba_split.split(",")]
     args.dba_split = split[0] if len(split) == 1 else tuple(split)
     contexts = [int(x) for x in args.contexts.split(",")]

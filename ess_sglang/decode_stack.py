@@ -145,8 +145,9 @@ class StackOptions:
     last_chunk_margin: float | None = None  # prefetch in chunks: the last chunk's threshold margin instead of the
     # layer's (None: the layer's), e.g. 0: fewer wasted copies beside the top-k, more misses left to the exact resolve
     last_chunk_prefetch: bool = True  # prefetch in chunks: False runs the last chunk's indexer only (its own launch,
-    # under which the previous chunk's copy hides) and leaves its misses to the exact resolve, whose copy moves only
-    # what the top-k selected, on every SM: no candidate, claim or copy kernels beside the top-k
+    # under which the previous chunk's copy hides) and leaves its misses to the layer's exact resolve and copy, which
+    # move only what the top-k selected: no candidate, claim or copy kernels beside the top-k (the other last-chunk
+    # settings then have nothing to act on: refused with it); a layer of one chunk prefetches either way
     last_chunk_priority: str = "high"  # prefetch in chunks: the last chunk's candidate, claim and copy launches on the
     # high-priority side stream ("high"), or on a stream at the main stream's priority, joined into the side stream
     # ("normal": its wide candidate kernel then shares the SMs with the top-k's first kernels, not taking them all;
@@ -220,6 +221,12 @@ class StackOptions:
             raise ValueError(f"last_chunk_margin must be in [0, 1) or None, got {self.last_chunk_margin!r}")
         if not isinstance(self.last_chunk_prefetch, bool):
             raise ValueError(f"last_chunk_prefetch must be True or False, got {self.last_chunk_prefetch!r}")
+        if not self.last_chunk_prefetch:
+            idle = [n for n, on in (("last_chunk_programs", self.last_chunk_programs is not None),
+                                    ("last_chunk_margin", self.last_chunk_margin is not None),
+                                    ("last_chunk_priority", self.last_chunk_priority != "high")) if on]
+            if idle:
+                raise ValueError(f"{idle[0]} sets the last chunk's prefetch, which last_chunk_prefetch=False drops")
         if self.last_chunk_priority not in ("high", "normal"):
             raise ValueError(f"last_chunk_priority must be 'high' or 'normal', got {self.last_chunk_priority!r}")
 
@@ -580,7 +587,8 @@ class EssDecodeStack(_StackBase):
 
         With `prefetch_chunks` > 1 the indexer runs chunk by chunk (batch rows, or with `prefetch_split="positions"`
         segments of the positions) into one logits tensor, and each chunk's prefetch (into its own slice of the
-        prefetch list) starts as soon as the chunk's logits exist. With
+        prefetch list) starts as soon as the chunk's logits exist (but the last chunk's, with
+        `last_chunk_prefetch=False`: its misses are the exact resolve's). With
         `prefetch_indexer="overlapped"` (on CUDA) the chunks before the last run on the lead stream, forked from the
         main stream here (so every write their prefetch reads comes before), and each one's prefetch waits for its
         event; the main stream joins the lead stream before the top-k."""

@@ -310,7 +310,7 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
                                    f"run's {prefetch_indexer}: its exposed times do not apply")
         if last_chunk_prefetch is not None and _setting(m, "last_chunk_prefetch") != last_chunk_prefetch:
             raise CalibrationError(f"{w}: its last prefetch chunk prefetched: {_setting(m, 'last_chunk_prefetch')} "
-                                   f"(meta.last_chunk_prefetch), this run's: {last_chunk_prefetch}: its exposed "
+                                   f"(meta.last_chunk_prefetch), this caller's: {last_chunk_prefetch}: its exposed "
                                    f"times do not apply")
         if prefetch_split is not None and _setting(m, "prefetch_split") != prefetch_split:
             raise CalibrationError(f"{w}: its prefetch chunks split {_setting(m, 'prefetch_split')} "

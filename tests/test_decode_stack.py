@@ -745,6 +745,21 @@ def test_the_last_chunk_can_leave_its_misses_to_the_exact_resolve(split):
     assert int(counters[Counter.PREFETCHED]) > 0 and int(counters[Counter.MISSES]) > 0
     with pytest.raises(ValueError, match="last_chunk_prefetch must be True or False, got 'off'"):
         StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, last_chunk_prefetch="off")
+    for idle in (dict(last_chunk_programs=8), dict(last_chunk_margin=0.0), dict(last_chunk_priority="normal")):
+        with pytest.raises(ValueError, match=f"{next(iter(idle))} sets the last chunk's prefetch, which "
+                                             f"last_chunk_prefetch=False drops"):
+            StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, last_chunk_prefetch=False, **idle)
+
+
+def test_a_layer_of_one_chunk_prefetches_whatever_last_chunk_prefetch_says():
+    ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=1, last_chunk_prefetch=False)
+    calls = []
+    candidates = ess.prefetcher.candidates
+    ess.prefetcher.candidates = lambda *a, seen=calls, **kw: (seen.append(1), candidates(*a, **kw))[1]
+    for batch, inputs in steps(2, table, rows, locs):
+        got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    assert len(calls) == LAYERS * 2
 
 
 def test_the_last_chunk_runs_at_its_own_priority():

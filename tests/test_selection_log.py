@@ -94,3 +94,20 @@ def test_a_replayed_selection_gives_the_recorded_positions_call_by_call_and_chun
     assert torch.equal(torch.cat([a, b])[:, 0], hbm.given[1])
     with pytest.raises(RuntimeError, match="more top-k calls than the 2 recorded"):
         replay(scores, 8, seq)
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--modes", "sync,prefetch", "--last-chunk-prefetch", "off"],
+     "--last-chunk-prefetch off: no prefetchN mode (N >= 2) or layerwise in --modes has a last chunk to leave out"),
+    (["--modes", "sync,prefetch3", "--last-chunk-prefetch", "off", "--last-chunk-margin", "0"],
+     "--last-chunk-margin: sets the last chunk's prefetch, which --last-chunk-prefetch off drops"),
+    (["--modes", "sync,prefetch2", "--last-chunk-prefetch", "off", "--last-chunk-priority", "normal"],
+     "--last-chunk-priority: sets the last chunk's prefetch, which --last-chunk-prefetch off drops"),
+])
+def test_decode_layers_refuses_a_last_chunk_setting_with_nothing_to_act_on(monkeypatch, capsys, argv, expected):
+    """Checked from the command line alone, before any pool is allocated (CUDA faked present: nothing reaches it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    with pytest.raises(SystemExit) as exc:
+        dl.main(argv + ["--out", "/nonexistent"])
+    assert exc.value.code == 2 and expected in capsys.readouterr().err

@@ -131,7 +131,7 @@ def test_a_run_whose_last_chunk_prefetched_otherwise_is_refused_when_named():
     run = _run()  # (no meta.last_chunk_prefetch: it prefetched, as every run before the key)
     calibration_from_decode_layers(run, "run.json", last_chunk_prefetch=True)
     with pytest.raises(CalibrationError, match=r"run\.json: its last prefetch chunk prefetched: True "
-                                               r"\(meta\.last_chunk_prefetch\), this run's: False"):
+                                               r"\(meta\.last_chunk_prefetch\), this caller's: False"):
         calibration_from_decode_layers(run, "run.json", last_chunk_prefetch=False)
     run["meta"]["last_chunk_prefetch"] = False
     calibration_from_decode_layers(run, "run.json", last_chunk_prefetch=False)

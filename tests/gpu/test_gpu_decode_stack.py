@@ -91,7 +91,7 @@ def _inputs(w, s, q_index=None):
 
 def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand", prefetch_chunks=1,
          prefetch_layers=None, spare=0, prefetch_indexer="serial", threshold_update="side", resolve_pdl=None,
-         last_chunk_priority="high", prefetch_pdl=None, prefetch_split="rows"):
+         last_chunk_priority="high", prefetch_pdl=None, prefetch_split="rows", last_chunk_prefetch=True):
     slots = math.ceil(0.25 * B * CTX / 64) * 64
     m = HotPoolCacheManager(w["host"], slots, max_selected=B * TOPK, spare_slots=spare, resolve_pdl=resolve_pdl)
     recent = slots // B - 64
@@ -101,7 +101,8 @@ def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand"
     opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, dba_attention=dba_attention,
                         new_tokens=new_tokens, prefetch_chunks=prefetch_chunks, prefetch_layers=prefetch_layers,
                         prefetch_indexer=prefetch_indexer, threshold_update=threshold_update,
-                        last_chunk_priority=last_chunk_priority, prefetch_split=prefetch_split)
+                        last_chunk_priority=last_chunk_priority, prefetch_split=prefetch_split,
+                        last_chunk_prefetch=last_chunk_prefetch)
     return EssDecodeStack(m, w["index_cache"], w["width"], opts, max_batch=B, prefetcher=pf)
 
 
@@ -144,7 +145,10 @@ def reference(world):
     ("sync", 2, "whole", "spare, overlapped, nopfpdl"),
     # the prefetch in segments of the positions (every request's positions lo:hi) instead of batch rows
     ("sync", 3, "whole", "positions"), ("sync", 2, "whole", "spare, overlapped, positions"),
-    ("dba", 2, "whole", "spare, overlapped, positions")])
+    ("dba", 2, "whole", "spare, overlapped, positions"),
+    # the calibrated plan: segments launched one after the other, the last one's misses left to the exact resolve
+    ("sync", 3, "whole", "spare, positions, lastoff"), ("sync", 2, "whole", "lastoff"),
+    ("sync", 3, "whole", "overlapped, lastoff"), ("dba", 2, "whole", "spare, positions, lastoff")])
 def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attention, new_tokens):
     variant = new_tokens  # "insert", or the case's other settings ("on_demand" new tokens)
     spare = 1024 if "spare" in variant else 0
@@ -156,10 +160,12 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
                resolve_pdl=False if "nopdl" in variant else None,
                last_chunk_priority="normal" if "normal" in variant else "high",
                prefetch_pdl=False if "nopfpdl" in variant else None,
-               prefetch_split="positions" if "positions" in variant else "rows")
+               prefetch_split="positions" if "positions" in variant else "rows",
+               last_chunk_prefetch="lastoff" not in variant)
     assert ess.m._fused.pdl == ("nopdl" not in variant)  # (the H200: on by default)
     assert ess.prefetcher is None or ess.prefetcher.pdl == ("nopfpdl" not in variant)
     assert ess.options.last_chunk_priority == ("normal" if "normal" in variant else "high")
+    assert ess.options.last_chunk_prefetch == ("lastoff" not in variant)
     worst = 0.0
     for s in range(STEPS):
         got = ess.step(_batch(world, s), _inputs(world, s))
@@ -201,7 +207,9 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
     # the prefetch's kernels without programmatic dependent launch
     (["sync", "sync"], 2, 1024, "overlapped, nopfpdl"),
     # the prefetch in segments of the positions
-    (["sync", "sync"], 3, 1024, "overlapped, positions"), (["dba", "sync"], 2, 1024, "overlapped, positions")])
+    (["sync", "sync"], 3, 1024, "overlapped, positions"), (["dba", "sync"], 2, 1024, "overlapped, positions"),
+    # the last segment's misses left to the exact resolve
+    (["sync", "sync"], 3, 1024, "serial, positions, lastoff")])
 def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, spare, indexer):
     """Capture a step with prefetch and mixed modes; replaying it over later steps gives what the all-HBM stack and
     the same steps run eagerly give (exact layers bit-identical; DA within 1e-2 of single-pass attention: graph and
@@ -218,7 +226,8 @@ def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, 
                            resolve_pdl=False if "nopdl" in indexer else None,
                            last_chunk_priority="normal" if "normal" in indexer else "high",
                            prefetch_pdl=False if "nopfpdl" in indexer else None,
-                           prefetch_split="positions" if "positions" in indexer else "rows") for _ in range(2))
+                           prefetch_split="positions" if "positions" in indexer else "rows",
+                           last_chunk_prefetch="lastoff" not in indexer) for _ in range(2))
     for s in range(3):  # warm-up (Triton compiles) on both
         for st in (eager, graphed):
             st.step(_batch(world, s), _inputs(world, s))
