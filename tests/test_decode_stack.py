@@ -709,15 +709,20 @@ def test_a_calls_margin_overrides_the_layers_in_both_implementations():
             plain.candidates(*args, margin=bad)
 
 
-def test_the_last_chunk_takes_its_own_margin():
-    ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=3, last_chunk_margin=0.0)
-    margins = []
+def _candidate_calls(ess, hbm, table, rows, locs) -> list[dict]:
+    """Two steps of both stacks (ESS bit-identical to all-HBM); the keyword arguments of every candidates call."""
+    calls = []
     candidates = ess.prefetcher.candidates
-    ess.prefetcher.candidates = lambda *a, margins_=margins, **kw: (margins_.append(kw.get("margin")),
-                                                                    candidates(*a, **kw))[1]
+    ess.prefetcher.candidates = lambda *a, **kw: (calls.append(kw), candidates(*a, **kw))[1]
     for batch, inputs in steps(2, table, rows, locs):
         got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
         assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    return calls
+
+
+def test_the_last_chunk_takes_its_own_margin():
+    ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=3, last_chunk_margin=0.0)
+    margins = [kw.get("margin") for kw in _candidate_calls(ess, hbm, table, rows, locs)]
     assert margins == [None, None, 0.0] * LAYERS * 2  # the layer's margin, but 0 for the chunk beside the top-k
     for bad in (1.0, -0.5, True):
         with pytest.raises(ValueError, match="last_chunk_margin must be in"):
@@ -730,13 +735,7 @@ def test_the_last_chunk_can_leave_its_misses_to_the_exact_resolve(split):
     the last look for candidates; the outputs stay those of the all-HBM stack and the resolve fetches the rest."""
     ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=3, prefetch_split=split,
                                         last_chunk_prefetch=False)
-    first_positions = []
-    candidates = ess.prefetcher.candidates
-    ess.prefetcher.candidates = lambda *a, seen=first_positions, **kw: (seen.append(kw.get("first_pos")),
-                                                                       candidates(*a, **kw))[1]
-    for batch, inputs in steps(2, table, rows, locs):
-        got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
-        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    first_positions = [kw.get("first_pos") for kw in _candidate_calls(ess, hbm, table, rows, locs)]
     assert len(first_positions) == 2 * LAYERS * 2  # two of the three chunks, in each layer and step
     if split == "positions":
         bounds = segment_bounds(ess.max_len, ess.options.layer_prefetch_fractions[0])
@@ -753,13 +752,7 @@ def test_the_last_chunk_can_leave_its_misses_to_the_exact_resolve(split):
 
 def test_a_layer_of_one_chunk_prefetches_whatever_last_chunk_prefetch_says():
     ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=1, last_chunk_prefetch=False)
-    calls = []
-    candidates = ess.prefetcher.candidates
-    ess.prefetcher.candidates = lambda *a, seen=calls, **kw: (seen.append(1), candidates(*a, **kw))[1]
-    for batch, inputs in steps(2, table, rows, locs):
-        got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
-        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
-    assert len(calls) == LAYERS * 2
+    assert len(_candidate_calls(ess, hbm, table, rows, locs)) == LAYERS * 2
 
 
 def test_the_last_chunk_runs_at_its_own_priority():
