@@ -326,7 +326,7 @@ def calibrate_rho(pools, cfg, slots, target, warm, iters=7, topk="torch") -> tup
 def stack_knobs(args) -> dict:
     """The StackOptions every ESS variant of a run takes from the command line (and the run's meta records)."""
     return dict(prefetch_split=args.prefetch_split, prefetch_indexer=args.prefetch_indexer,
-                threshold_update=args.threshold_update,
+                threshold_update=args.threshold_update, overlap_copy_rows=args.overlap_copy_rows,
                 last_chunk_programs=args.last_chunk_programs, last_chunk_margin=args.last_chunk_margin,
                 last_chunk_priority=args.last_chunk_priority, last_chunk_prefetch=args.last_chunk_prefetch == "on")
 
@@ -679,6 +679,8 @@ def main(argv=None) -> int:
                    "--overlap-programs")
     p.add_argument("--last-chunk-margin", type=float, default=None,
                    help="prefetchN: the last chunk's threshold margin (beside the top-k) instead of --prefetch-margin")
+    p.add_argument("--overlap-copy-rows", type=int, default=8,
+                   help="rows each of the --overlap-programs copy programs has in flight (a power of two up to 64)")
     p.add_argument("--last-chunk-prefetch", default="on", choices=["on", "off"],
                    help="prefetchN: off runs the last chunk's indexer launch without its prefetch (nothing beside the "
                    "top-k); its misses are left to the exact resolve")
@@ -741,6 +743,10 @@ def main(argv=None) -> int:
             can = " or ".join(str(c) for c in sorted(policy_chunks))
             p.error(f"--prefetch-fractions: {n} fractions, but no prefetch{n} mode in --modes runs that many chunks"
                     + ("" if n in policy_chunks else f" (nor a layer-wise profile's layers: they run {can})"))
+    try:
+        StackOptions(modes=["sync"], overlap_copy_rows=args.overlap_copy_rows)
+    except ValueError as exc:
+        p.error(f"--overlap-copy-rows: {exc}")
     if args.last_chunk_prefetch == "off" and not any(m == "layerwise" or known(m) and prefetch_chunks(m) > 1
                                                      for m in args.modes):
         p.error("--last-chunk-prefetch off: no prefetchN mode (N >= 2) or layerwise in --modes has a last chunk to "

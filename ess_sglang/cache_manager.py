@@ -340,11 +340,14 @@ class HotPoolCacheManager:
                          torch.full((n,), -1, dtype=torch.int64, device=self.device),
                          torch.zeros(1, dtype=torch.int64, device=self.device))
 
-    def fetch(self, layer: int, fetch_list: FetchList, programs: int | None = None) -> None:
+    def fetch(self, layer: int, fetch_list: FetchList, programs: int | None = None,
+              rows_per_program: int | None = None) -> None:
         """Copy what a deferred resolve left to do (FlashTrans H2D gather into the hot slots).
 
         `programs`: persistent copy programs (default `copy_programs`, enough for the whole GPU); fewer leave SMs to
-        the compute a copy on a side stream overlaps.
+        the compute a copy on a side stream overlaps. `rows_per_program`: the rows each program has in flight at a
+        time (a power of two; default the kernel's 8): fewer programs with more rows each keep as many rows in
+        flight on fewer SMs.
         """
         if self.copy_impl == "none":
             return
@@ -353,7 +356,8 @@ class HotPoolCacheManager:
         def run() -> None:
             if self.copy_impl == "triton" or (self.copy_impl == "auto" and fetch_list.src.is_cuda):
                 copy_rows_counted(src, dst, fetch_list.src, fetch_list.dst, fetch_list.count,
-                                  programs or self.copy_programs)
+                                  programs or self.copy_programs,
+                                  **({} if rows_per_program is None else dict(rows_per_program=rows_per_program)))
             else:  # the torch definition: -1 marks every pair past the count as well
                 copy_rows_reference(src, dst, fetch_list.src, fetch_list.dst)
 
@@ -363,7 +367,8 @@ class HotPoolCacheManager:
             run()
 
     def prefetch(self, layer: int, locs: torch.Tensor, fetch_list: FetchList | None = None,
-                 programs: int | None = None, chained: bool = False) -> torch.Tensor:
+                 programs: int | None = None, chained: bool = False,
+                 rows_per_program: int | None = None) -> torch.Tensor:
         """Fetch the given KV locations (1-D, -1 to skip) before the exact top-k is known (ECHO prefetch).
 
         Like warm-up, but nothing is protected: resident entries keep their recency and new ones are stamped as the
@@ -375,11 +380,11 @@ class HotPoolCacheManager:
         prefetches of one layer may precede its settle (the decode stack prefetches each batch chunk as soon as its
         indexer logits exist), each into a list of its own (slices of one list are fine if they do not overlap); a
         prefetch of another layer, or one into a list still unsettled, is refused.
-        `fetch_list` (at least len(locs) entries) receives what was fetched; by default a scratch list. `programs`:
-        the copy's persistent programs (see `fetch`). `chained`: `locs` was just written by a kernel on this stream
-        (the prefetch candidates): on the fused path with spare slots, the three small launches then use
-        programmatic dependent launch where the resolve does (`resolve_pdl`). Returns the int32 slot of each location
-        (-1: skipped, or not fetched for want of an evictable or spare slot).
+        `fetch_list` (at least len(locs) entries) receives what was fetched; by default a scratch list. `programs`,
+        `rows_per_program`: the copy's persistent programs and rows in flight per program (see `fetch`). `chained`:
+        `locs` was just written by a kernel on this stream (the prefetch candidates): on the fused path with spare
+        slots, the three small launches then use programmatic dependent launch where the resolve does (`resolve_pdl`).
+        Returns the int32 slot of each location (-1: skipped, or not fetched for want of an evictable or spare slot).
         """
         # the fused lookup bounds-checks every location itself (never reading outside the maps), so on that path the
         # decode stack's side stream skips the four small kernels of the torch check
@@ -407,7 +412,7 @@ class HotPoolCacheManager:
             slots = slots.int()
             self.counters[layer, Counter.PREFETCHED] += fetched
             self.counters[layer, Counter.H2D_ENTRIES] += fetched
-        self.fetch(layer, record, programs)
+        self.fetch(layer, record, programs, rows_per_program)
         # read by the exact resolve's settle
         if self._unsettled_prefetch is None:
             self._unsettled_prefetch = (layer, [record])

@@ -47,11 +47,11 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
     7. the main stream waits for the side stream before the layer ends (for all of it but the refill, which nothing
        before the layer's next step reads; the step's end waits for everything).
 
-Copies that overlap compute (DA's misses, DBA's halves, prefetches) run with `overlap_programs` persistent programs,
-leaving the other SMs to the kernels they overlap. When the caller knows that every live token of the batch is
-resident (`step(..., all_resident=True)`: small batches whose tokens all fit the pools and were loaded, with slots
-reserved for the tokens to come), the new token goes straight to its reserved slot and step 5 is one lookup kernel
-(`HotPoolCacheManager.lookup_resident`) and attention: no resolve, no eviction, no H2D traffic.
+Copies that overlap compute (DA's misses, DBA's halves, prefetches) run with `overlap_programs` persistent programs of
+`overlap_copy_rows` rows in flight each, leaving the other SMs to the kernels they overlap. When the caller knows that
+every live token of the batch is resident (`step(..., all_resident=True)`: small batches whose tokens all fit the pools
+and were loaded, with slots reserved for the tokens to come), the new token goes straight to its reserved slot and step
+5 is one lookup kernel (`HotPoolCacheManager.lookup_resident`) and attention: no resolve, no eviction, no H2D traffic.
 
 `HbmDecodeStack` is the reference: the same steps 1, 2, 4 with every latent entry in device memory, positions
 translated to KV locations by one kernel, and attention over them; `split_attention=True` splits its attention
@@ -140,6 +140,8 @@ class StackOptions:
     dba_split: float | Sequence[float] = 0.75  # chunk A's fraction of the batch (measured best), or every chunk's
     dba_attention: str = "whole"  # "whole": one attention over the batch (exact); "split": per half (hides more)
     overlap_programs: int = 32  # persistent programs of a copy that overlaps compute (the rest of the SMs compute)
+    overlap_copy_rows: int = 8  # rows each of those programs has in flight at a time (a power of two up to 64): e.g.
+    # 8 programs x 16 rows keep as many in flight as 16 x 8 on half the SMs (not yet measured on a GPU)
     last_chunk_programs: int | None = None  # prefetch in chunks: the last chunk's copy (beside the top-k) with this
     # many programs instead of overlap_programs (None: the same; 8 measured much slower than 16, benchmarks/RESULTS.md)
     last_chunk_margin: float | None = None  # prefetch in chunks: the last chunk's threshold margin instead of the
@@ -215,6 +217,9 @@ class StackOptions:
             raise ValueError(f"threshold_update must be 'main' or 'side', got {self.threshold_update!r}")
         if self.overlap_programs < 1:
             raise ValueError(f"overlap_programs must be >= 1, got {self.overlap_programs}")
+        r = self.overlap_copy_rows
+        if isinstance(r, bool) or not isinstance(r, numbers.Integral) or not 1 <= r <= 64 or r & (r - 1):
+            raise ValueError(f"overlap_copy_rows must be a power of two from 1 to 64, got {r!r}")
         if self.last_chunk_programs is not None and self.last_chunk_programs < 1:
             raise ValueError(f"last_chunk_programs must be >= 1 or None, got {self.last_chunk_programs}")
         if self.last_chunk_margin is not None and not is_margin(self.last_chunk_margin):
@@ -545,7 +550,7 @@ class EssDecodeStack(_StackBase):
         else:
             slots = self.m.resolve(layer, pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                                    fetch_list=self.fetch_list)
-            self.m.fetch(layer, self.fetch_list, programs)
+            self.m.fetch(layer, self.fetch_list, programs, None if programs is None else self.options.overlap_copy_rows)
         self._settle_beside(layer)
         return slots
 
@@ -647,7 +652,7 @@ class EssDecodeStack(_StackBase):
             record = FetchList(pl.src[lo * W:hi * W], pl.dst[lo * W:hi * W], self._prefetch_counts[i:i + 1])
             self.m.prefetch(layer, cand, record, programs=opts.last_chunk_programs
                             if last and opts.last_chunk_programs is not None else opts.overlap_programs,
-                            chained=pf.pdl)
+                            chained=pf.pdl, rows_per_program=opts.overlap_copy_rows)
 
     def _dual_attention(self, layer: int, batch: DecodeBatch, x: LayerInputs, pos: torch.Tensor) -> torch.Tensor:
         m, st, W = self.m, self.streams, self.options.da_width
@@ -675,7 +680,7 @@ class EssDecodeStack(_StackBase):
         fl.dst.masked_fill_(now, -1)
         m.fetch(layer, early)
         with st.on_side():
-            m.fetch(layer, fl, self.options.overlap_programs)
+            m.fetch(layer, fl, self.options.overlap_programs, self.options.overlap_copy_rows)
         late = miss & ~excess[at]
         table0 = torch.where(late, -1, slots)
         table1 = torch.full((*slots.shape[:-1], W + 1), -1, dtype=torch.int32, device=m.device)

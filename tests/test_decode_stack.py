@@ -755,6 +755,48 @@ def test_a_layer_of_one_chunk_prefetches_whatever_last_chunk_prefetch_says():
     assert len(_candidate_calls(ess, hbm, table, rows, locs)) == LAYERS * 2
 
 
+def test_overlapping_copies_take_their_rows_per_program():
+    """overlap_copy_rows reaches every copy that overlaps compute (the prefetch chunks', DA's late copy, DBA's
+    halves'), and only those; the fused path hands it to the counted copy kernel, which copies the same rows."""
+    for modes in (("sync", "da"), ("dba", "sync")):
+        ess, hbm, table, rows, locs = build(modes, prefetch=True, prefetch_chunks=2, overlap_copy_rows=16,
+                                            sync_copy="counted")
+        seen = []  # (programs, rows_per_program) of every copy
+        fetch = ess.m.fetch
+        ess.m.fetch = lambda layer, fl, programs=None, rows=None, rec=seen, f=fetch: (
+            rec.append((programs, rows)), f(layer, fl, programs, rows))[1]
+        for batch, inputs in steps(2, table, rows, locs):
+            got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
+            for layer in range(LAYERS):
+                if modes[layer] != "da":
+                    assert torch.equal(got[layer], want[layer])
+        overlapping = [args for args in seen if args[0] == ess.options.overlap_programs]
+        assert overlapping and all(args[1] == 16 for args in overlapping)
+        assert all(args[1] is None for args in seen if args[0] is None)  # sync's counted copy: the whole GPU
+    from ess_sglang import cache_manager as cm
+
+    src = torch.randint(0, 255, (40, 656), dtype=torch.uint8)
+    host = HostTotalPool(1, 40, device="cpu")
+    host.entries[0] = src
+    m = HotPoolCacheManager(host, 64, device="cpu", copy_impl="triton")
+    fl = m.new_fetch_list(32)
+    fl.src[:5] = torch.tensor([3, 7, 1, 30, 12])
+    fl.dst[:5] = torch.tensor([0, 9, 4, 2, 63])
+    fl.count.fill_(5)
+    calls = []
+    real = cm.copy_rows_counted
+    cm.copy_rows_counted = lambda *a, **kw: (calls.append(kw), real(*a, **kw))[1]
+    try:
+        m.fetch(0, fl, programs=2, rows_per_program=16)
+    finally:
+        cm.copy_rows_counted = real
+    assert calls == [dict(rows_per_program=16)]
+    assert torch.equal(m.hot_entries[0][fl.dst[:5]], src[fl.src[:5]])
+    for bad in (0, 3, 128, True):
+        with pytest.raises(ValueError, match="overlap_copy_rows must be a power of two from 1 to 64"):
+            StackOptions(modes=["sync"], overlap_copy_rows=bad)
+
+
 def test_the_last_chunk_runs_at_its_own_priority():
     """last_chunk_priority "normal": the chunk beside the top-k queues its candidate, claim and copy launches in
     `SideStream.on_normal` (the other chunks on the side stream), and the outputs stay those of the all-HBM stack."""

@@ -103,6 +103,7 @@ def test_a_replayed_selection_gives_the_recorded_positions_call_by_call_and_chun
      "--last-chunk-margin: sets the last chunk's prefetch, which --last-chunk-prefetch off drops"),
     (["--modes", "sync,prefetch2", "--last-chunk-prefetch", "off", "--last-chunk-priority", "normal"],
      "--last-chunk-priority: sets the last chunk's prefetch, which --last-chunk-prefetch off drops"),
+    (["--overlap-copy-rows", "12"], "--overlap-copy-rows: overlap_copy_rows must be a power of two from 1 to 64"),
 ])
 def test_decode_layers_refuses_a_last_chunk_setting_with_nothing_to_act_on(monkeypatch, capsys, argv, expected):
     """Checked from the command line alone, before any pool is allocated (CUDA faked present: nothing reaches it)."""
