@@ -67,9 +67,10 @@ for copy, pend in ((True, False), (False, True), (True, True), (False, False)):
                                   pend_dst_ptr=P64, pend_count_ptr=P64, taken_ptr=P64, num_spare=I64, n=I64),
           dict(COPY=copy, PEND=pend, WORDS=164, BLOCK_WORDS=256, C_FETCH_A=2, C_FETCH_B=3, C_EVICT=8, C_OVERFLOW=6,
                STAMP_BACK=0 if copy else 1, ROWS=4, CLEAR=1024, PDL=copy or pend))
-check(kf._copy_rows_counted_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64,
-                                         count_ptr=P64, n_rows=I64),
-      dict(WORDS=164, SRC_STRIDE=164, DST_STRIDE=164, BLOCK_WORDS=256, ROWS=8, PROGRAMS=32))
+for rows in (8, 16, 32):  # (decode_stack's overlap_copy_rows: 8 by default, more rows on fewer programs)
+    check(kf._copy_rows_counted_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64,
+                                             count_ptr=P64, n_rows=I64),
+          dict(WORDS=164, SRC_STRIDE=164, DST_STRIDE=164, BLOCK_WORDS=256, ROWS=rows, PROGRAMS=32))
 check(kt._topk_kernel, dict(scores_ptr=PF, row_stride=I64, T=I64, K=I32, out_pos_ptr=P32, out_kth_ptr=PF),
       dict(BLOCK=2048))
 for p in range(4):
