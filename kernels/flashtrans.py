@@ -192,6 +192,8 @@ def copy_rows_counted(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tens
     if programs < 1 or count.numel() != 1:
         raise ValueError(f"copy_rows_counted wants programs >= 1 and a 1-element count, got {programs}, "
                          f"{tuple(count.shape)}")
+    if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
+        raise ValueError(f"copy_rows_counted wants rows_per_program a power of two, got {rows_per_program}")
     src_w, dst_w = _as_words(src), _as_words(dst)
     words = src_w.shape[1]
     _copy_rows_counted_kernel[(programs,)](

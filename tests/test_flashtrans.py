@@ -76,7 +76,16 @@ def test_bad_arguments():
         copy_rows(src, dst, sr, dr, impl="cuda")
 
 
-@pytest.mark.parametrize("programs,rows", [(1, 8), (3, 4), (16, 2)])
+def test_counted_kernel_refuses_rows_that_are_not_a_power_of_two():
+    from ess_sglang.kernels.flashtrans import copy_rows_counted
+
+    src, dst, sr, dr = _case(64, 48, 37, 656, seed=0)
+    for bad in (0, 3, 12):
+        with pytest.raises(ValueError, match=f"rows_per_program a power of two, got {bad}"):
+            copy_rows_counted(src, dst, sr, dr, torch.tensor([5]), programs=2, rows_per_program=bad)
+
+
+@pytest.mark.parametrize("programs,rows", [(1, 8), (3, 4), (16, 2), (2, 16)])
 @pytest.mark.parametrize("count", [0, 5, 37, 100])
 def test_counted_kernel_copies_the_first_count_rows(programs, rows, count):
     from ess_sglang.kernels.flashtrans import copy_rows_counted
