@@ -743,19 +743,14 @@ def main(argv=None) -> int:
             can = " or ".join(str(c) for c in sorted(policy_chunks))
             p.error(f"--prefetch-fractions: {n} fractions, but no prefetch{n} mode in --modes runs that many chunks"
                     + ("" if n in policy_chunks else f" (nor a layer-wise profile's layers: they run {can})"))
-    try:
-        StackOptions(modes=["sync"], overlap_copy_rows=args.overlap_copy_rows)
+    try:  # the stack's own checks of the knobs every ESS variant takes, before any allocation
+        StackOptions(modes=["sync"], **stack_knobs(args))
     except ValueError as exc:
-        p.error(f"--overlap-copy-rows: {exc}")
+        p.error(f"stack options from the command line (--overlap-copy-rows, --last-chunk-*, ...): {exc}")
     if args.last_chunk_prefetch == "off" and not any(m == "layerwise" or known(m) and prefetch_chunks(m) > 1
                                                      for m in args.modes):
         p.error("--last-chunk-prefetch off: no prefetchN mode (N >= 2) or layerwise in --modes has a last chunk to "
                 "leave out")
-    idle = [f for f, on in (("--last-chunk-programs", args.last_chunk_programs is not None),
-                            ("--last-chunk-margin", args.last_chunk_margin is not None),
-                            ("--last-chunk-priority", args.last_chunk_priority != "high")) if on]
-    if args.last_chunk_prefetch == "off" and idle:
-        p.error(f"{idle[0]}: sets the last chunk's prefetch, which --last-chunk-prefetch off drops")
     split = [float(f) for f in args.dba_split.split(",")]
     args.dba_split = split[0] if len(split) == 1 else tuple(split)
     contexts = [int(x) for x in args.contexts.split(",")]

@@ -100,10 +100,10 @@ def test_a_replayed_selection_gives_the_recorded_positions_call_by_call_and_chun
     (["--modes", "sync,prefetch", "--last-chunk-prefetch", "off"],
      "--last-chunk-prefetch off: no prefetchN mode (N >= 2) or layerwise in --modes has a last chunk to leave out"),
     (["--modes", "sync,prefetch3", "--last-chunk-prefetch", "off", "--last-chunk-margin", "0"],
-     "--last-chunk-margin: sets the last chunk's prefetch, which --last-chunk-prefetch off drops"),
+     "last_chunk_margin sets the last chunk's prefetch, which last_chunk_prefetch=False drops"),
     (["--modes", "sync,prefetch2", "--last-chunk-prefetch", "off", "--last-chunk-priority", "normal"],
-     "--last-chunk-priority: sets the last chunk's prefetch, which --last-chunk-prefetch off drops"),
-    (["--overlap-copy-rows", "12"], "--overlap-copy-rows: overlap_copy_rows must be a power of two from 1 to 64"),
+     "last_chunk_priority sets the last chunk's prefetch, which last_chunk_prefetch=False drops"),
+    (["--overlap-copy-rows", "12"], "overlap_copy_rows must be a power of two from 1 to 64, got 12"),
 ])
 def test_decode_layers_refuses_a_last_chunk_setting_with_nothing_to_act_on(monkeypatch, capsys, argv, expected):
     """Checked from the command line alone, before any pool is allocated (CUDA faked present: nothing reaches it)."""
@@ -111,4 +111,6 @@ def test_decode_layers_refuses_a_last_chunk_setting_with_nothing_to_act_on(monke
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     with pytest.raises(SystemExit) as exc:
         dl.main(argv + ["--out", "/nonexistent"])
-    assert exc.value.code == 2 and expected in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and expected in err
+    assert "--last-chunk-prefetch off:" in expected or "stack options from the command line" in err
