@@ -26,8 +26,9 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
        beside attention, behind the layer's candidate reads there (`threshold_update="side"`; "main": at the end of
        the layer on the main stream);
     5. resolve + fetch, then attention over hot-pool slots, in the layer's mode:
-       sync  resolve (lookup, protect, evict, assign; the assign kernel copies each miss host -> hot slot as it
-             assigns it; on sm_90+ the kernels after the lookup use programmatic dependent launch), then attend
+       sync  resolve (lookup, protect, evict, assign; each miss is copied host -> hot slot as it gets its slot: by
+             the lookup for the first 1,024 that take spare slots, by the assign kernel otherwise; on sm_90+ the
+             kernels after the lookup use programmatic dependent launch), then attend
              (`sync_copy="counted"`: a separate persistent copy over the miss list). Exact.
        da    dual attention: resolve without copying; the misses are copied on the side stream while attention
              runs over the hits (Attn0); then attention over the misses (Attn1, a narrow table of `da_width`
@@ -154,7 +155,7 @@ class StackOptions:
     # high-priority side stream ("high"), or on a stream at the main stream's priority, joined into the side stream
     # ("normal": its wide candidate kernel then shares the SMs with the top-k's first kernels, not taking them all;
     # measured -8 us a layer at 128K / 64, +9.5 at 32K / 128, no change at 32K / 64: benchmarks/RESULTS.md)
-    sync_copy: str = "inline"  # sync mode: "inline" (in the resolve's assign kernel: measured faster) or "counted"
+    sync_copy: str = "inline"  # sync mode: "inline" (in the resolve's own kernels: measured faster) or "counted"
     new_tokens: str = DEFAULT_NEW_TOKENS  # "on_demand": only written back, and fetched like any miss when selected
     # (one resolve fewer a layer: 1.243 against 1.261 x all-HBM at batch 64 / 32K, 1.122 against 1.127 at 128 / 128K,
     # benchmarks/RESULTS.md); "insert": each new token gets a hot slot (a resolve of its own on the side stream)

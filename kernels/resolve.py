@@ -12,15 +12,17 @@ or the layer's slots (S), with every count kept on the device:
                   the slot table (as -2 - slot until K5), and the (location, slot) pair for K4's copy; later winners
                   go to the overflow list. The token -> slot map keeps the claim until K5, so that a later block sees
                   a duplicate as a miss, as the torch definition does, and a spare slot keeps its stamp (age 0) until
-                  K5, so that K3 never takes it
+                  K5, so that K3 never takes it. With a copy, each program then copies its own spare-slot winners
+                  ranked below `lookup_copy_cap` (1,024) host -> hot slot (the FlashTrans gather, fused): those
+                  copies are in flight while other programs still look up, instead of starting after K1-K3
     K2 ages       only when the overflow list is not empty: the slots' ages (clock - stamp, clamped) histogrammed
     K3 victims    from the histogram: the age threshold T below which nothing is taken; every slot older than T,
                   then slots of age exactly T, are written to the victim list (age 0 = protected, never taken; spare
                   slots are stamped in the future, so they have age 0 too)
-    K4 assign     overflow winner j gets victim j: evict its old token, map both ways, stamp, slot table; and every
-                  winner, in rank order, is copied host -> hot slot (the FlashTrans gather, fused) or listed in the
-                  fetch list of a deferred copy; a fixed grid of persistent programs walks the winners only (their
-                  count is on the device)
+    K4 assign     overflow winner j gets victim j: evict its old token, map both ways, stamp, slot table, and is
+                  copied host -> hot slot (the FlashTrans gather, fused), as are the spare-slot winners K1 left (ranks
+                  from the cap on); or, for a deferred copy, every winner is listed in rank order in the fetch list;
+                  a fixed grid of persistent programs walks the winners only (their count is on the device)
     K5 finish     spare-slot winners: token -> slot, stamp, slot table; entries that named a location another entry
                   won read the winner's slot (from the map, or through the claim from the winner's table entry);
                   the spare count moves
@@ -61,6 +63,11 @@ from ess_sglang.kernels.flashtrans import NUM_WARPS, ROWS_PER_PROGRAM, _copy_mas
 from ess_sglang.kernels.translate import block_for, position_to_location
 
 ROWS = ROWS_PER_PROGRAM  # misses assigned (and copied) per program of the assign kernel
+LOOKUP_COPY_ROWS = 16  # spare-slot winners a lookup program copies at a time (few: most programs have none)
+# Misses (by rank) the lookup copies itself; K4 copies the rest. Few misses (after a prefetch) are then in flight while
+# the lookup runs; many (a resolve with no prefetch) would put all of them in flight at once, which moved them ~10%
+# slower than K4's persistent walk on the H200 (benchmarks/NOTES.md, seventeenth session)
+LOOKUP_COPY_CAP = 1024
 AGE_BUCKETS = 256
 # scratch words: winners (misses) of the call, victims found older than T and at T, the age histogram
 SCR_MISS, SCR_ABOVE, SCR_AT, SCR_HIST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(8)
@@ -97,10 +104,11 @@ def _victims_needed(scr_ptr, taken_ptr, num_spare, REFILL: tl.constexpr):
 def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, width, n, per_batch,
                    l2s_ptr, s2l_ptr, stamp_ptr, clock_ptr, out_ptr, loc_ptr, cnt_ptr, scr_ptr, over_loc_ptr,
                    over_idx_ptr, spare_ptr, taken_ptr, num_spare, took_loc_ptr, took_slot_ptr, num_locations,
-                   num_slots, MODE: tl.constexpr, COUNT: tl.constexpr, PROTECT: tl.constexpr, LIST: tl.constexpr,
-                   SPARE_ONLY: tl.constexpr,
+                   num_slots, host_ptr, hot_ptr, copy_cap, MODE: tl.constexpr, COUNT: tl.constexpr,
+                   PROTECT: tl.constexpr, LIST: tl.constexpr, SPARE_ONLY: tl.constexpr,
                    C_LOOKUPS: tl.constexpr, C_HITS: tl.constexpr, C_BAD: tl.constexpr, C_FETCH_A: tl.constexpr,
-                   C_FETCH_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                   C_FETCH_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, COPY: tl.constexpr = False,
+                   WORDS: tl.constexpr = 4, BLOCK_WORDS: tl.constexpr = 4, COPY_ROWS: tl.constexpr = 16):
     _pdl_enter(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
@@ -143,11 +151,24 @@ def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, wid
                 over = win & ~spare
                 tl.store(over_loc_ptr + (r - avail), loc, mask=over)
                 tl.store(over_idx_ptr + (r - avail), i.to(tl.int32), mask=over)
-            if LIST:  # K4 copies (or lists for a deferred copy) every winner in rank order; spare only: the fetch
-                # list itself (took_* are then its src and dst)
+            if LIST:  # K4 lists every winner in rank order for a deferred copy (and copies the overflow); spare
+                # only: the fetch list itself (took_* are then its src and dst)
                 tl.store(took_loc_ptr + r, loc, mask=spare)
                 tl.store(took_slot_ptr + r, v, mask=spare)
             n_spare = tl.sum(spare.to(tl.int64))
+            if COPY:  # the FlashTrans gather of this program's spare-slot winners ranked below `copy_cap`, fused
+                # here rather than in K4: their copies are in flight while other programs still look up. Their ranks
+                # are one run from `base`; each row is read back from took_* once every thread of the program has
+                # stored its own
+                tl.debug_barrier()
+                first_rank = base.to(tl.int64)
+                end = tl.minimum(first_rank + n_spare, copy_cap)
+                for r0 in range(first_rank, end, COPY_ROWS):
+                    rr = r0 + tl.arange(0, COPY_ROWS)
+                    mine = rr < end
+                    s = tl.load(took_loc_ptr + rr, mask=mine, other=-1)
+                    d = tl.load(took_slot_ptr + rr, mask=mine, other=-1)
+                    _copy_masked(host_ptr, hot_ptr, s, d, mine, WORDS, WORDS, WORDS, BLOCK_WORDS)
             if n_spare > 0:
                 if C_FETCH_A >= 0:
                     tl.atomic_add(cnt_ptr + C_FETCH_A, n_spare, sem="relaxed")
@@ -221,8 +242,8 @@ def _evict_owner(s2l_ptr, l2s_ptr, v, m):
 @triton.jit
 def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr, l2s_ptr, s2l_ptr,
                    stamp_ptr, clock_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr,
-                   pend_count_ptr, taken_ptr, num_spare, n, COPY: tl.constexpr, PEND: tl.constexpr, WORDS: tl.constexpr,
-                   BLOCK_WORDS: tl.constexpr, C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr,
+                   pend_count_ptr, taken_ptr, num_spare, n, lookup_copied, COPY: tl.constexpr, PEND: tl.constexpr,
+                   WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr, C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr,
                    C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr, STAMP_BACK: tl.constexpr, ROWS: tl.constexpr,
                    CLEAR: tl.constexpr, PDL: tl.constexpr):
     _pdl_enter(PDL)
@@ -247,10 +268,13 @@ def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_pt
     n_got = tl.zeros((), tl.int64)
     n_evict = tl.zeros((), tl.int64)
     n_over_left = tl.zeros((), tl.int64)
-    # ranks [lo, n_miss): the overflow (ranks from `first`) is assigned victims; with a copy or a fetch list, the
-    # spare-slot winners before it are walked too, for their (location, slot) pairs from K1
+    # ranks [lo, n_miss): the overflow (ranks from `first`) is assigned victims and copied; so are the spare-slot
+    # winners before it that K1 did not copy (ranks from `lookup_copied`); with a fetch list every winner is walked,
+    # for its (location, slot) pair from K1
     lo = first
-    if COPY or PEND:
+    if COPY:
+        lo = tl.minimum(first, lookup_copied)
+    if PEND:
         lo = tl.zeros_like(first)
     for r0 in range(lo + pid * ROWS, n_miss, programs * ROWS):
         r = r0 + tl.arange(0, ROWS)
@@ -277,7 +301,8 @@ def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_pt
         n_evict += tl.sum(evict.to(tl.int64))
         n_over_left += tl.sum((ov & ~got).to(tl.int64))
         if COPY:  # the FlashTrans gather, fused: host entry of `loc` -> hot slot `v`
-            _copy_masked(src_ptr, dst_ptr, loc, v, live, WORDS, WORDS, WORDS, BLOCK_WORDS)
+            _copy_masked(src_ptr, dst_ptr, loc, v, got | (sp & (r >= lookup_copied)), WORDS, WORDS, WORDS,
+                         BLOCK_WORDS)
     if n_got + n_over_left > 0:  # programs with no misses add nothing (and do not queue on the counters' atomics)
         if C_FETCH_A >= 0:
             tl.atomic_add(cnt_ptr + C_FETCH_A, n_got, sem="relaxed")
@@ -394,6 +419,7 @@ class FusedResolver:
         self.age_block, self.age_warps = 1024, 4
         self.victim_block, self.victim_warps = 512, (4 if num_slots < 1 << 20 else 2)
         self.lookup_block = 256  # entries per program of the lookup (256: 5.2 us at batch 64, 1024: 6.5)
+        self.lookup_copy_cap = LOOKUP_COPY_CAP  # a resolve's misses ranked below this are copied by the lookup
         self.max_entries = 0
         self.device = device
         self.scratch = torch.zeros(SCR_SIZE, dtype=torch.int32, device=device)
@@ -473,9 +499,10 @@ class FusedResolver:
         _lookup_kernel[(triton.cdiv(n, self.lookup_block),)](
             src, seq, rpi, r2t, r2t_stride, r2t_rows, width, n, per_batch, l2s, s2l, stamp, clock, out, self.locs,
             counters, self.scratch, self.over_loc, self.over_idx, spare, spare_taken, self.num_spare, took_loc,
-            took_slot, l2s.shape[0] - 1, S, MODE=mode, COUNT=count, PROTECT=protect,
+            took_slot, l2s.shape[0] - 1, S, src_w, dst_w, self.lookup_copy_cap, MODE=mode, COUNT=count, PROTECT=protect,
             LIST=copy or pend, SPARE_ONLY=spare_only, C_LOOKUPS=counter_ids["LOOKUPS"], C_HITS=counter_ids["HITS"],
             C_BAD=counter_ids["BAD_INDICES"], C_FETCH_A=fa, C_FETCH_B=fb, BLOCK=self.lookup_block,
+            COPY=copy, WORDS=words, BLOCK_WORDS=triton.next_power_of_2(words), COPY_ROWS=LOOKUP_COPY_ROWS,
             # (a resolve's K1 follows the top-k and the stream joins: launched plainly; compiled with PDL, it lets K2
             # launch early)
             **(self._pdl(chained) if spare_only else dict(PDL=self.pdl)))
@@ -494,7 +521,8 @@ class FusedResolver:
         _assign_kernel[(min(triton.cdiv(n, ROWS), programs),)](
             self.scratch, self.victims, self.over_loc, self.over_idx, self.took_loc, self.took_slot, l2s, s2l, stamp,
             clock, out, counters,
-            src_w, dst_w, pend_src, pend_dst, pend_count, spare_taken, self.num_spare, n, COPY=copy, PEND=pend,
+            src_w, dst_w, pend_src, pend_dst, pend_count, spare_taken, self.num_spare, n,
+            self.lookup_copy_cap if copy else 0, COPY=copy, PEND=pend,
             WORDS=words, BLOCK_WORDS=triton.next_power_of_2(words), C_FETCH_A=fa, C_FETCH_B=fb,
             C_EVICT=counter_ids["EVICTIONS"], C_OVERFLOW=counter_ids["OVERFLOW"], STAMP_BACK=0 if protect else 1,
             ROWS=ROWS, CLEAR=block, num_warps=NUM_WARPS, **self._pdl(True))

@@ -47,8 +47,9 @@ check(ktr._translate_kernel, dict(pos_ptr=P32, seq_ptr=P64, rpi_ptr=P64, r2t_ptr
                                   num_slots=I64, cnt_ptr=P32),
       dict(THROUGH_SLOTS=False, C_LOOKUPS=0, C_HITS=1, C_NOT_RESIDENT=13, BLOCK=1024))
 for mode in (0, 1):
-    for protect, listed, spare_only in ((True, True, False), (False, True, False), (True, False, False),
-                                        (False, True, True)):
+    for protect, listed, spare_only, copy in ((True, True, False, False), (True, True, False, True),
+                                              (False, True, False, False), (False, True, False, True),
+                                              (True, False, False, False), (False, True, True, False)):
         for pdl in ((False, True) if spare_only else (True,)):  # (a prefetch's lookup: chained or not)
             check(kr._lookup_kernel, dict(src_ptr=P32 if mode == 0 else P64, seq_ptr=P64, rpi_ptr=P64, r2t_ptr=P32,
                                           r2t_stride=I64, r2t_rows=I64, width=I64, n=I64, per_batch=I64, l2s_ptr=P32,
@@ -56,15 +57,17 @@ for mode in (0, 1):
                                           cnt_ptr=P64, scr_ptr=P32, over_loc_ptr=P64, over_idx_ptr=P32, spare_ptr=P32,
                                           taken_ptr=P64,
                                           num_spare=I64, took_loc_ptr=P64, took_slot_ptr=P64, num_locations=I64,
-                                          num_slots=I64),
+                                          num_slots=I64, host_ptr=P32, hot_ptr=P32, copy_cap=I64),
                   dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, LIST=listed, SPARE_ONLY=spare_only, C_LOOKUPS=0,
                        C_HITS=1, C_BAD=5,
-                       C_FETCH_A=2, C_FETCH_B=3, BLOCK=256, PDL=pdl))
+                       C_FETCH_A=2, C_FETCH_B=3, BLOCK=256, PDL=pdl, COPY=copy, WORDS=164 if copy else 4,
+                       BLOCK_WORDS=256 if copy else 4, COPY_ROWS=16))
 for copy, pend in ((True, False), (False, True), (True, True), (False, False)):
     check(kr._assign_kernel, dict(scr_ptr=P32, victims_ptr=P32, over_loc_ptr=P64, over_idx_ptr=P32, took_loc_ptr=P64,
                                   took_slot_ptr=P64, l2s_ptr=P32, s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64,
                                   out_ptr=P32, cnt_ptr=P64, src_ptr=P32, dst_ptr=P32, pend_src_ptr=P64,
-                                  pend_dst_ptr=P64, pend_count_ptr=P64, taken_ptr=P64, num_spare=I64, n=I64),
+                                  pend_dst_ptr=P64, pend_count_ptr=P64, taken_ptr=P64, num_spare=I64, n=I64,
+                                  lookup_copied=I64),
           dict(COPY=copy, PEND=pend, WORDS=164, BLOCK_WORDS=256, C_FETCH_A=2, C_FETCH_B=3, C_EVICT=8, C_OVERFLOW=6,
                STAMP_BACK=0 if copy else 1, ROWS=4, CLEAR=1024, PDL=copy or pend))
 for rows in (8, 16, 32):  # (decode_stack's overlap_copy_rows: 8 by default, more rows on fewer programs)
