@@ -65,8 +65,9 @@ from ess_sglang.kernels.translate import block_for, position_to_location
 ROWS = ROWS_PER_PROGRAM  # misses assigned (and copied) per program of the assign kernel
 LOOKUP_COPY_ROWS = 16  # spare-slot winners a lookup program copies at a time (few: most programs have none)
 # Misses (by rank) the lookup copies itself; K4 copies the rest. Few misses (after a prefetch) are then in flight while
-# the lookup runs; many (a resolve with no prefetch) would put all of them in flight at once, which moved them ~10%
-# slower than K4's persistent walk on the H200 (benchmarks/NOTES.md, seventeenth session)
+# the lookup runs; many (a resolve with no prefetch) would put all of them in flight at once: without the cap, sync
+# with spare slots ran 14-31 us a layer slower on the H200 than K4's persistent walk (benchmarks/NOTES.md,
+# seventeenth session)
 LOOKUP_COPY_CAP = 1024
 AGE_BUCKETS = 256
 # scratch words: winners (misses) of the call, victims found older than T and at T, the age histogram
