@@ -9,7 +9,7 @@ or the layer's slots (S), with every count kept on the device:
                   (compare-and-swap -1 -> num_slots + its index: the first entry naming a location wins, the others
                   read the winner's slot in K5); the winners are ranked (one atomic per block); the first `avail`
                   ranks take the layer's spare slots (free slots set aside beforehand, `refill` below): slot -> token,
-                  the slot table (as -2 - slot until K5), and the (location, slot) pair for K4's copy; later winners
+                  the slot table (as -2 - slot until K5), and the (location, slot) pair for the copy; later winners
                   go to the overflow list. The token -> slot map keeps the claim until K5, so that a later block sees
                   a duplicate as a miss, as the torch definition does, and a spare slot keeps its stamp (age 0) until
                   K5, so that K3 never takes it. With a copy, each program then copies its own spare-slot winners
@@ -62,7 +62,7 @@ import triton.language as tl
 from ess_sglang.kernels.flashtrans import NUM_WARPS, ROWS_PER_PROGRAM, _copy_masked
 from ess_sglang.kernels.translate import block_for, position_to_location
 
-ROWS = ROWS_PER_PROGRAM  # misses assigned (and copied) per program of the assign kernel
+ROWS = ROWS_PER_PROGRAM  # misses assigned (and copied, those K1 does not copy) per program of the assign kernel
 LOOKUP_COPY_ROWS = 16  # spare-slot winners a lookup program copies at a time (few: most programs have none)
 # Misses (by rank) the lookup copies itself; K4 copies the rest. Few misses (after a prefetch) are then in flight while
 # the lookup runs; many (a resolve with no prefetch) would put all of them in flight at once: without the cap, sync
@@ -517,7 +517,8 @@ class FusedResolver:
                     STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block, **self._pdl(chained))
             return out
         self._scans(stamp, clock, spare_taken, refill=False)
-        # the inline copy is fastest with one program per SM, the bookkeeping alone with four (benchmarks/NOTES.md)
+        # the inline copy is fastest with one program per SM, the bookkeeping alone with four (benchmarks/NOTES.md;
+        # measured when K4 copied every miss, before K1 copied the first ones)
         programs = self.assign_programs[1 if copy else 0]
         _assign_kernel[(min(triton.cdiv(n, ROWS), programs),)](
             self.scratch, self.victims, self.over_loc, self.over_idx, self.took_loc, self.took_slot, l2s, s2l, stamp,

@@ -50,7 +50,8 @@ for mode in (0, 1):
     for protect, listed, spare_only, copy in ((True, True, False, False), (True, True, False, True),
                                               (False, True, False, False), (False, True, False, True),
                                               (True, False, False, False), (False, True, True, False)):
-        for pdl in ((False, True) if spare_only else (True,)):  # (a prefetch's lookup: chained or not)
+        # (a prefetch's lookup: chained or not; a resolve's that copies: with or without resolve_pdl)
+        for pdl in ((False, True) if spare_only or copy else (True,)):
             check(kr._lookup_kernel, dict(src_ptr=P32 if mode == 0 else P64, seq_ptr=P64, rpi_ptr=P64, r2t_ptr=P32,
                                           r2t_stride=I64, r2t_rows=I64, width=I64, n=I64, per_batch=I64, l2s_ptr=P32,
                                           s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64, out_ptr=P32, loc_ptr=P64,
