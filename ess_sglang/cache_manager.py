@@ -45,7 +45,7 @@ import torch
 from ess_sglang.host_pool import HostTotalPool
 from ess_sglang.kernels.flashtrans import copy_rows, copy_rows_counted, copy_rows_reference
 from ess_sglang.kernels.new_tokens import store_reserved_triton
-from ess_sglang.kernels.resolve import MODE_LOCATIONS, MODE_POSITIONS, SPARE_STAMP, FusedResolver, pdl_supported
+from ess_sglang.kernels.resolve import MODE_LOCATIONS, MODE_POSITIONS, SPARE_STAMP, FusedResolver, pdl_setting
 
 FREE_STAMP = -(1 << 40)
 AGE_BUCKETS = 256  # LRU order is exact per step for the last 255 steps; older slots tie (evicted first, by slot index)
@@ -154,13 +154,8 @@ def resolve_settings(resolve_impl: str, resolve_pdl: bool | None, device: torch.
         resolve_impl = "triton" if device.type == "cuda" else "torch"
     if resolve_impl not in ("triton", "torch"):
         raise ValueError(f"resolve_impl must be 'auto', 'triton' or 'torch', got {resolve_impl!r}")
-    if resolve_pdl is not None and not isinstance(resolve_pdl, bool):
-        raise ValueError(f"resolve_pdl must be true, false or unset (None), got {resolve_pdl!r}")
-    pdl_ok = resolve_impl == "triton" and pdl_supported(device)
-    if resolve_pdl and not pdl_ok:
-        raise ValueError(f"resolve_pdl: programmatic dependent launch needs the Triton resolve on a CUDA GPU of "
-                         f"compute capability 9.0 or newer, got resolve_impl {resolve_impl!r} on {device}")
-    return resolve_impl, pdl_ok if resolve_pdl is None else resolve_pdl
+    return resolve_impl, pdl_setting(resolve_pdl, device, resolve_impl == "triton", "resolve_pdl", "the Triton resolve",
+                                     f"resolve_impl {resolve_impl!r} on {device}")
 
 
 class HotPoolCacheManager:

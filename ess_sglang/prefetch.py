@@ -52,7 +52,9 @@ class EchoPrefetcher:
         """Defaults: EssConfig's prefetch_ema_alpha, prefetch_cap_fraction, prefetch_cap_min_tokens and
         prefetch_threshold_margin. `margin`: one for every layer, or one per layer. `pdl`: the Triton candidate
         kernels after the first with programmatic dependent launch (None: where supported, sm_90+; the decode stack
-        then also chains the prefetch's claim launches, `HotPoolCacheManager.prefetch(chained=True)`)."""
+        then also chains the prefetch's claim launches, `HotPoolCacheManager.prefetch(chained=True)`); True where it
+        cannot run (no sm_90+ GPU, or `impl="torch"`) is refused, by the resolve's own rule
+        (`ess_sglang.kernels.resolve.pdl_setting`)."""
         if not 0 < alpha <= 1:
             raise ValueError(f"prefetch alpha must be in (0, 1], got {alpha}")
         if isinstance(margin, str | bytes):
@@ -75,12 +77,10 @@ class EchoPrefetcher:
         self.width = max(1, min(max_context, max(cap_min_tokens, math.ceil(cap_fraction * max_context))))
         self.device = torch.device(device)
         self.impl = impl  # candidate selection: "triton", "torch" or "auto" (triton on CUDA)
-        from ess_sglang.kernels.resolve import pdl_supported
+        from ess_sglang.kernels.resolve import pdl_setting
 
-        if pdl and not pdl_supported(self.device):
-            raise ValueError(f"prefetch pdl: programmatic dependent launch needs a CUDA GPU of compute capability 9.0 "
-                             f"or newer, got {self.device}")
-        self.pdl = pdl_supported(self.device) and impl != "torch" if pdl is None else bool(pdl)
+        self.pdl = pdl_setting(pdl, self.device, impl != "torch", "prefetch pdl", "the Triton candidate kernels",
+                               f"impl {impl!r} on {self.device}")
         # the cap fraction as the Triton kernel reads it (float64, on the device: a graph cannot copy it there later)
         self._cap_fraction = torch.tensor([self.cap_fraction], dtype=torch.float64, device=self.device)
         self.threshold = torch.full((num_layers, num_rows), math.inf, dtype=torch.float32, device=self.device)

@@ -395,6 +395,21 @@ def pdl_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def pdl_setting(requested: bool | None, device: torch.device, runs_triton: bool, what: str, needs: str,
+                got: str) -> bool:
+    """One rule for every path that can launch its Triton kernels with programmatic dependent launch (the resolve,
+    the prefetch's candidate kernels): `requested` None is on wherever it can run (the path runs Triton on a GPU of
+    compute capability 9.0+); True where it cannot run, or anything but None / True / False, is a ValueError naming
+    the setting (`what`), what it needs (`needs`, e.g. "the Triton resolve") and what it got. Allocates nothing."""
+    if requested is not None and not isinstance(requested, bool):
+        raise ValueError(f"{what} must be true, false or unset (None), got {requested!r}")
+    ok = runs_triton and pdl_supported(device)
+    if requested and not ok:
+        raise ValueError(f"{what}: programmatic dependent launch needs {needs} on a CUDA GPU of compute capability "
+                         f"9.0 or newer, got {got}")
+    return ok if requested is None else requested
+
+
 class FusedResolver:
     """Scratch buffers and launches of the fused path for selections of up to `max_entries` entries and up to
     `num_spare` spare slots."""

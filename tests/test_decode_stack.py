@@ -908,9 +908,12 @@ def test_a_top_k_with_a_step_hook_and_no_kth_score(modes, update):
 def test_prefetch_pdl_is_off_on_cpu_and_refused_there():
     assert EchoPrefetcher(1, 2, 64).pdl is False  # (auto: sm_90+ only)
     assert EchoPrefetcher(1, 2, 64, pdl=False).pdl is False
-    with pytest.raises(ValueError, match="prefetch pdl: programmatic dependent launch needs a CUDA GPU of compute "
-                                         "capability 9.0 or newer, got cpu"):
+    with pytest.raises(ValueError, match="prefetch pdl: programmatic dependent launch needs the Triton candidate "
+                                         "kernels on a CUDA GPU of compute capability 9.0 or newer, got impl 'auto' on "
+                                         "cpu"):
         EchoPrefetcher(1, 2, 64, pdl=True)
+    with pytest.raises(ValueError, match="prefetch pdl must be true, false or unset"):
+        EchoPrefetcher(1, 2, 64, pdl="yes")
 
 
 def test_side_streams_are_no_ops_on_cpu():
