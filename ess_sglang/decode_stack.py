@@ -141,8 +141,8 @@ class StackOptions:
     dba_split: float | Sequence[float] = 0.75  # chunk A's fraction of the batch (measured best), or every chunk's
     dba_attention: str = "whole"  # "whole": one attention over the batch (exact); "split": per half (hides more)
     overlap_programs: int = 32  # persistent programs of a copy that overlaps compute (the rest of the SMs compute)
-    overlap_copy_rows: int = 8  # rows each of those programs has in flight at a time (a power of two up to 64): e.g.
-    # 8 programs x 16 rows keep as many in flight as 16 x 8 on half the SMs (not yet measured on a GPU)
+    overlap_copy_rows: int = 8  # rows each of those programs has in flight at a time (a power of two up to 64); on
+    # the H200, 8 programs x 16 rows were no faster than 16 x 8, and 4 x 32 much slower (benchmarks/RESULTS.md)
     last_chunk_programs: int | None = None  # prefetch in chunks: the last chunk's copy (beside the top-k) with this
     # many programs instead of overlap_programs (None: the same; 8 measured much slower than 16, benchmarks/RESULTS.md)
     last_chunk_margin: float | None = None  # prefetch in chunks: the last chunk's threshold margin instead of the

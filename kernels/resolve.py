@@ -243,7 +243,7 @@ def _evict_owner(s2l_ptr, l2s_ptr, v, m):
 @triton.jit
 def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr, l2s_ptr, s2l_ptr,
                    stamp_ptr, clock_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr,
-                   pend_count_ptr, taken_ptr, num_spare, n, lookup_copied, COPY: tl.constexpr, PEND: tl.constexpr,
+                   pend_count_ptr, taken_ptr, num_spare, n, copy_cap, COPY: tl.constexpr, PEND: tl.constexpr,
                    WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr, C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr,
                    C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr, STAMP_BACK: tl.constexpr, ROWS: tl.constexpr,
                    CLEAR: tl.constexpr, PDL: tl.constexpr):
@@ -270,11 +270,11 @@ def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_pt
     n_evict = tl.zeros((), tl.int64)
     n_over_left = tl.zeros((), tl.int64)
     # ranks [lo, n_miss): the overflow (ranks from `first`) is assigned victims and copied; so are the spare-slot
-    # winners before it that K1 did not copy (ranks from `lookup_copied`); with a fetch list every winner is walked,
+    # winners before it that K1 did not copy (ranks from `copy_cap`); with a fetch list every winner is walked,
     # for its (location, slot) pair from K1
     lo = first
     if COPY:
-        lo = tl.minimum(first, lookup_copied)
+        lo = tl.minimum(first, copy_cap)
     if PEND:
         lo = tl.zeros_like(first)
     for r0 in range(lo + pid * ROWS, n_miss, programs * ROWS):
@@ -302,7 +302,7 @@ def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_pt
         n_evict += tl.sum(evict.to(tl.int64))
         n_over_left += tl.sum((ov & ~got).to(tl.int64))
         if COPY:  # the FlashTrans gather, fused: host entry of `loc` -> hot slot `v`
-            _copy_masked(src_ptr, dst_ptr, loc, v, got | (sp & (r >= lookup_copied)), WORDS, WORDS, WORDS,
+            _copy_masked(src_ptr, dst_ptr, loc, v, got | (sp & (r >= copy_cap)), WORDS, WORDS, WORDS,
                          BLOCK_WORDS)
     if n_got + n_over_left > 0:  # programs with no misses add nothing (and do not queue on the counters' atomics)
         if C_FETCH_A >= 0:
@@ -538,8 +538,8 @@ class FusedResolver:
         _assign_kernel[(min(triton.cdiv(n, ROWS), programs),)](
             self.scratch, self.victims, self.over_loc, self.over_idx, self.took_loc, self.took_slot, l2s, s2l, stamp,
             clock, out, counters,
-            src_w, dst_w, pend_src, pend_dst, pend_count, spare_taken, self.num_spare, n,
-            self.lookup_copy_cap if copy else 0, COPY=copy, PEND=pend,
+            src_w, dst_w, pend_src, pend_dst, pend_count, spare_taken, self.num_spare, n, self.lookup_copy_cap,
+            COPY=copy, PEND=pend,
             WORDS=words, BLOCK_WORDS=triton.next_power_of_2(words), C_FETCH_A=fa, C_FETCH_B=fb,
             C_EVICT=counter_ids["EVICTIONS"], C_OVERFLOW=counter_ids["OVERFLOW"], STAMP_BACK=0 if protect else 1,
             ROWS=ROWS, CLEAR=block, num_warps=NUM_WARPS, **self._pdl(True))
