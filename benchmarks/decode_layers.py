@@ -328,7 +328,8 @@ def stack_knobs(args) -> dict:
     return dict(prefetch_split=args.prefetch_split, prefetch_indexer=args.prefetch_indexer,
                 threshold_update=args.threshold_update, overlap_copy_rows=args.overlap_copy_rows,
                 last_chunk_programs=args.last_chunk_programs, last_chunk_margin=args.last_chunk_margin,
-                last_chunk_priority=args.last_chunk_priority, last_chunk_prefetch=args.last_chunk_prefetch == "on")
+                last_chunk_priority=args.last_chunk_priority, last_chunk_prefetch=args.last_chunk_prefetch == "on",
+                prefetch_claim=args.prefetch_claim)
 
 
 class SelectionLog:
@@ -687,6 +688,9 @@ def main(argv=None) -> int:
     p.add_argument("--last-chunk-priority", default="high", choices=["high", "normal"],
                    help="prefetchN: the last chunk's candidate, claim and copy launches (beside the top-k) on the "
                    "high-priority side stream, or at the main stream's priority")
+    p.add_argument("--prefetch-claim", default="one_launch", choices=["one_launch", "separate"],
+                   help="prefetch with spare slots: each chunk's candidates found and their spare slots claimed in "
+                   "one kernel, or the candidate kernels then the spare-only claim (six launches)")
     p.add_argument("--resolve-pdl", default="auto", choices=["auto", "on", "off"],
                    help="the fused resolve's kernels after its lookup with programmatic dependent launch (auto: on "
                    "sm_90+)")

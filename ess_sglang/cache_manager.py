@@ -87,6 +87,12 @@ class FetchList:
         if self.src.numel() < n:
             raise ValueError(f"{caller}: the fetch list holds {self.src.numel()} entries, the {what} {n}")
 
+    def real_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(src, dst) with -1 past `count` (torch ops, no host read): what a reader of the whole list may use when
+        the producer left the tail as it was (`HotPoolCacheManager.prefetch_above`)."""
+        past = torch.arange(self.src.numel(), device=self.src.device) >= self.count
+        return self.src.masked_fill(past, -1), self.dst.masked_fill(past, -1)
+
     def clear_from(self, n: int) -> None:
         """Mark the pairs from n on as empty (a call over n entries writes only the first n)."""
         if self.src.numel() > n:
@@ -353,8 +359,8 @@ class HotPoolCacheManager:
                 copy_rows_counted(src, dst, fetch_list.src, fetch_list.dst, fetch_list.count,
                                   programs or self.copy_programs,
                                   **({} if rows_per_program is None else dict(rows_per_program=rows_per_program)))
-            else:  # the torch definition: -1 marks every pair past the count as well
-                copy_rows_reference(src, dst, fetch_list.src, fetch_list.dst)
+            else:  # the torch definition, over the first `count` pairs
+                copy_rows_reference(src, dst, *fetch_list.real_pairs())
 
         if self.on_transfer is not None:
             self.on_transfer("h2d", run)
@@ -387,14 +393,7 @@ class HotPoolCacheManager:
         if fetch_list is not None:
             fetch_list.check_holds(flat.numel(), "prefetch", "candidates")
         record = fetch_list if fetch_list is not None else self._prefetch_scratch(flat.numel())
-        if self._unsettled_prefetch is not None:
-            pending_layer, pending = self._unsettled_prefetch
-            if pending_layer != layer:
-                raise ValueError(f"prefetch(layer {layer}): the prefetch of layer {pending_layer} is not settled "
-                                 f"yet; call resolve(..., settle_prefetch=True) for that layer first")
-            if any(_lists_share_memory(r, record) for r in pending):
-                raise ValueError(f"prefetch(layer {layer}): its fetch list overlaps the list of a prefetch of this "
-                                 f"layer that is not settled yet; give each prefetch before the settle its own list")
+        self._check_unsettled(layer, record)
         spare_only = self.num_spare > 0  # a prefetch never scans or evicts when there are spare slots
         if self._fused is not None:
             slots = self._fused_run(layer, flat, MODE_LOCATIONS, count=False,
@@ -408,12 +407,61 @@ class HotPoolCacheManager:
             self.counters[layer, Counter.PREFETCHED] += fetched
             self.counters[layer, Counter.H2D_ENTRIES] += fetched
         self.fetch(layer, record, programs, rows_per_program)
-        # read by the exact resolve's settle
+        self._mark_unsettled(layer, record)
+        return slots
+
+    def prefetch_above(self, layer: int, scored, fetch_list: FetchList, claim_counters: torch.Tensor,
+                       programs: int | None = None, chained: bool = False,
+                       rows_per_program: int | None = None) -> None:
+        """ECHO prefetch straight from a layer's indexer logits: `scored` (`EchoPrefetcher.scored`: the logits of
+        some positions, the thresholds, margin and caps) names the candidates; they are claimed and fetched as
+        `prefetch(layer, scored.candidates(...))` would, into `fetch_list` (at least B x the prefetcher's width).
+
+        With spare slots on the fused path, and the prefetcher's Triton candidates, finding and claiming them is one
+        launch (`kernels/prefetch.claim_above_triton`, with `claim_counters` from `new_claim_counters`, its own for
+        every launch that may run beside another) instead of six; the fetch list then holds its real pairs in the
+        first count[0] only (every reader of this manager reads no further). Elsewhere it is candidates, then
+        `prefetch` (`chained` passed on). Returns nothing: a caller that wants each candidate's slot uses those two.
+        """
+        pf = scored.prefetcher
+        fetch_list.check_holds(scored.rows * pf.width, "prefetch_above", "candidates")
+        if self._fused is None or self.num_spare == 0 or not pf.runs_triton(scored.logits):
+            cand = scored.candidates(self.loc_to_slot[layer], self.num_locations)
+            self.prefetch(layer, cand, fetch_list, programs=programs, chained=chained,
+                          rows_per_program=rows_per_program)
+            return
+        self._check_unsettled(layer, fetch_list)
+        from ess_sglang.kernels.prefetch import claim_above_triton
+
+        claim_above_triton(*scored.triton_args(), num_locations=self.num_locations, loc_to_slot=self.loc_to_slot[layer],
+                           slot_to_loc=self.slot_to_loc[layer], slot_stamp=self.slot_stamp[layer], clock=self.clock,
+                           num_slots=self.slots_per_layer, spare=self.spare[layer],
+                           spare_taken=self.spare_taken[layer:layer + 1], num_spare=self.num_spare,
+                           fetch_src=fetch_list.src, fetch_dst=fetch_list.dst, fetch_count=fetch_list.count,
+                           counters=self.counters[layer],
+                           fetch_counter_ids=(int(Counter.PREFETCHED), int(Counter.H2D_ENTRIES)),
+                           claim_counters=claim_counters)
+        self.fetch(layer, fetch_list, programs, rows_per_program)
+        self._mark_unsettled(layer, fetch_list)
+
+    def _check_unsettled(self, layer: int, record: FetchList) -> None:
+        """A prefetch of `layer` into `record` may start: no other layer's prefetch is unsettled, and no unsettled
+        one of this layer shares the list."""
+        if self._unsettled_prefetch is not None:
+            pending_layer, pending = self._unsettled_prefetch
+            if pending_layer != layer:
+                raise ValueError(f"prefetch(layer {layer}): the prefetch of layer {pending_layer} is not settled "
+                                 f"yet; call resolve(..., settle_prefetch=True) for that layer first")
+            if any(_lists_share_memory(r, record) for r in pending):
+                raise ValueError(f"prefetch(layer {layer}): its fetch list overlaps the list of a prefetch of this "
+                                 f"layer that is not settled yet; give each prefetch before the settle its own list")
+
+    def _mark_unsettled(self, layer: int, record: FetchList) -> None:
+        """The prefetch into `record` is read by the exact resolve's settle."""
         if self._unsettled_prefetch is None:
             self._unsettled_prefetch = (layer, [record])
         else:
             self._unsettled_prefetch[1].append(record)
-        return slots
 
     def _prefetch_scratch(self, n: int) -> FetchList:
         have = getattr(self, "_prefetch_list", None)
@@ -451,9 +499,10 @@ class HotPoolCacheManager:
                                        self.slot_stamp[layer], self.clock, cnt, ids)
             return
         for record in records:
-            got = record.dst >= 0
-            at = torch.where(got, record.dst, self.slots_per_layer)
-            useful = (got & (self.slot_to_loc[layer][at].long() == record.src)
+            src, dst = record.real_pairs()
+            got = dst >= 0
+            at = torch.where(got, dst, self.slots_per_layer)
+            useful = (got & (self.slot_to_loc[layer][at].long() == src)
                       & (self.slot_stamp[layer][at] == self.clock)).sum()
             cnt[ids[0]] += useful
             cnt[ids[1]] += got.sum() - useful

@@ -155,6 +155,9 @@ class StackOptions:
     # high-priority side stream ("high"), or on a stream at the main stream's priority, joined into the side stream
     # ("normal": its wide candidate kernel then shares the SMs with the top-k's first kernels, not taking them all;
     # measured -8 us a layer at 128K / 64, +9.5 at 32K / 128, no change at 32K / 64: benchmarks/RESULTS.md)
+    prefetch_claim: str = "one_launch"  # prefetch with spare slots on the fused path: "one_launch" (each chunk's
+    # candidates found and their spare slots claimed in one kernel, `HotPoolCacheManager.prefetch_above`) or
+    # "separate" (the candidate kernels, then the spare-only claim: six launches); the same slots and copies
     sync_copy: str = "inline"  # sync mode: "inline" (in the resolve's own kernels: measured faster) or "counted"
     new_tokens: str = DEFAULT_NEW_TOKENS  # "on_demand": only written back, and fetched like any miss when selected
     # (one resolve fewer a layer: 1.243 against 1.261 x all-HBM at batch 64 / 32K, 1.122 against 1.127 at 128 / 128K,
@@ -235,6 +238,8 @@ class StackOptions:
                 raise ValueError(f"{idle[0]} sets the last chunk's prefetch, which last_chunk_prefetch=False drops")
         if self.last_chunk_priority not in ("high", "normal"):
             raise ValueError(f"last_chunk_priority must be 'high' or 'normal', got {self.last_chunk_priority!r}")
+        if self.prefetch_claim not in ("one_launch", "separate"):
+            raise ValueError(f"prefetch_claim must be 'one_launch' or 'separate', got {self.prefetch_claim!r}")
 
 
 def _fractions(name: str, chunks: int | Sequence[float]) -> tuple[float, ...]:
@@ -489,6 +494,11 @@ class EssDecodeStack(_StackBase):
             lists = most_chunks if options.prefetch_split == "positions" else 1
             self.prefetch_list = manager.new_fetch_list(lists * max_batch * self.prefetcher.width)
             self._prefetch_counts = torch.zeros(most_chunks, dtype=torch.int64, device=manager.device)
+            # prefetch_claim "one_launch": each chunk's claim kernel its own counters (the last chunk's may run at
+            # normal priority, beside the chunk before it)
+            from ess_sglang.kernels.prefetch import new_claim_counters
+
+            self._claim_counters = [new_claim_counters(max_batch, manager.device) for _ in range(most_chunks)]
         manager.reserve_scratch(max(q_rows * options.top_k, max_batch * self.prefetcher.width if self.prefetcher
                                     else 0))
         self._side_inputs: list[torch.Tensor] = []  # tensors the side stream reads: alive until the layer joins it
@@ -646,14 +656,20 @@ class EssDecodeStack(_StackBase):
         beside_topk = last and opts.last_chunk_priority == "normal"
         if beside_topk and after is not None:
             raise ValueError("the last chunk's prefetch at normal priority follows the main stream, not an event")
+        record = FetchList(pl.src[lo * W:hi * W], pl.dst[lo * W:hi * W], self._prefetch_counts[i:i + 1])
+        programs = opts.last_chunk_programs if last and opts.last_chunk_programs is not None else opts.overlap_programs
+        margin = opts.last_chunk_margin if last else None
         with self.streams.on_normal() if beside_topk else self.streams.on_side(after=after):
+            if opts.prefetch_claim == "one_launch":
+                scored = pf.scored(layer, chunk_logits, b.req_to_token, b.req_pool_indices, b.seq_lens, margin=margin,
+                                   first_pos=first_pos)
+                self.m.prefetch_above(layer, scored, record, self._claim_counters[i], programs=programs,
+                                      chained=pf.pdl, rows_per_program=opts.overlap_copy_rows)
+                return
             cand = pf.candidates(layer, chunk_logits, b.req_to_token, b.req_pool_indices, b.seq_lens,
-                                 self.m.loc_to_slot[layer], self.m.num_locations,
-                                 margin=opts.last_chunk_margin if last else None, first_pos=first_pos)
-            record = FetchList(pl.src[lo * W:hi * W], pl.dst[lo * W:hi * W], self._prefetch_counts[i:i + 1])
-            self.m.prefetch(layer, cand, record, programs=opts.last_chunk_programs
-                            if last and opts.last_chunk_programs is not None else opts.overlap_programs,
-                            chained=pf.pdl, rows_per_program=opts.overlap_copy_rows)
+                                 self.m.loc_to_slot[layer], self.m.num_locations, margin=margin, first_pos=first_pos)
+            self.m.prefetch(layer, cand, record, programs=programs, chained=pf.pdl,
+                            rows_per_program=opts.overlap_copy_rows)
 
     def _dual_attention(self, layer: int, batch: DecodeBatch, x: LayerInputs, pos: torch.Tensor) -> torch.Tensor:
         m, st, W = self.m, self.streams, self.options.da_width

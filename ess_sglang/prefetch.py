@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +43,39 @@ _DEFAULTS = {name: EssConfig.model_fields[f"prefetch_{key}"].default
 def is_margin(value: object) -> bool:
     """A valid threshold margin: a real number (not a bool) in [0, 1)."""
     return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 <= value < 1
+
+
+@dataclass(frozen=True)
+class ScoredSegment:
+    """One layer's indexer logits [B, Q, T] of positions [first_pos, first_pos + T), with what picks their prefetch
+    candidates (`EchoPrefetcher.scored`)."""
+
+    prefetcher: EchoPrefetcher
+    layer: int
+    logits: torch.Tensor
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    margin: float
+    first_pos: int
+
+    @property
+    def rows(self) -> int:
+        return self.logits.shape[0]
+
+    def candidates(self, loc_to_slot: torch.Tensor, num_locations: int) -> torch.Tensor:
+        """`EchoPrefetcher.candidates` of the segment (int64 [B * width], most recent first, -1 padded)."""
+        return self.prefetcher.candidates(self.layer, self.logits, self.req_to_token, self.req_pool_indices,
+                                          self.seq_lens, loc_to_slot, num_locations, margin=self.margin,
+                                          first_pos=self.first_pos)
+
+    def triton_args(self) -> tuple:
+        """The score-side arguments of `kernels.prefetch.claim_above_triton`, in its order (without num_locations,
+        which the pool gives)."""
+        pf = self.prefetcher
+        rows = self.logits if self.logits.stride(-1) == 1 else self.logits.contiguous()
+        return (rows, pf.threshold[self.layer], self.margin, self.req_to_token, self.req_pool_indices, self.seq_lens,
+                self.first_pos, pf._cap_fraction, pf.cap_min_tokens, pf.width)
 
 
 class EchoPrefetcher:
@@ -100,6 +134,31 @@ class EchoPrefetcher:
             seen = seen.clamp(max=positions)
         return torch.where(seen > 0, (cap * seen + seq.clamp(min=1) - 1) // seq.clamp(min=1), 0)
 
+    def runs_triton(self, logits: torch.Tensor, impl: str | None = None) -> bool:
+        """Whether candidates of `logits` are found by the Triton kernels (impl "triton", or "auto" on CUDA)."""
+        impl = self.impl if impl is None else impl
+        return impl == "triton" or (impl == "auto" and logits.is_cuda)
+
+    def _check_segment(self, layer: int, logits: torch.Tensor, req_to_token: torch.Tensor, margin: float | None,
+                       first_pos: int) -> float:
+        """The margin a call uses (the layer's where None), once its segment and margin are checked."""
+        T = logits.shape[-1]
+        if first_pos < 0 or (first_pos and first_pos + T > req_to_token.shape[1]):
+            raise ValueError(f"prefetch candidates: logits of positions [{first_pos}, {first_pos + T}) must lie within "
+                             f"the request table's {req_to_token.shape[1]} positions")
+        if margin is None:
+            return self.margins[layer]
+        if not is_margin(margin):
+            raise ValueError(f"prefetch margin must be in [0, 1), got {margin!r}")
+        return margin
+
+    def scored(self, layer: int, logits: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+               seq_lens: torch.Tensor, margin: float | None = None, first_pos: int = 0) -> ScoredSegment:
+        """A layer's logits of positions [first_pos, first_pos + T), checked as `candidates` checks them, for
+        `HotPoolCacheManager.prefetch_above` (which finds and claims their candidates in one launch where it can)."""
+        margin = self._check_segment(layer, logits, req_to_token, margin, first_pos)
+        return ScoredSegment(self, layer, logits, req_to_token, req_pool_indices, seq_lens, float(margin), first_pos)
+
     def candidates(self, layer: int, logits: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                    seq_lens: torch.Tensor, loc_to_slot: torch.Tensor, num_locations: int,
                    impl: str | None = None, margin: float | None = None, first_pos: int = 0) -> torch.Tensor:
@@ -112,15 +171,8 @@ class EchoPrefetcher:
         layer's (None: the layer's).
         """
         impl = self.impl if impl is None else impl
-        T = logits.shape[-1]
-        if first_pos < 0 or (first_pos and first_pos + T > req_to_token.shape[1]):
-            raise ValueError(f"prefetch candidates: logits of positions [{first_pos}, {first_pos + T}) must lie within "
-                             f"the request table's {req_to_token.shape[1]} positions")
-        if margin is None:
-            margin = self.margins[layer]
-        elif not is_margin(margin):
-            raise ValueError(f"prefetch margin must be in [0, 1), got {margin!r}")
-        if impl == "triton" or (impl == "auto" and logits.is_cuda):
+        margin = self._check_segment(layer, logits, req_to_token, margin, first_pos)
+        if self.runs_triton(logits, impl):
             from ess_sglang.kernels.prefetch import prefetch_candidates_triton
             # the kernels take row strides: only a strided last dimension is copied (DeepGEMM's logits are a view
             # of a buffer with padded rows)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from ess_sglang.kernels.resolve import _pdl_enter, pdl_launch
+from ess_sglang.kernels.resolve import _NEVER, _pdl_enter, pdl_launch
 from ess_sglang.kernels.translate import locate
 
 TILE = 1024  # positions per program of the count kernel (K1)
@@ -65,12 +65,22 @@ def new_tile_candidates(batch: int, positions: int, tile: int, num_locations: in
 
 
 @triton.jit
-def _count_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr_ptr, margin, rpi_ptr, seq_ptr, r2t_ptr,
-                  r2t_stride, r2t_rows, r2t_width, l2s_ptr, num_locations, counts_ptr, kept_ptr, tiles,
-                  TILE: tl.constexpr, PDL: tl.constexpr):
-    _pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
+def _segment_cap(seq_ptr, b, cap_fraction_ptr, cap_min, width, first_pos, T):
+    """Request b's cap, as EchoPrefetcher.caps: clamp(ceil(seq_len * cap_fraction), cap_min, width), in float64 (a
+    Python float argument would arrive as float32, whose rounding moves some caps by one); a segment of the positions
+    ([first_pos, first_pos + T)) gets its share of it, rounded up (the whole cap where the logits cover every
+    position below seq_len)."""
+    seq = tl.load(seq_ptr + b).to(tl.int64)
+    cap = tl.minimum(tl.maximum(tl.math.ceil(seq.to(tl.float64) * tl.load(cap_fraction_ptr)).to(tl.int64), cap_min),
+                     width)
+    seen = tl.minimum(tl.maximum(seq - first_pos, 0), T)
+    return tl.where(seen > 0, (cap * seen + tl.maximum(seq, 1) - 1) // tl.maximum(seq, 1), 0)
+
+
+@triton.jit
+def _tile_candidates(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr_ptr, margin, rpi_ptr, seq_ptr,
+                     r2t_ptr, r2t_stride, r2t_rows, r2t_width, l2s_ptr, num_locations, b, tile, TILE: tl.constexpr):
+    """Request b's candidates among the TILE positions of logits tile `tile`: (their KV locations, the mask)."""
     i = tile * TILE + tl.arange(0, TILE)  # logits column; position first_pos + i
     t = first_pos + i
     row = tl.load(rpi_ptr + b).to(tl.int64)
@@ -85,7 +95,19 @@ def _count_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr_ptr, 
     # only positions above the threshold (a few percent) read the request table and the slot map
     loc, _, ok = locate(t, tl.zeros_like(t) + b, (i < T) & above, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows,
                         r2t_width, num_locations)
-    cand = ok & (tl.load(l2s_ptr + loc, mask=ok, other=-1) < 0)
+    return loc, ok & (tl.load(l2s_ptr + loc, mask=ok, other=-1) < 0)
+
+
+@triton.jit
+def _count_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr_ptr, margin, rpi_ptr, seq_ptr, r2t_ptr,
+                  r2t_stride, r2t_rows, r2t_width, l2s_ptr, num_locations, counts_ptr, kept_ptr, tiles,
+                  TILE: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    loc, cand = _tile_candidates(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr_ptr, margin, rpi_ptr,
+                                 seq_ptr, r2t_ptr, r2t_stride, r2t_rows, r2t_width, l2s_ptr, num_locations, b, tile,
+                                 TILE)
     # the tile's count, and its candidates' locations in position order at the front of kept[b, tile, :]
     c = cand.to(tl.int32)
     at = b * tiles + tile
@@ -113,15 +135,7 @@ def _write_kernel(counts_ptr, after_ptr, kept_ptr, tiles, seq_ptr, cap_fraction_
     mt = tile < tiles
     n = tl.load(counts_ptr + b * tiles + tile, mask=mt, other=0)
     after = tl.load(after_ptr + b * tiles + tile, mask=mt, other=0)
-    # the request's cap, as EchoPrefetcher.caps: clamp(ceil(seq_len * cap_fraction), cap_min, width), in float64 (a
-    # Python float argument would arrive as float32, whose rounding moves some caps by one)
-    seq = tl.load(seq_ptr + b).to(tl.int64)
-    cap = tl.minimum(tl.maximum(tl.math.ceil(seq.to(tl.float64) * tl.load(cap_fraction_ptr)).to(tl.int64), cap_min),
-                     width)
-    # a segment of the positions ([first_pos, first_pos + T)) gets its share of the cap, rounded up (the whole cap
-    # where the logits cover every position below seq_len)
-    seen = tl.minimum(tl.maximum(seq - first_pos, 0), T)
-    cap = tl.where(seen > 0, (cap * seen + tl.maximum(seq, 1) - 1) // tl.maximum(seq, 1), 0)
+    cap = _segment_cap(seq_ptr, b, cap_fraction_ptr, cap_min, width, first_pos, T)
     if g == 0:  # the request's row past its last candidate is padding (-1): no separate fill launch
         total = tl.minimum(tl.sum(tl.where(tile == 0, after + n, 0)).to(tl.int64), cap)
         for r0 in range(0, width, WBLOCK):
@@ -187,6 +201,146 @@ def prefetch_candidates_triton(logits: torch.Tensor, thresholds: torch.Tensor, r
                                   req_to_token.shape[0], req_to_token.shape[1], loc_to_slot, num_locations, tc.counts,
                                   tc.kept, tiles, TILE=TILE, PDL=pdl)
     return candidates_from_tiles(tc, seq_lens, cap_fraction, cap_min_tokens, width, pdl, first_pos, T)
+
+
+CLAIM_ROWS = 32  # kept candidates a claiming program takes at a time (a tile keeps a few on average)
+
+
+@triton.jit
+def _claim_above_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr_ptr, margin, rpi_ptr, seq_ptr,
+                        r2t_ptr, r2t_stride, r2t_rows, r2t_width, num_locations, cap_fraction_ptr, cap_min, width,
+                        l2s_ptr, s2l_ptr, stamp_ptr, clock_ptr, num_slots, spare_ptr, taken_ptr, num_spare,
+                        src_ptr, dst_ptr, count_ptr, cnt_ptr, ctr_ptr, kept_ptr, B, tiles,
+                        C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr, TILE: tl.constexpr, KEEP: tl.constexpr,
+                        ROWS: tl.constexpr, ZERO: tl.constexpr):
+    # one dimension, request-major: programs are dispatched (and run under the interpreter) in this order, so that
+    # the shared rank mostly follows it: each request's candidates come out together in the fetch list, which keeps
+    # the copy's host reads near each other (a request's entries are near each other in the host pool); x-fastest
+    # dispatch of a (B, tiles) grid interleaved the requests, and the copy of 128 / 32K's first segment took 194 us
+    # against 161 (H200, benchmarks/NOTES.md)
+    me = tl.program_id(0).to(tl.int64)
+    b = me // tiles
+    p = me % tiles
+    # the request's most recent tile first: in program order (the interpreter's, and roughly a GPU's) each request's
+    # candidates are then ranked most recent first, which is the order the cap keeps
+    loc, cand = _tile_candidates(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr_ptr, margin, rpi_ptr,
+                                 seq_ptr, r2t_ptr, r2t_stride, r2t_rows, r2t_width, l2s_ptr, num_locations, b,
+                                 tiles - 1 - p, TILE)
+    c = cand.to(tl.int32)
+    n_cand = tl.sum(c)
+    if n_cand > 0:
+        # the cap: the request's candidates ranked before this tile's are those of the programs that counted first
+        cap = _segment_cap(seq_ptr, b, cap_fraction_ptr, cap_min, width, first_pos, T)
+        before = tl.atomic_add(ctr_ptr + b, n_cand, sem="relaxed").to(tl.int64)
+        rank = (n_cand - tl.cumsum(c, 0)).to(tl.int64)  # 0: the tile's most recent candidate
+        keep = cand & (before + rank < cap)
+        n_keep = tl.sum(keep.to(tl.int32))
+        # the kept ones, most recent first, at the front of this program's scratch row; read back (by other threads
+        # of the program) once every thread has stored its own
+        tl.store(kept_ptr + me * KEEP + rank, loc.to(tl.int32), mask=keep)
+        tl.debug_barrier()
+        taken = tl.load(taken_ptr)
+        avail = num_spare - taken
+        stamp = tl.load(clock_ptr) - 1  # the newest entries, yet evictable in this step (a prefetch protects nothing)
+        n_got = tl.zeros((), tl.int64)
+        for j0 in range(0, n_keep, ROWS):
+            j = j0 + tl.arange(0, ROWS)
+            mj = j < n_keep
+            own = kept_ptr + me * KEEP + j  # (a lane past the kept ones compares its own scratch word: no change
+            # that anything reads, and no two lanes on one address)
+            lj = tl.load(own, mask=mj, other=0).to(tl.int64)
+            # claim: absent (-1) -> num_slots, which no reader takes for a slot; another program's claim of the same
+            # location (a duplicate) wins, and this one is not prefetched
+            old = tl.atomic_cas(tl.where(mj, l2s_ptr + lj, own), tl.where(mj, -1, _NEVER).to(tl.int32),
+                                (tl.zeros((ROWS,), tl.int64) + num_slots).to(tl.int32), sem="relaxed")
+            win = mj & (old == -1)
+            w32 = win.to(tl.int32)
+            n_win = tl.sum(w32)
+            if n_win > 0:
+                r = (tl.atomic_add(ctr_ptr + B, n_win, sem="relaxed") + tl.cumsum(w32, 0) - 1).to(tl.int64)
+                spare = win & (r < avail)  # the first `avail` winners take the spare slots, in rank order
+                v = tl.load(spare_ptr + taken + r, mask=spare, other=0).to(tl.int64)
+                tl.store(s2l_ptr + v, lj.to(tl.int32), mask=spare)
+                tl.store(stamp_ptr + v, tl.zeros_like(v) + stamp, mask=spare)
+                tl.store(l2s_ptr + lj, tl.where(spare, v, -1).to(tl.int32), mask=win)  # no slot: the claim goes back
+                tl.store(src_ptr + r, lj, mask=spare)
+                tl.store(dst_ptr + r, v, mask=spare)
+                n_got += tl.sum(spare.to(tl.int64))
+        if n_got > 0:
+            if C_FETCH_A >= 0:
+                tl.atomic_add(cnt_ptr + C_FETCH_A, n_got, sem="relaxed")
+            if C_FETCH_B >= 0:
+                tl.atomic_add(cnt_ptr + C_FETCH_B, n_got, sem="relaxed")
+    # the last program to finish (every other one has released its counts) closes: the list's count, the spare slots
+    # taken, and the counters back to zero for the next launch
+    done = tl.atomic_add(ctr_ptr + B + 1, 1, sem="acq_rel")
+    if done == tl.num_programs(0) - 1:
+        total = tl.atomic_xchg(ctr_ptr + B, 0, sem="acq_rel").to(tl.int64)
+        taken = tl.load(taken_ptr)
+        listed = tl.minimum(total, tl.maximum(num_spare - taken, 0))
+        tl.store(count_ptr, listed)
+        tl.store(taken_ptr, taken + listed)
+        for z0 in range(0, B, ZERO):
+            z = z0 + tl.arange(0, ZERO)
+            tl.store(ctr_ptr + z, tl.zeros((ZERO,), tl.int32), mask=z < B)
+        tl.atomic_xchg(ctr_ptr + B + 1, 0, sem="relaxed")
+
+
+def new_claim_counters(max_rows: int, device: torch.device | str) -> torch.Tensor:
+    """The zeroed counters `claim_above_triton` needs for up to `max_rows` request rows (each launch leaves them zero
+    again). Launches that may run at once (on two streams) need counters of their own."""
+    return torch.zeros(max_rows + 2, dtype=torch.int32, device=device)
+
+
+def claim_above_triton(logits: torch.Tensor, thresholds: torch.Tensor, margin: float, req_to_token: torch.Tensor,
+                       req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, first_pos: int,
+                       cap_fraction: torch.Tensor, cap_min_tokens: int, width: int, *, num_locations: int,
+                       loc_to_slot: torch.Tensor, slot_to_loc: torch.Tensor, slot_stamp: torch.Tensor,
+                       clock: torch.Tensor, num_slots: int, spare: torch.Tensor, spare_taken: torch.Tensor,
+                       num_spare: int, fetch_src: torch.Tensor, fetch_dst: torch.Tensor, fetch_count: torch.Tensor,
+                       counters: torch.Tensor, fetch_counter_ids: tuple[int, int],
+                       claim_counters: torch.Tensor) -> None:
+    """ECHO candidates and their spare-slot claims in one launch: what `prefetch_candidates_triton` followed by a
+    spare-only prefetch claim (`HotPoolCacheManager.prefetch` with spare slots: lookup, finish, close) does in six.
+
+    One program per (request, tile of TILE positions) of logits [B, Q, T] (positions [first_pos, first_pos + T)),
+    request-major. Each finds its candidates (as `_count_kernel` does), ranked most recent first within the request through a
+    per-request counter, kept below the request's cap (`candidates_from_tiles`' rule); each kept one claims its
+    location (compare-and-swap), and the winners take the layer's free spare slots (from spare_taken[0]) in the order
+    of one shared counter: slot -> location, location -> slot, stamp clock - 1, and the pair (location, slot) into
+    the fetch list at its rank; winners past the spare slots give their claim back. The last program to finish writes
+    fetch_count[0] (the pairs listed: only those are real, the rest of the list is left as it was), moves
+    spare_taken and zeroes `claim_counters` (`new_claim_counters`) for the next launch.
+
+    Under TRITON_INTERPRET (programs in order) the state equals the six launches' where no two candidates share a
+    location. On a GPU, where the cap binds, which candidates it keeps follows the order programs reach its counter
+    (most recent tiles first, roughly), and which spare slot a winner takes may differ between runs; a prefetch only
+    fills slots, so no output depends on either. A candidate whose location another program has already prefetched
+    in this launch (two positions naming one location) is seen resident here and not counted against its cap."""
+    B, Q, T = logits.shape
+    if logits.stride(-1) != 1 or req_to_token.stride(1) != 1:
+        raise ValueError("claim_above_triton wants logits and req_to_token rows contiguous")
+    if claim_counters.dtype != torch.int32 or claim_counters.numel() < B + 2:
+        raise ValueError(f"claim_above_triton wants int32 claim counters for {B} rows (new_claim_counters), got "
+                         f"{claim_counters.dtype} x {claim_counters.numel()}")
+    if cap_fraction.dtype != torch.float64 or cap_fraction.numel() != 1:
+        raise ValueError("claim_above_triton wants cap_fraction as a float64 tensor of one element")
+    if fetch_src.numel() < B * width or fetch_dst.numel() < B * width:
+        raise ValueError(f"claim_above_triton: the fetch list holds {fetch_src.numel()} pairs, {B} rows of "
+                         f"{width} candidates need {B * width}")
+    tiles = triton.cdiv(T, TILE)
+    if B == 0 or tiles == 0:
+        fetch_count.zero_()
+        return
+    keep = max(CLAIM_ROWS, min(TILE, triton.next_power_of_2(max(width, 1))))
+    kept = torch.empty(B * tiles * keep, dtype=torch.int32, device=logits.device)  # per program, read back by it
+    _claim_above_kernel[(B * tiles,)](
+        logits, logits.stride(0), logits.stride(1), Q, T, int(first_pos), thresholds, float(margin), req_pool_indices,
+        seq_lens, req_to_token, req_to_token.stride(0), req_to_token.shape[0], req_to_token.shape[1], num_locations,
+        cap_fraction, int(cap_min_tokens), int(width), loc_to_slot, slot_to_loc, slot_stamp, clock, int(num_slots),
+        spare, spare_taken, int(num_spare), fetch_src, fetch_dst, fetch_count, counters,
+        claim_counters, kept, B, tiles, C_FETCH_A=int(fetch_counter_ids[0]), C_FETCH_B=int(fetch_counter_ids[1]),
+        TILE=TILE, KEEP=keep, ROWS=CLAIM_ROWS, ZERO=128)
 
 
 @triton.jit

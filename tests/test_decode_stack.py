@@ -95,7 +95,9 @@ def steps(n, table, rows, locs, seed=1):
     (("sync", "dba"), True, "spare slots"), (("dba", "sync"), True, "fused kernels, spare slots"),
     (("sync", "sync"), False, "fused kernels, spare slots, counted copy"),
     (("dba", "sync"), True, "prefetch in position segments"),
-    (("sync", "dba"), True, "fused kernels, prefetch in position segments")])
+    (("sync", "dba"), True, "fused kernels, prefetch in position segments"),
+    (("sync", "sync"), True, "fused kernels, spare slots, prefetch in position segments"),
+    (("dba", "sync"), True, "fused kernels, spare slots, separate claims")])
 def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attention):
     # "fused kernels": the Triton resolve, prefetch candidates and counted copy (interpreted), as on the GPU
     split = (0.4, 0.3, 0.3) if dba_attention == "three chunks" else 0.5
@@ -107,6 +109,8 @@ def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attent
         options["prefetch_chunks"] = 3
     if "position segments" in dba_attention:  # the indexer in 3 segments of the positions, each prefetched at once
         options.update(prefetch_chunks=(0.5, 0.3, 0.2), prefetch_split="positions")
+    if "separate claims" in dba_attention:  # the candidate kernels, then the spare-only claim (else one launch)
+        options["prefetch_claim"] = "separate"
     # "spare slots": 48 per layer, refilled beside attention (fewer than some steps' misses: both paths run)
     spare = 48 if "spare slots" in dba_attention else 0
     dba_attention = "whole" if dba_attention in ("three chunks", "new tokens inserted", "prefetch in chunks",
@@ -722,8 +726,9 @@ def _candidate_calls(ess, hbm, table, rows, locs) -> list[dict]:
 
 def test_the_last_chunk_takes_its_own_margin():
     ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=3, last_chunk_margin=0.0)
+    ess.prefetcher.margins = (0.25,) * LAYERS
     margins = [kw.get("margin") for kw in _candidate_calls(ess, hbm, table, rows, locs)]
-    assert margins == [None, None, 0.0] * LAYERS * 2  # the layer's margin, but 0 for the chunk beside the top-k
+    assert margins == [0.25, 0.25, 0.0] * LAYERS * 2  # the layer's margin, but 0 for the chunk beside the top-k
     for bad in (1.0, -0.5, True):
         with pytest.raises(ValueError, match="last_chunk_margin must be in"):
             StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, last_chunk_margin=bad)
@@ -822,6 +827,30 @@ def test_the_last_chunk_runs_at_its_own_priority():
         assert blocks == want * LAYERS * 2, priority
     with pytest.raises(ValueError, match="last_chunk_priority must be 'high' or 'normal', got 'low'"):
         StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, last_chunk_priority="low")
+
+
+def test_the_one_launch_prefetch_claim_leaves_the_state_the_separate_kernels_leave():
+    """Prefetch in three position segments with spare slots, every kernel the GPU runs (interpreted): one launch a
+    segment for its candidates and claims, or the candidate kernels then the spare-only claim, give the same outputs
+    and the same pools, maps and counters after every step."""
+    runs = []
+    for claim in ("one_launch", "separate"):
+        ess, _, table, rows, locs = build(("sync", "sync"), prefetch=True, resolve_impl="triton", spare=48,
+                                          prefetch_chunks=(0.5, 0.3, 0.2), prefetch_split="positions",
+                                          prefetch_claim=claim)
+        ess.prefetcher.impl = "triton"
+        states = []
+        for batch, inputs in steps(4, table, rows, locs):
+            out = ess.step(batch, inputs)
+            m = ess.m
+            states.append([*out, m.loc_to_slot.clone(), m.slot_to_loc.clone(), m.slot_stamp.clone(), m.spare.clone(),
+                           m.spare_taken.clone(), m.counters.clone(), *[e.clone() for e in m.hot_entries]])
+        runs.append(states)
+        assert int(ess.m.counters[:, Counter.PREFETCHED].sum()) > 0
+    for step, (a, b) in enumerate(zip(*runs, strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {step}"
+    with pytest.raises(ValueError, match="prefetch_claim must be 'one_launch' or 'separate', got 'fused'"):
+        StackOptions(modes=["sync"], prefetch=True, prefetch_claim="fused")
 
 
 def test_a_callers_top_k_serves_both_stacks():

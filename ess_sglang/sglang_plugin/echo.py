@@ -6,11 +6,12 @@ graph, and everything below is fixed-shape device work):
   1. ``Indexer._get_topk_paged``: the indexer logits [rows, max_seq_len] (DeepGEMM ``fp8_paged_mqa_logits``).
      [tap, before ``metadata.topk_transform``] where the layer prefetches, on the side stream: the positions
      scoring above the layer's EMA threshold whose entries are not resident (``EchoPrefetcher.candidates``, most
-     recent first, capped per request) are fetched into spare slots (``HotPoolCacheManager.prefetch``) while the
-     main stream runs the top-k. This step's own token is a candidate too, though its host row is not written yet
-     (SGLang stores the token in the attention backend, after the indexer): the prefetch copies a stale row, and
-     the write-back in 3c writes the token's entry into the slot the prefetch gave it (``write_new_tokens`` also
-     writes the hot slot of a resident entry), so the exact resolve finds it resident instead of fetching it
+     recent first, capped per request) are fetched into spare slots (``HotPoolCacheManager.prefetch_above``: with
+     spare slots on the GPU, candidates and claims in one launch) while the main stream runs the top-k. This
+     step's own token is a candidate too, though its host row is not written yet (SGLang stores the token in the
+     attention backend, after the indexer): the prefetch copies a stale row, and the write-back in 3c writes the
+     token's entry into the slot the prefetch gave it (``write_new_tokens`` also writes the hot slot of a resident
+     entry), so the exact resolve finds it resident instead of fetching it
      over PCIe on the critical path. (The write-back also protects it: a prefetched new token counts as useful in
      3d even in the rare step whose top-k does not select it, at most one entry per request and layer.)
   2. ``metadata.topk_transform``: the top-k positions [rows, k], with the kernel and plan SGLang runs without ESS
@@ -47,6 +48,7 @@ import torch
 
 from ess_sglang.cache_manager import FetchList, HotPoolCacheManager
 from ess_sglang.config import EssConfig
+from ess_sglang.kernels.prefetch import new_claim_counters
 from ess_sglang.kernels.topk import kth_of_selection_any
 from ess_sglang.overlap_policy import PREFETCH_CHUNKS, load_profile
 from ess_sglang.prefetch import EchoPrefetcher
@@ -143,6 +145,7 @@ class DecodeOverlap:
                                              pdl=manager.pdl)  # one setting (ess_config.resolve_pdl) for both
             n = max_batch * self.prefetcher.width
             self.fetch_list = manager.new_fetch_list(n)
+            self._claim_counters = new_claim_counters(max_batch, manager.device)  # (zero between launches)
             manager.reserve_scratch(n)
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (k-th scores, request rows)
         self._side_reads: list[torch.Tensor] = []  # what the side stream reads: alive until the main stream waits
@@ -171,10 +174,11 @@ class DecodeOverlap:
         self.m.settle_pending_prefetch()  # a step cut short before its settle (an exception) leaves nothing behind
         self._pending.pop(layer, None)  # (nor a k-th score noted in it)
         with self.streams.on_side():
-            cand = pf.candidates(layer, scores, req_to_host_pool, req_pool_indices[:B], visible_lens[:B],
-                                 self.m.loc_to_slot[layer], self.m.num_locations)
+            # (with spare slots on the GPU, candidates and claims in one launch: HotPoolCacheManager.prefetch_above)
+            scored = pf.scored(layer, scores, req_to_host_pool, req_pool_indices[:B], visible_lens[:B])
             record = FetchList(self.fetch_list.src[:B * W], self.fetch_list.dst[:B * W], self.fetch_list.count)
-            self.m.prefetch(layer, cand, record, programs=PREFETCH_PROGRAMS, chained=pf.pdl)
+            self.m.prefetch_above(layer, scored, record, self._claim_counters, programs=PREFETCH_PROGRAMS,
+                                  chained=pf.pdl)
 
     # ------------------------------------------------------------------------------------------ 2. after the top-k
     def note_selection(self, layer: int, logits: torch.Tensor, positions: torch.Tensor,

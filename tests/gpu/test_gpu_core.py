@@ -292,3 +292,90 @@ def test_plugin_prefetch_step_is_captured_in_a_cuda_graph_and_exact():
     assert useful > 0 and useful + wasted == prefetched and int(c[Counter.OVERFLOW]) == 0
     print(f"plugin prefetch step: {prefetched} prefetched ({useful} useful), {int(c[Counter.MISSES])} misses, "
           f"{plan.spare_slots} spare slots per layer")
+
+
+@pytest.mark.parametrize("cap_fraction", [1.0, 0.001])
+def test_one_launch_prefetch_claim_on_thousands_of_programs(cap_fraction):
+    """`HotPoolCacheManager.prefetch_above` at batch 64 over 32K positions (2,048 programs at once, racing on the
+    per-request counters, the claims and the shared rank), against the candidate kernels then the spare-only claim:
+    with no cap binding (cap_fraction 1) and spare slots for all, the same locations prefetched, each once, the
+    entries copied exact, the counters back to zero; with a binding cap (0.001: 17-33 a request), at most the cap a
+    request, all of them candidates of the definition. Repeated in a CUDA
+    graph (the counters must be zero at every replay)."""
+    from ess_sglang.kernels.prefetch import new_claim_counters
+
+    from ess_sglang.prefetch import EchoPrefetcher
+
+    dev = torch.device("cuda")
+    B, T = 64, 32768
+    host = HostTotalPool(1, B * T, device=dev)
+    host.entries[..., :64].copy_(torch.randint(0, 256, (1, B * T, 64), dtype=torch.uint8))  # (enough to tell apart)
+    g = torch.Generator(device=dev).manual_seed(3)
+    req_to_token = torch.randperm(B * T, device=dev, generator=g).view(B, T).int()
+    rpi, seq = torch.arange(B, device=dev), torch.randint(T // 2, T + 1, (B,), device=dev, generator=g)
+    logits = torch.randn(B, 1, T, device=dev, generator=g)
+    pools = []
+    warm = req_to_token.view(-1)[torch.randperm(B * T, device=dev, generator=g)[:20000]].long()
+    for _ in range(2):  # the same state in both
+        m = HotPoolCacheManager(host, 65536, device=dev, max_selected=B * 2048, spare_slots=16384)
+        m.warm_up(0, warm)
+        m.begin_step()
+        m.refill_spares(0)
+        pools.append(m)
+    torch.cuda.synchronize()
+    pf = EchoPrefetcher(1, B, T, cap_fraction=cap_fraction, cap_min_tokens=8, device=dev)
+    pf.threshold[0] = 2.8  # ~0.26% of the positions pass: ~85 a request, ~5,400 in all
+    want_m, got_m = pools
+    cand = pf.candidates(0, logits, req_to_token, rpi, seq, want_m.loc_to_slot[0], want_m.num_locations)
+    want_list = want_m.new_fetch_list(B * pf.width)
+    want_m.prefetch(0, cand, want_list)
+    got_list = got_m.new_fetch_list(B * pf.width)
+    counters = new_claim_counters(B, dev)
+    got_m.prefetch_above(0, pf.scored(0, logits, req_to_token, rpi, seq), got_list, counters)
+    torch.cuda.synchronize()
+    n = int(got_list.count)
+    src, dst = got_list.src[:n], got_list.dst[:n]
+    assert not bool(counters.any())
+    assert src.unique().numel() == n and dst.unique().numel() == n and bool((dst >= 0).all())
+    assert torch.equal(got_m.loc_to_slot[0][src].long(), dst) and torch.equal(got_m.slot_to_loc[0][dst].long(), src)
+    assert torch.equal(got_m.hot_entries[0][dst], host.entries[0].to(dev)[src])
+    assert int(got_m.counters[0, Counter.PREFETCHED]) == n == int(got_m.spare_taken[0])
+    got_m.check_invariants()
+    listed = cand[cand >= 0]
+    if cap_fraction == 1.0:
+        assert n == int(want_list.count) == listed.numel() > 3000
+        assert torch.equal(src.sort().values, listed.sort().values)
+    else:  # a binding cap: at most the cap a request, all of them candidates of the definition without the cap
+        caps = pf.caps(seq)
+        whole = EchoPrefetcher(1, B, T, cap_fraction=1.0, cap_min_tokens=8, device=dev)
+        whole.threshold[0] = 2.8
+        every = whole.candidates(0, logits, req_to_token, rpi, seq, want_m.loc_to_slot[0].clone().fill_(-1),
+                                 want_m.num_locations)
+        assert bool(torch.isin(src, every[every >= 0]).all())
+        per_req = torch.zeros(B, dtype=torch.int64, device=dev)
+        row_of = torch.empty(B * T, dtype=torch.int64, device=dev)
+        row_of[req_to_token.view(-1).long()] = torch.arange(B, device=dev).repeat_interleave(T)
+        per_req.index_add_(0, row_of[src], torch.ones_like(src))
+        assert bool((per_req <= caps).all()) and int(per_req.sum()) == n
+        assert n == int(want_list.count)  # caps bind per request: the same number, perhaps other positions
+    # in a CUDA graph: the launch leaves its counters zero, so every replay claims afresh (new logits each time)
+    m = got_m
+    m.settle_prefetch(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        m.prefetch_above(0, pf.scored(0, logits, req_to_token, rpi, seq), got_list, counters)
+        m.settle_prefetch(0)
+    before = int(m.counters[0, Counter.PREFETCHED])
+    for _ in range(3):
+        m.begin_step()
+        m.refill_spares(0)
+        logits.copy_(torch.randn(logits.shape, device=dev, generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        k = int(got_list.count)
+        assert not bool(counters.any()) and k > 1000
+        assert torch.equal(m.loc_to_slot[0][got_list.src[:k]].long(), got_list.dst[:k])
+        assert int(m.counters[0, Counter.PREFETCHED]) == before + k
+        before += k
+        m.check_invariants()
