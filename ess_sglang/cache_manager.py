@@ -76,7 +76,9 @@ class FetchList:
 
     Fixed-size int64 tensors (so that they live inside a CUDA graph); -1 in both where there is nothing to copy.
     `count` (one int64 on the device): only the first `count` pairs can be real (the fused resolve lists its misses
-    first), so the copy kernel stops there without the host ever reading it.
+    first), so the copy kernel stops there without the host ever reading it. Past `count` the pairs are -1, except in
+    a list written by `HotPoolCacheManager.prefetch_above`, whose tail keeps whatever it held (stale pairs that look
+    real): a reader of the whole list masks it with `real_pairs`.
     """
 
     src: torch.Tensor
@@ -415,7 +417,9 @@ class HotPoolCacheManager:
                        rows_per_program: int | None = None) -> None:
         """ECHO prefetch straight from a layer's indexer logits: `scored` (`EchoPrefetcher.scored`: the logits of
         some positions, the thresholds, margin and caps) names the candidates; they are claimed and fetched as
-        `prefetch(layer, scored.candidates(...))` would, into `fetch_list` (at least B x the prefetcher's width).
+        `prefetch(layer, scored.candidates(...))` would, into `fetch_list` (at least B x the prefetcher's width): the
+        same state under the interpreter; on a GPU the same entries wherever no cap binds (which slot each takes, and
+        where a cap binds which candidates it keeps, follow the order programs reach the counters).
 
         With spare slots on the fused path, and the prefetcher's Triton candidates, finding and claiming them is one
         launch (`kernels/prefetch.claim_above_triton`, with `claim_counters` from `new_claim_counters`, its own for
@@ -424,7 +428,12 @@ class HotPoolCacheManager:
         `prefetch` (`chained` passed on). Returns nothing: a caller that wants each candidate's slot uses those two.
         """
         pf = scored.prefetcher
+        if scored.layer != layer:
+            raise ValueError(f"prefetch_above(layer {layer}): the scores are layer {scored.layer}'s")
         fetch_list.check_holds(scored.rows * pf.width, "prefetch_above", "candidates")
+        from ess_sglang.kernels.prefetch import check_claim_counters
+
+        check_claim_counters(claim_counters, scored.rows)  # (on every path: a bad one fails here, not only on a GPU)
         if self._fused is None or self.num_spare == 0 or not pf.runs_triton(scored.logits):
             cand = scored.candidates(self.loc_to_slot[layer], self.num_locations)
             self.prefetch(layer, cand, fetch_list, programs=programs, chained=chained,

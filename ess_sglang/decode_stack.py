@@ -157,7 +157,8 @@ class StackOptions:
     # measured -8 us a layer at 128K / 64, +9.5 at 32K / 128, no change at 32K / 64: benchmarks/RESULTS.md)
     prefetch_claim: str = "one_launch"  # prefetch with spare slots on the fused path: "one_launch" (each chunk's
     # candidates found and their spare slots claimed in one kernel, `HotPoolCacheManager.prefetch_above`) or
-    # "separate" (the candidate kernels, then the spare-only claim: six launches); the same slots and copies
+    # "separate" (the candidate kernels, then the spare-only claim: six launches); the same state under the
+    # interpreter, on a GPU the same entries wherever no cap binds
     sync_copy: str = "inline"  # sync mode: "inline" (in the resolve's own kernels: measured faster) or "counted"
     new_tokens: str = DEFAULT_NEW_TOKENS  # "on_demand": only written back, and fetched like any miss when selected
     # (one resolve fewer a layer: 1.243 against 1.261 x all-HBM at batch 64 / 32K, 1.122 against 1.127 at 128 / 128K,
@@ -494,8 +495,9 @@ class EssDecodeStack(_StackBase):
             lists = most_chunks if options.prefetch_split == "positions" else 1
             self.prefetch_list = manager.new_fetch_list(lists * max_batch * self.prefetcher.width)
             self._prefetch_counts = torch.zeros(most_chunks, dtype=torch.int64, device=manager.device)
-            # prefetch_claim "one_launch": each chunk's claim kernel its own counters (the last chunk's may run at
-            # normal priority, beside the chunk before it)
+            # prefetch_claim "one_launch": each chunk's claim kernel its own counters (a layer's claims run in one
+            # order today, the normal-priority last chunk's too, which waits for the side stream; with counters of
+            # their own that need not stay so)
             from ess_sglang.kernels.prefetch import new_claim_counters
 
             self._claim_counters = [new_claim_counters(max_batch, manager.device) for _ in range(most_chunks)]

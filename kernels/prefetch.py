@@ -19,8 +19,10 @@ Three launches, every count kept on the device:
 The torch definition is `ess_sglang.prefetch.EchoPrefetcher.candidates` (impl="torch"); the tests check both ways
 equal it under TRITON_INTERPRET.
 
-Two more launches of the prefetch path live here, each beside its torch definition: the threshold's EMA update
-(`EchoPrefetcher.update`) and the settle that counts a prefetch's useful and wasted entries
+With spare slots, the prefetch can instead find a segment's candidates and claim their spare slots in one launch
+(`claim_above_triton`, below: the same state as K1-K3 followed by the spare-only claim of `kernels/resolve.py`, under
+the interpreter). Two more launches of the prefetch path live here, each beside its torch definition: the threshold's
+EMA update (`EchoPrefetcher.update`) and the settle that counts a prefetch's useful and wasted entries
 (`HotPoolCacheManager.settle_prefetch`). Each replaces a chain of ~10 small torch kernels on the decode step's
 critical path (a kernel timeline at batch 64: ~30 and ~70 us a layer).
 """
@@ -35,7 +37,7 @@ import triton.language as tl
 from ess_sglang.kernels.resolve import _NEVER, _pdl_enter, pdl_launch
 from ess_sglang.kernels.translate import locate
 
-TILE = 1024  # positions per program of the count kernel (K1)
+TILE = 1024  # positions per program of the count kernel (K1) and of the one-launch claim
 WRITE_BLOCK = 1024  # kept entries per program of the write kernel: WRITE_BLOCK // tile tiles
 
 
@@ -243,7 +245,8 @@ def _claim_above_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr
         avail = num_spare - taken
         stamp = tl.load(clock_ptr) - 1  # the newest entries, yet evictable in this step (a prefetch protects nothing)
         n_got = tl.zeros((), tl.int64)
-        for j0 in range(0, n_keep, ROWS):
+        # (no spare slot left: every claim would be given back, so none is made)
+        for j0 in range(0, tl.where(avail > 0, n_keep, 0), ROWS):
             j = j0 + tl.arange(0, ROWS)
             mj = j < n_keep
             own = kept_ptr + me * KEEP + j  # (a lane past the kept ones compares its own scratch word: no change
@@ -286,10 +289,17 @@ def _claim_above_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr
         tl.atomic_xchg(ctr_ptr + B + 1, 0, sem="relaxed")
 
 
-def new_claim_counters(max_rows: int, device: torch.device | str) -> torch.Tensor:
-    """The zeroed counters `claim_above_triton` needs for up to `max_rows` request rows (each launch leaves them zero
-    again). Launches that may run at once (on two streams) need counters of their own."""
-    return torch.zeros(max_rows + 2, dtype=torch.int32, device=device)
+def new_claim_counters(max_batch: int, device: torch.device | str) -> torch.Tensor:
+    """The zeroed counters `claim_above_triton` needs for batches of up to `max_batch` requests (each launch leaves
+    them zero again). Launches that may run at once (on two streams) need counters of their own."""
+    return torch.zeros(max_batch + 2, dtype=torch.int32, device=device)
+
+
+def check_claim_counters(claim_counters: torch.Tensor, batch: int) -> None:
+    """`claim_counters` fit a launch over `batch` requests (`new_claim_counters`), or a ValueError that says why."""
+    if claim_counters.dtype != torch.int32 or claim_counters.dim() != 1 or claim_counters.numel() < batch + 2:
+        raise ValueError(f"claim_above_triton wants int32 claim counters for {batch} requests (new_claim_counters), "
+                         f"got {claim_counters.dtype} x {tuple(claim_counters.shape)}")
 
 
 def claim_above_triton(logits: torch.Tensor, thresholds: torch.Tensor, margin: float, req_to_token: torch.Tensor,
@@ -304,13 +314,14 @@ def claim_above_triton(logits: torch.Tensor, thresholds: torch.Tensor, margin: f
     spare-only prefetch claim (`HotPoolCacheManager.prefetch` with spare slots: lookup, finish, close) does in six.
 
     One program per (request, tile of TILE positions) of logits [B, Q, T] (positions [first_pos, first_pos + T)),
-    request-major. Each finds its candidates (as `_count_kernel` does), ranked most recent first within the request through a
-    per-request counter, kept below the request's cap (`candidates_from_tiles`' rule); each kept one claims its
-    location (compare-and-swap), and the winners take the layer's free spare slots (from spare_taken[0]) in the order
-    of one shared counter: slot -> location, location -> slot, stamp clock - 1, and the pair (location, slot) into
-    the fetch list at its rank; winners past the spare slots give their claim back. The last program to finish writes
-    fetch_count[0] (the pairs listed: only those are real, the rest of the list is left as it was), moves
-    spare_taken and zeroes `claim_counters` (`new_claim_counters`) for the next launch.
+    request-major. Each finds its candidates (as `_count_kernel` does), ranks them most recent first within the
+    request through a per-request counter, and keeps those below the request's cap (`candidates_from_tiles`' rule);
+    each kept one claims its location (compare-and-swap), and the winners take the layer's free spare slots (from
+    spare_taken[0]) in the order of one shared counter: slot -> location, location -> slot, stamp clock - 1, and the
+    pair (location, slot) into the fetch list at its rank; winners past the spare slots give their claim back (with
+    none left, nothing is claimed). The last program to finish writes fetch_count[0] (the pairs listed: only those are
+    real, the rest of the list is left as it was), moves spare_taken and zeroes `claim_counters`
+    (`new_claim_counters`) for the next launch.
 
     Under TRITON_INTERPRET (programs in order) the state equals the six launches' where no two candidates share a
     location. On a GPU, where the cap binds, which candidates it keeps follows the order programs reach its counter
@@ -320,9 +331,11 @@ def claim_above_triton(logits: torch.Tensor, thresholds: torch.Tensor, margin: f
     B, Q, T = logits.shape
     if logits.stride(-1) != 1 or req_to_token.stride(1) != 1:
         raise ValueError("claim_above_triton wants logits and req_to_token rows contiguous")
-    if claim_counters.dtype != torch.int32 or claim_counters.numel() < B + 2:
-        raise ValueError(f"claim_above_triton wants int32 claim counters for {B} rows (new_claim_counters), got "
-                         f"{claim_counters.dtype} x {claim_counters.numel()}")
+    check_claim_counters(claim_counters, B)
+    if any(t.dtype != torch.int64 for t in (fetch_src, fetch_dst, fetch_count)):
+        raise ValueError("claim_above_triton wants an int64 fetch list (HotPoolCacheManager.new_fetch_list)")
+    if num_locations >= 1 << 31:
+        raise ValueError(f"claim_above_triton keeps locations as int32: {num_locations} locations is too many")
     if cap_fraction.dtype != torch.float64 or cap_fraction.numel() != 1:
         raise ValueError("claim_above_triton wants cap_fraction as a float64 tensor of one element")
     if fetch_src.numel() < B * width or fetch_dst.numel() < B * width:
@@ -332,7 +345,10 @@ def claim_above_triton(logits: torch.Tensor, thresholds: torch.Tensor, margin: f
     if B == 0 or tiles == 0:
         fetch_count.zero_()
         return
+    # a program's kept candidates (at most its cap, at most a tile), rounded to whole claim rows: a lane past them
+    # compares its own word of this row
     keep = max(CLAIM_ROWS, min(TILE, triton.next_power_of_2(max(width, 1))))
+    assert keep % CLAIM_ROWS == 0
     kept = torch.empty(B * tiles * keep, dtype=torch.int32, device=logits.device)  # per program, read back by it
     _claim_above_kernel[(B * tiles,)](
         logits, logits.stride(0), logits.stride(1), Q, T, int(first_pos), thresholds, float(margin), req_pool_indices,

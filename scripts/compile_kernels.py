@@ -17,6 +17,8 @@ from ess_sglang.kernels import translate as ktr
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from ess_sglang.cache_manager import Counter
+
 target = GPUTarget("cuda", 90, 32)
 
 
@@ -104,7 +106,8 @@ for keep in (kp.CLAIM_ROWS, kp.TILE):  # (the one-launch claim: a narrow and a f
                                        s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64, num_slots=I64, spare_ptr=P32,
                                        taken_ptr=P64, num_spare=I64, src_ptr=P64, dst_ptr=P64, count_ptr=P64,
                                        cnt_ptr=P64, ctr_ptr=P32, kept_ptr=P32, B=I32),
-          dict(C_FETCH_A=9, C_FETCH_B=5, TILE=kp.TILE, KEEP=keep, ROWS=kp.CLAIM_ROWS, ZERO=128))
+          dict(C_FETCH_A=int(Counter.PREFETCHED), C_FETCH_B=int(Counter.H2D_ENTRIES), TILE=kp.TILE, KEEP=keep,
+               ROWS=kp.CLAIM_ROWS, ZERO=128))
 check(kp._ema_kernel, dict(kth_ptr=PF, kth_stride=I64, Q=I32, rpi_ptr=P64, thr_ptr=PF, num_rows=I64, B=I32,
                            alpha="fp32", keep="fp32"), dict(BLOCK=128))
 check(kp._settle_kernel, dict(src_ptr=P64, dst_ptr=P64, count_ptr=P64, n=I64, s2l_ptr=P32, stamp_ptr=P64,

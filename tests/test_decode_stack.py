@@ -829,11 +829,15 @@ def test_the_last_chunk_runs_at_its_own_priority():
         StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, last_chunk_priority="low")
 
 
-def test_the_one_launch_prefetch_claim_leaves_the_state_the_separate_kernels_leave():
+def test_the_one_launch_prefetch_claim_leaves_the_state_the_separate_kernels_leave(monkeypatch):
     """Prefetch in three position segments with spare slots, every kernel the GPU runs (interpreted): one launch a
     segment for its candidates and claims, or the candidate kernels then the spare-only claim, give the same outputs
     and the same pools, maps and counters after every step."""
-    runs = []
+    import ess_sglang.kernels.prefetch as kp
+
+    runs, launches = [], []
+    run_claim = kp.claim_above_triton
+    monkeypatch.setattr(kp, "claim_above_triton", lambda *a, **kw: (launches.append(1), run_claim(*a, **kw))[1])
     for claim in ("one_launch", "separate"):
         ess, _, table, rows, locs = build(("sync", "sync"), prefetch=True, resolve_impl="triton", spare=48,
                                           prefetch_chunks=(0.5, 0.3, 0.2), prefetch_split="positions",
@@ -847,6 +851,8 @@ def test_the_one_launch_prefetch_claim_leaves_the_state_the_separate_kernels_lea
                            m.spare_taken.clone(), m.counters.clone(), *[e.clone() for e in m.hot_entries]])
         runs.append(states)
         assert int(ess.m.counters[:, Counter.PREFETCHED].sum()) > 0
+        # one launch a segment, in each layer and step (three segments of two layers, four steps); none separately
+        assert len(launches) == 3 * LAYERS * 4, (claim, len(launches))
     for step, (a, b) in enumerate(zip(*runs, strict=True)):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {step}"
     with pytest.raises(ValueError, match="prefetch_claim must be 'one_launch' or 'separate', got 'fused'"):

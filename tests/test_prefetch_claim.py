@@ -143,7 +143,9 @@ def test_one_launch_claim_refuses_bad_scratch_and_short_lists_before_reading_any
     m = pool(64)
     before = {k: v.clone() for k, v in state(m).items()}
     scored = pf.scored(0, logits, req_to_token, rpi, seq)
-    with pytest.raises(ValueError, match="claim counters for 3 rows"):
+    with pytest.raises(ValueError, match="prefetch_above\\(layer 1\\): the scores are layer 0's"):
+        m.prefetch_above(1, scored, m.new_fetch_list(B * pf.width), new_claim_counters(B, "cpu"))
+    with pytest.raises(ValueError, match="claim counters for 3 requests"):
         m.prefetch_above(0, scored, m.new_fetch_list(B * pf.width), new_claim_counters(B - 1, "cpu"))
     with pytest.raises(ValueError, match="claim counters"):
         m.prefetch_above(0, scored, m.new_fetch_list(B * pf.width), torch.zeros(B + 2, dtype=torch.int64))
@@ -179,9 +181,59 @@ def test_the_torch_copy_and_settle_read_only_the_first_count_pairs():
     host = HostTotalPool(1, 256, device="cpu")
     host.entries.copy_(torch.randint(0, 256, host.entries.shape, dtype=torch.uint8))
     m = HotPoolCacheManager(host, 64, device="cpu", copy_impl="torch")
+    m.begin_step()
+    m.warm_up(0, torch.arange(3, 7))  # slots 0-3 hold locations 3-6, so every pair of the list would count
     fl = FetchList(torch.tensor([3, 4, 5, 6]), torch.tensor([0, 1, 2, 3]), torch.tensor([2]))
     m.hot_entries[0].zero_()
     m.fetch(0, fl)
     assert torch.equal(m.hot_entries[0][:2], host.entries[0][3:5]) and not bool(m.hot_entries[0][2:].any())
     src, dst = fl.real_pairs()
     assert src.tolist() == [3, 4, -1, -1] and dst.tolist() == [0, 1, -1, -1]
+    m._mark_unsettled(0, fl)
+    m.settle_prefetch(0)
+    c = m.counters[0]
+    assert int(c[Counter.PREFETCH_USEFUL]) + int(c[Counter.PREFETCH_WASTED]) == 2
+
+
+def test_one_launch_claim_with_no_spare_slot_left_claims_nothing(launches):
+    """A second prefetch after the first took every spare slot: no claim, no map change, count 0, as the separate
+    kernels (whose claims are all given back)."""
+    req_to_token, logits, rpi, seq = scores()
+    pf = prefetcher(1.0)
+    pair = [pool(32), pool(32)]
+    for m in pair:
+        m.prefetch_above(0, pf.scored(0, logits[..., :TILE], req_to_token, rpi, seq), m.new_fetch_list(B * pf.width),
+                         new_claim_counters(B, "cpu"))
+        assert int(m.spare_taken[0]) == 32
+    want_m, got_m = pair
+    seg = logits[..., TILE:]
+    cand = pf.candidates(0, seg, req_to_token, rpi, seq, want_m.loc_to_slot[0], want_m.num_locations, first_pos=TILE)
+    assert int((cand >= 0).sum()) > 0
+    want_m.prefetch(0, cand, want_m.new_fetch_list(B * pf.width))
+    got_list, counters = got_m.new_fetch_list(B * pf.width), new_claim_counters(B, "cpu")
+    got_m.prefetch_above(0, pf.scored(0, seg, req_to_token, rpi, seq, first_pos=TILE), got_list, counters)
+    assert len(launches) == 3 and int(got_list.count) == 0 and not bool(counters.any())
+    want, got = state(want_m), state(got_m)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    got_m.check_invariants()
+
+
+def test_one_launch_claim_counters_serve_any_batch_up_to_their_size(launches):
+    """Counters made for 3 requests, used by a launch of 2 then one of 3 (and one of none): each leaves them zero,
+    and each equals the separate kernels."""
+    req_to_token, logits, rpi, seq = scores()
+    pf = prefetcher(0.05)
+    want_m, got_m = pool(400), pool(400)
+    counters = new_claim_counters(B, "cpu")
+    for lo, hi, rows in ((0, 1300, slice(0, 2)), (1300, T, slice(0, 3)), (0, 1300, slice(0, 0))):
+        seg, r, n = logits[rows, :, lo:hi], rpi[rows], seq[rows]
+        want_list, got_list = want_m.new_fetch_list(B * pf.width), got_m.new_fetch_list(B * pf.width)
+        cand = pf.candidates(0, seg, req_to_token, r, n, want_m.loc_to_slot[0], want_m.num_locations, first_pos=lo)
+        want_m.prefetch(0, cand, want_list)
+        got_m.prefetch_above(0, pf.scored(0, seg, req_to_token, r, n, first_pos=lo), got_list, counters)
+        assert not bool(counters.any()) and int(got_list.count) == int(want_list.count)
+        want, got = state(want_m), state(got_m)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (lo, name)
+    assert len(launches) == 3 and int(got_m.counters[0, Counter.PREFETCHED]) > 0
