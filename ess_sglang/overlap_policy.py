@@ -37,8 +37,9 @@ misses per step, applies the costs above and writes an overlap profile (YAML, `O
 takes its per-layer options from it with `layer_settings(path, num_layers, level)` (overlap mode and prefetch chunks
 of each layer) and `layer_prefetch_margins` (each layer's threshold margin); `benchmarks/decode_layers.py`'s
 layerwise mode writes one profile per configuration and runs what it reads back. The SGLang plugin
-(`ess_sglang.sglang_plugin.echo.plan`) prefetches in the profile's prefetch layers, in one chunk (SGLang computes the
-logits in one call), with each layer's margin; its DA / DBA layers fetch synchronously.
+(`ess_sglang.sglang_plugin.echo.plan`) runs only sync and one-chunk prefetch (SGLang computes a layer's logits and its
+attention in one call each): a profile's layer in another mode runs the faster of those by the layer's own times
+(`OverlapProfile.modes_within`), with each layer's margin.
 
 Cost model (one layer, one decode step; all times in microseconds, constants in `DeviceTimings`)::
 
@@ -115,7 +116,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -363,10 +364,19 @@ class OverlapProfile(BaseModel):
                                      f"margin, and device.measured.prefetch_margin gives none")
         return self
 
-    def prefetch_margins(self) -> list[float]:
-        """Each layer's ECHO threshold margin: the calibration's for a *_margin mode, else 0."""
+    def prefetch_margins(self, modes: Sequence[str] | None = None) -> list[float]:
+        """Each layer's ECHO threshold margin: the calibration's for a *_margin mode, else 0; of the profile's modes,
+        or of `modes` (one per layer, e.g. `modes_within`'s)."""
         m = self.device.measured
-        return [m.prefetch_margin if lp.mode in MARGIN_MODES and m is not None else 0.0 for lp in self.layers]
+        modes = self.modes() if modes is None else list(modes)
+        return [m.prefetch_margin if mode in MARGIN_MODES and m is not None else 0.0 for mode in modes]
+
+    def modes_within(self, runnable: Collection[str]) -> list[str]:
+        """Each layer's mode where `runnable` holds it; elsewhere the mode of `runnable` (or sync) with the smallest
+        exposed time the profile gives that layer: what a runtime that cannot run every mode (the SGLang plugin: one
+        indexer call, one attention call) runs instead."""
+        return [lp.mode if lp.mode in runnable else best_mode(lp.exposed_us, lp.model_misses, runnable)
+                for lp in self.layers]
 
     @property
     def num_layers(self) -> int:
@@ -416,11 +426,13 @@ def exposed_times(misses: float, batch: int, context: float, device: DeviceTimin
     return ModeTimes(sync=sync, da=da, dba=dba)
 
 
-def best_mode(times: ModeTimes, misses: float) -> str:
-    """The mode with the smallest exposed time (ties: the earlier of MODES); "sync" when there are no misses."""
+def best_mode(times: ModeTimes, misses: float, among: Collection[str] = MODES) -> str:
+    """The mode with the smallest exposed time (ties: the earlier of MODES), of those in `among` (sync always
+    counts); "sync" when there are no misses."""
     if misses <= 0:
         return "sync"
-    cand = [(t, i) for i, t in enumerate(times.as_dict().values()) if t is not None]
+    cand = [(t, i) for i, (m, t) in enumerate(times.as_dict().items())
+            if t is not None and (m in among or m == "sync")]
     return MODES[min(cand)[1]]
 
 

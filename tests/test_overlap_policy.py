@@ -14,8 +14,10 @@ from ess_sglang.cli import build_parser, main
 from ess_sglang.overlap_policy import (
     MODES,
     DeviceTimings,
+    ModeTimes,
     OverlapProfileError,
     ProfileHeader,
+    best_mode,
     build_profile,
     choose_modes,
     device_timings_from_mapping,
@@ -192,6 +194,23 @@ def test_zero_misses_is_sync_even_on_a_tie():
     t = exposed_times(0, B64, C32K, d)
     assert t.dba == pytest.approx(40 - 0.8 * 0.75 * 40) and t.dba < t.sync
     assert choose_modes([0, 1], B64, C32K, d) == ["sync", "dba"]
+
+
+def test_best_mode_among_some_modes_and_a_profile_within_them():
+    """A runtime that runs only some modes (the SGLang plugin: sync, one-chunk prefetch) takes, in a layer profiled
+    with another, the fastest of its own by the layer's times; sync always counts, ties go to the earlier mode."""
+    t = ModeTimes(sync=100.0, da=50.0, dba=60.0, prefetch=90.0, prefetch2=40.0, prefetch_margin=95.0)
+    assert best_mode(t, 10) == "prefetch2"
+    assert best_mode(t, 10, among=("prefetch", "prefetch_margin")) == "prefetch"
+    assert best_mode(t, 10, among=()) == "sync" and best_mode(t, 0, among=("prefetch",)) == "sync"
+    assert best_mode(ModeTimes(sync=90.0, da=None, dba=None, prefetch=90.0), 10, among=("prefetch",)) == "sync"
+    profile = load_profile(ROOT / "configs" / "overlap" / "smollm2-135m_ratio0.2_h200-measured.yaml")
+    within = profile.modes_within(("sync", "prefetch"))
+    for lp, mode in zip(profile.layers, within, strict=True):
+        t = lp.exposed_us
+        assert mode == (lp.mode if lp.mode in ("sync", "prefetch") else "prefetch" if t.prefetch < t.sync else "sync")
+    assert set(within) == {"sync", "prefetch"} and "prefetch2" in profile.modes()
+    assert profile.prefetch_margins(within) == [0.0] * len(within)
 
 
 def test_restrict_modes_by_overlap_level():

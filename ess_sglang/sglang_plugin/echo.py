@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,6 +60,10 @@ logger = logging.getLogger("ess_sglang.sglang_plugin")
 PREFETCH_PROGRAMS = 16  # persistent copy programs of a prefetch beside the top-k (decode_layers.py's setting)
 AUTO_SPARE_FRACTION = 1 / 16  # of top_k x max_running_requests: 1.25 x the misses of a step at 95% hits
 MAX_SPARE_SHARE = 1 / 8  # spare slots never take more than this share of a layer's hot pool
+PLUGIN_MODES = ("sync", "prefetch", "prefetch_margin")
+"""What the plugin runs in a decode layer: SGLang computes a layer's indexer logits in one call and its attention in
+one, so ECHO prefetch in one chunk (beside the top-k), or none. DA, DBA and the prefetch in chunks run in the decode
+harness only; a profile's layer in one of those runs the fastest of these by the profile's own times."""
 DA_REFUSED = ("ess_config.prefetch_overlap_level: da needs dual attention, which the SGLang plugin does not run "
               "(FlashMLA is called inside SGLang's DSA backend): use none or full")
 
@@ -81,9 +86,10 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
     measured a margin (``ess profile --calibration-margin``) sets every layer's: its *_margin layers run that margin,
     its other prefetch layers none (the policy chose them because margin 0 measured faster there), and
     ``prefetch_threshold_margin`` is then not used (a warning says so if it is set); otherwise every layer runs
-    ``prefetch_threshold_margin``. DA and DBA need SGLang's attention call split, which the plugin does not do: a
-    profile's DA / DBA layers fetch synchronously (exact, like every mode); level ``da`` is refused at launch
-    (``cli_args.check_resolved``)."""
+    ``prefetch_threshold_margin``. DA and DBA need SGLang's attention call split, and prefetch in chunks its indexer
+    call split, which the plugin does not do: a profile's layer in one of those modes runs the one of
+    ``PLUGIN_MODES`` the profile gives the smallest exposed time (`OverlapProfile.modes_within`; exact, like every
+    mode); level ``da`` is refused at launch (``cli_args.check_resolved``)."""
     level = config.prefetch_overlap_level
     if level == "da":
         raise ValueError(DA_REFUSED)
@@ -92,7 +98,8 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
         layers, why = [False] * num_layers, "prefetch_overlap_level none"
     elif config.overlap_profile is not None:
         profile = load_profile(config.overlap_profile, num_layers)
-        modes = profile.modes()
+        wanted = profile.modes()
+        modes = profile.modes_within(PLUGIN_MODES)
         layers = [m in PREFETCH_CHUNKS for m in modes]
         measured = profile.device.measured
         if measured is not None and measured.prefetch_margin is not None:  # the profile chose each layer's margin
@@ -100,13 +107,12 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
                 logger.warning("ESS: prefetch_threshold_margin %g is not used: overlap profile %s sets each layer's "
                                "margin (its calibration measured margin 0 and %g)", config.prefetch_threshold_margin,
                                config.overlap_profile, measured.prefetch_margin)
-            margins = profile.prefetch_margins()
-        other = sorted({m for m in modes if m not in PREFETCH_CHUNKS and m != "sync"})
-        chunked = sorted({m for m in modes if PREFETCH_CHUNKS.get(m, 0) > 1})
-        notes = ([f"{', '.join(other)} layers fetch synchronously in the plugin"] if other else []) + (
-            [f"{', '.join(chunked)} layers prefetch in one indexer call (SGLang's indexer is not split), not in the "
-             f"chunks the profile's times were measured with"] if chunked else [])
-        why = f"overlap profile {config.overlap_profile}" + (f" ({'; '.join(notes)})" if notes else "")
+            margins = profile.prefetch_margins(modes)
+        moved = Counter((w, m) for w, m in zip(wanted, modes, strict=True) if w != m)
+        why = f"overlap profile {config.overlap_profile}" + (
+            f" (its layers in modes the plugin does not run take the fastest of {' / '.join(PLUGIN_MODES)} by the "
+            f"profile's times: {', '.join(f'{n} {w} -> {m}' for (w, m), n in sorted(moved.items()))})"
+            if moved else "")
     else:
         layers, why = [True] * num_layers, "prefetch_overlap_level full"
     fraction = config.spare_slot_fraction
