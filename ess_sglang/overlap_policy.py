@@ -368,13 +368,18 @@ class OverlapProfile(BaseModel):
         """Each layer's ECHO threshold margin: the calibration's for a *_margin mode, else 0; of the profile's modes,
         or of `modes` (one per layer, e.g. `modes_within`'s)."""
         m = self.device.measured
+        margin = m.prefetch_margin if m is not None and m.prefetch_margin is not None else 0.0
         modes = self.modes() if modes is None else list(modes)
-        return [m.prefetch_margin if mode in MARGIN_MODES and m is not None else 0.0 for mode in modes]
+        return [margin if mode in MARGIN_MODES else 0.0 for mode in modes]
 
     def modes_within(self, runnable: Collection[str]) -> list[str]:
         """Each layer's mode where `runnable` holds it; elsewhere the mode of `runnable` (or sync) with the smallest
         exposed time the profile gives that layer: what a runtime that cannot run every mode (the SGLang plugin: one
-        indexer call, one attention call) runs instead."""
+        indexer call, one attention call) runs instead. The *_margin modes count only where the calibration measured
+        a margin (their times mean nothing without one)."""
+        m = self.device.measured
+        if m is None or m.prefetch_margin is None:
+            runnable = [r for r in runnable if r not in MARGIN_MODES]
         return [lp.mode if lp.mode in runnable else best_mode(lp.exposed_us, lp.model_misses, runnable)
                 for lp in self.layers]
 

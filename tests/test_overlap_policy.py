@@ -211,6 +211,15 @@ def test_best_mode_among_some_modes_and_a_profile_within_them():
         assert mode == (lp.mode if lp.mode in ("sync", "prefetch") else "prefetch" if t.prefetch < t.sync else "sync")
     assert set(within) == {"sync", "prefetch"} and "prefetch2" in profile.modes()
     assert profile.prefetch_margins(within) == [0.0] * len(within)
+    # a margin mode's time where the calibration measured no margin (a hand-edited file) is never chosen
+    assert profile.device.measured.prefetch_margin is None
+    edited = profile.model_copy(update={"layers": [lp.model_copy(update={
+        "mode": "prefetch2", "exposed_us": lp.exposed_us.model_copy(update={"prefetch_margin": 0.5})})
+        for lp in profile.layers]})
+    assert edited.modes_within(("sync", "prefetch", "prefetch_margin")) == \
+        profile.model_copy(update={"layers": [lp.model_copy(update={"mode": "prefetch2"}) for lp in profile.layers]}) \
+        .modes_within(("sync", "prefetch"))
+    assert edited.prefetch_margins(["prefetch_margin"] * len(within)) == [0.0] * len(within)
 
 
 def test_restrict_modes_by_overlap_level():

@@ -98,7 +98,7 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
         layers, why = [False] * num_layers, "prefetch_overlap_level none"
     elif config.overlap_profile is not None:
         profile = load_profile(config.overlap_profile, num_layers)
-        wanted = profile.modes()
+        profiled = profile.modes()
         modes = profile.modes_within(PLUGIN_MODES)
         layers = [m in PREFETCH_CHUNKS for m in modes]
         measured = profile.device.measured
@@ -108,11 +108,10 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
                                "margin (its calibration measured margin 0 and %g)", config.prefetch_threshold_margin,
                                config.overlap_profile, measured.prefetch_margin)
             margins = profile.prefetch_margins(modes)
-        moved = Counter((w, m) for w, m in zip(wanted, modes, strict=True) if w != m)
+        moved = Counter((p, m) for p, m in zip(profiled, modes, strict=True) if p != m)
         why = f"overlap profile {config.overlap_profile}" + (
-            f" (its layers in modes the plugin does not run take the fastest of {' / '.join(PLUGIN_MODES)} by the "
-            f"profile's times: {', '.join(f'{n} {w} -> {m}' for (w, m), n in sorted(moved.items()))})"
-            if moved else "")
+            f" (its layers in modes the plugin does not run take the fastest mode it runs by the profile's times: "
+            f"{', '.join(f'{n} {p} -> {m}' for (p, m), n in sorted(moved.items()))})" if moved else "")
     else:
         layers, why = [True] * num_layers, "prefetch_overlap_level full"
     fraction = config.spare_slot_fraction
