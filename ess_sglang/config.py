@@ -5,7 +5,7 @@ Operators write the shape of their deployment guides::
     ess_config:
       enabled: true
       offload_target: cpu_memory
-      prefetch_overlap_level: full      # none | da | full
+      prefetch_overlap_level: auto      # auto | none | da | full
       max_gpu_buffer_size_gb: 16
       memory_pool_size_gb: 200
 
@@ -167,8 +167,12 @@ class EssConfig(BaseModel):
     enabled: StrictBool = True
     offload_target: Literal["cpu_memory"] = "cpu_memory"
     """Where the latent cache lives: pinned host memory (the only target so far)."""
-    prefetch_overlap_level: Literal["none", "da", "full"] = "full"
-    """none: fetch misses then attend; da: dual attention hides fetches; full: + prefetch and dual-batch overlap."""
+    prefetch_overlap_level: Literal["auto", "none", "da", "full"] = "auto"
+    """How decode layers hide their fetches. auto: each layer as ``overlap_profile`` says, and without a profile no
+    prefetch (misses fetched after the top-k): in the decode harness's current table, the one-chunk ECHO prefetch the
+    SGLang plugin can run was slower than that in 13 of 18 configurations (benchmarks/RESULTS.md); full: as the
+    profile says, and without one ECHO prefetch in every layer; none: every layer fetches its misses, then attends;
+    da: dual attention hides fetches (decode harness only)."""
     max_gpu_buffer_size_gb: PositiveSize | None = None
     """GiB of GPU memory for the hot pools of all layers together."""
     memory_pool_size_gb: PositiveSize | None = None

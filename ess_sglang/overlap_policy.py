@@ -16,7 +16,8 @@ misses over PCIe before attention reads them. Seven modes, chosen per layer:
     prefetch2  prefetch with the indexer run in two batch chunks: the first chunk's prefetch also overlaps the
                second chunk's indexer.
     prefetch3  the same in three chunks, of the fractions the calibration was measured with (e.g. 0.5 / 0.3 / 0.2,
-               `decode_layers.py --prefetch-fractions`; the decode harness runs them so, the plugin in one call).
+               `decode_layers.py --prefetch-fractions`, recorded in the profile with the chunks' split, launch and
+               last-chunk setting: `profile_stack_options`; the decode harness runs them so, the plugin not at all).
     prefetch_margin, prefetch2_margin, prefetch3_margin
                the same with the threshold lowered by the calibration's margin m (candidates above thr - m|thr|):
                more of the step's misses caught, more copies wasted; offered only by a calibration that measured a
@@ -35,7 +36,8 @@ modelled).
 `ess profile` (ess_sglang/profile_cmd.py) replays top-k traces through the cache manager to count every layer's
 misses per step, applies the costs above and writes an overlap profile (YAML, `OverlapProfile`). The decode stack
 takes its per-layer options from it with `layer_settings(path, num_layers, level)` (overlap mode and prefetch chunks
-of each layer) and `layer_prefetch_margins` (each layer's threshold margin); `benchmarks/decode_layers.py`'s
+of each layer), `layer_prefetch_margins` (each layer's threshold margin) and `profile_stack_options` (how its prefetch
+chunks run, as the calibration measured them); `benchmarks/decode_layers.py`'s
 layerwise mode writes one profile per configuration and runs what it reads back. The SGLang plugin
 (`ess_sglang.sglang_plugin.echo.plan`) runs only sync and one-chunk prefetch (SGLang computes a layer's logits and its
 attention in one call each): a profile's layer in another mode runs the faster of those by the layer's own times
@@ -106,7 +108,8 @@ File layout (`save_profile` writes it, `load_profile` validates it)::
     - {layer: 0, misses_mean, misses_p95, lookups_mean, hit_rate, model_misses, mode,
        exposed_us: {sync, da, dba, prefetch, prefetch2, prefetch3, and their _margin modes}}
                                                              (null: the mode is not offered there)
-    (device.measured, when calibrated: its source, points and prefetch_margin, the margin of the *_margin modes)
+    (device.measured, when calibrated: its source, points, prefetch_margin (the margin of the *_margin modes), topk
+     and prefetch_chunking (how its prefetch2 / prefetch3 runs split the indexer))
 
 Every error is an `OverlapProfileError` naming the file, the YAML key (``layers[3].mode``) and the layer.
 This module imports pydantic, numpy and pyyaml only (no torch): the runtime reads profiles before allocating.
@@ -141,10 +144,13 @@ ECHO prefetch (the indexer in one launch / in two / three chunks), *_margin the 
 margin; only a measured calibration offers them."""
 PREFETCH_CHUNKS = {"prefetch": 1, "prefetch2": 2, "prefetch3": 3, "prefetch_margin": 1, "prefetch2_margin": 2,
                    "prefetch3_margin": 3}
+ONE_CALL_MODES = ("sync", "prefetch", "prefetch_margin")
+"""What a runtime that computes a layer's indexer logits in one call and its attention in one can run (the SGLang
+plugin): ECHO prefetch in one chunk, beside the top-k, or none (`OverlapProfile.modes_within`)."""
 FORMAT_VERSION = 1
 LATER_MODE_KEYS = ("prefetch3", "prefetch3_margin")
 """Modes added to format 1 later: written only where a layer has a time for them."""
-OVERLAP_LEVELS = ("none", "da", "full")
+OVERLAP_LEVELS = ("auto", "none", "da", "full")
 """`ess_config.prefetch_overlap_level` values that `restrict_modes` understands."""
 
 _LINE = ("ESS per-layer overlap profile: sync / da (dual attention) / dba (dual-batch) / prefetch / prefetch2 (ECHO; "
@@ -449,7 +455,7 @@ def choose_modes(misses_per_step: Sequence[float], batch: int, context: float,
 
 def restrict_modes(modes: Sequence[str], level: str) -> list[str]:
     """Apply `ess_config.prefetch_overlap_level`: "none" -> all sync; "da" -> dba layers use da, prefetch layers
-    sync; "full" -> as is."""
+    sync; "auto" and "full" -> as is (they differ only without a profile: the runtime's own default)."""
     if level not in OVERLAP_LEVELS:
         raise OverlapProfileError(f"prefetch_overlap_level: {level!r} is not one of {', '.join(OVERLAP_LEVELS)}")
     if level == "none":
@@ -596,8 +602,13 @@ def dump_profile(profile: OverlapProfile) -> str:
             if lp["exposed_us"].get(key, 0) is None:
                 del lp["exposed_us"][key]
     measured = data["device"].get("measured")
-    if measured is not None and measured.get("topk") is None:
-        del measured["topk"]
+    for key in ("topk", "prefetch_chunking"):
+        if measured is not None and measured.get(key) is None:
+            del measured[key]
+    if measured is not None and measured.get("prefetch_chunking") is not None:
+        chunking = measured["prefetch_chunking"]
+        if chunking["fractions"] is not None:
+            chunking["fractions"] = list(chunking["fractions"])  # (safe_dump writes lists, not tuples)
     lines = [f"# {_LINE}",
              "# Written by `ess profile` (ess_sglang/profile_cmd.py); regenerate with header.command. The decode",
              "# stack runs the `mode` of every layer (overlap_policy.layer_settings); the other numbers explain it.",
@@ -661,6 +672,16 @@ def layer_settings(path_or_profile: str | Path | OverlapProfile, num_layers: int
     """What the decode stack runs in each layer, from a profile: `stack_settings` of its modes after
     `restrict_modes(..., level)`; pass them as `StackOptions(modes=..., prefetch_layers=...)`."""
     return stack_settings(restrict_modes(modes_for_layers(path_or_profile, num_layers), level))
+
+
+def profile_stack_options(path_or_profile: str | Path | OverlapProfile, num_layers: int) -> dict[str, Any]:
+    """`StackOptions` keywords that run a profile's prefetch2 / prefetch3 layers as its calibration measured them:
+    the chunk fractions (`chunk_plans`), what the chunks split, how their indexer launches run and whether the last
+    chunk prefetches (`StackCalibration.prefetch_chunking`); {} for a profile that records none (no calibration, or
+    one written before the key: its runs measured the stack's defaults but the launch). Pass them with
+    `layer_settings`' modes and prefetch layers."""
+    m = _profile_of(path_or_profile, num_layers).device.measured
+    return {} if m is None or m.prefetch_chunking is None else m.prefetch_chunking.stack_options()
 
 
 def layer_prefetch_margins(path_or_profile: str | Path | OverlapProfile, num_layers: int) -> list[float]:

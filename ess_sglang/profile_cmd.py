@@ -24,6 +24,7 @@ import argparse
 import math
 import shlex
 import sys
+from collections import Counter
 from datetime import datetime, timezone
 
 import numpy as np
@@ -31,6 +32,8 @@ import numpy as np
 from ess_sglang.config import DEFAULT_SPARSE_MEMORY_RATIO, EssConfig, round_up
 from ess_sglang.overlap_policy import (
     MODES,
+    ONE_CALL_MODES,
+    PREFETCH_CHUNKS,
     SPARE_HEADROOM,
     DeviceTimings,
     OverlapProfile,
@@ -281,9 +284,9 @@ def _calibration(path: str, spare_slots: bool = False, margin_path: str | None =
 
     where = f"--calibration {path}" + (f" --calibration-margin {margin_path}" if margin_path else "")
     try:
-        # the plugin prefetches in every indexer call it runs (it has no chunk without a prefetch)
+        # (the runs' prefetch chunking is recorded in the profile, for the decode harness's prefetchN layers)
         return load_calibration([path] if margin_path is None else [path, margin_path], where,
-                                spare_slots=spare_slots, last_chunk_prefetch=True)
+                                spare_slots=spare_slots)
     except CalibrationError as exc:
         raise _FlagError(str(exc)) from None
 
@@ -341,6 +344,9 @@ def print_table(profile: OverlapProfile, stderr: bool = False) -> None:
     console.print(f"spare slots, for a runtime that keeps them (HotPoolCacheManager(spare_slots=...)): "
                   f"{profile.spare_slots():,} per layer ({SPARE_HEADROOM:g} x the busiest layer's misses per step)",
                   highlight=False)
+    plugin = Counter(profile.modes_within(ONE_CALL_MODES))
+    console.print("the SGLang plugin (one indexer call and one attention call a layer) runs: "
+                  + ", ".join(f"{n} {m}" for m, n in plugin.items()), highlight=False)
     if profile.device.measured is not None:
         where = "inside" if profile.device.measured.covers(h.batch, h.context) else "outside (analytic model used)"
         margin = profile.device.measured.prefetch_margin
@@ -348,6 +354,14 @@ def print_table(profile: OverlapProfile, stderr: bool = False) -> None:
                       f"{profile.device.measured.batches} x contexts {profile.device.measured.contexts}"
                       + (f"; the *_margin modes prefetch with threshold margin {margin:g}" if margin else ""),
                       highlight=False)
+        chunking = profile.device.measured.prefetch_chunking
+        if chunking is not None and any(PREFETCH_CHUNKS.get(m, 0) > 1 for m in profile.modes()):
+            fr = (f"{len(chunking.fractions)} chunks of {' / '.join(f'{f:g}' for f in chunking.fractions)}, "
+                  if chunking.fractions else "")
+            console.print(f"its prefetchN layers run as the calibration measured them: {fr}split by "
+                          f"{chunking.split}, indexer launches {chunking.indexer or 'overlapped (not recorded)'}, "
+                          f"last chunk {'prefetching' if chunking.last_chunk_prefetch else 'left to the resolve'} "
+                          f"(overlap_policy.profile_stack_options)", highlight=False)
         topk = profile.device.measured.topk
         if topk not in (None, "sglang"):
             console.print(f"warning: the calibration selected with --topk {topk}; SGLang's decode (and the plugin) "

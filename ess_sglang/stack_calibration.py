@@ -45,9 +45,9 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, model_validator
 
 CALIBRATED_MODES = ("sync", "da", "dba", "prefetch", "prefetch2", "prefetch3", "prefetch_margin", "prefetch2_margin",
                     "prefetch3_margin")
@@ -86,6 +86,40 @@ class MeasuredPoint(BaseModel):
         return self
 
 
+class PrefetchChunking(BaseModel):
+    """How the calibration's runs ran their prefetch in chunks (the prefetch2 / prefetch3 modes: `decode_layers.py
+    --prefetch-fractions`, `--prefetch-split`, `--prefetch-indexer` and `--last-chunk-prefetch`), recorded so that a
+    profile's prefetchN layers run as they were measured (`stack_options`). One-chunk prefetch, the only prefetch the
+    SGLang plugin runs, depends on none of them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fractions: tuple[Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)], ...] | None = None
+    """The prefetchN mode with N = len(fractions) ran these chunk fractions (summing to 1); every other prefetchN
+    ran N equal chunks. None: every one ran equal chunks."""
+    split: Literal["rows", "positions"] = "rows"
+    """What the chunks split: batch rows, or segments of the positions."""
+    indexer: Literal["serial", "overlapped"] | None = None
+    """How the chunks' indexer launches ran (None: not recorded, a run from before the key)."""
+    last_chunk_prefetch: StrictBool = True
+    """False: the last chunk did not prefetch (its misses were the exact resolve's)."""
+
+    @model_validator(mode="after")
+    def _fractions_sum_to_one(self) -> PrefetchChunking:
+        if self.fractions is not None and (len(self.fractions) < 2 or abs(sum(self.fractions) - 1) > 1e-6):
+            raise ValueError(f"fractions: two or more fractions in (0, 1) summing to 1, got {list(self.fractions)}")
+        return self
+
+    def stack_options(self) -> dict[str, Any]:
+        """`StackOptions` keywords that run a profile's prefetchN layers as measured (with the profile's
+        `prefetch_layers`; `overlap_policy.profile_stack_options`)."""
+        out: dict[str, Any] = dict(prefetch_split=self.split, last_chunk_prefetch=self.last_chunk_prefetch,
+                                   chunk_plans={len(self.fractions): self.fractions} if self.fractions else None)
+        if self.indexer is not None:
+            out["prefetch_indexer"] = self.indexer
+        return out
+
+
 class StackCalibration(BaseModel):
     """A grid of measured points (see the module docstring)."""
 
@@ -100,6 +134,9 @@ class StackCalibration(BaseModel):
     topk: StrictStr | None = None
     """The top-k the runs selected with (`decode_layers.py --topk`: "sglang", SGLang's decode kernel, or "torch" /
     "triton"); None where not recorded. The prefetch hides beside the top-k, so its modes' times depend on it."""
+    prefetch_chunking: PrefetchChunking | None = None
+    """How the runs' prefetch2 / prefetch3 modes split the indexer; None where not recorded (a profile written before
+    the key: equal chunks split by rows, every chunk prefetching, as its runs measured)."""
 
     @model_validator(mode="after")
     def _full_grid(self) -> StackCalibration:
@@ -186,7 +223,7 @@ def _along_misses(points: Sequence[MeasuredPoint], mode: str, misses: float) -> 
 
 
 UNCHECKED = object()
-"""`prefetch_fractions` not named by the caller: a run measured with uneven chunks is refused."""
+"""`prefetch_fractions` not named by the caller: not checked (the calibration records the runs' own)."""
 
 
 def load_calibration(path: str | Path | Sequence[str | Path], where: str | None = None,
@@ -251,6 +288,31 @@ def _meta(data: Any, where: str) -> Mapping:
     return meta
 
 
+def _chunking(meta: Mapping, where: str) -> PrefetchChunking:
+    """The run's prefetch chunking from its meta (keys absent in older runs: what they meant then)."""
+    fractions = meta.get("prefetch_fractions")
+    if fractions is not None and (isinstance(fractions, str | bytes) or not isinstance(fractions, Sequence)):
+        raise CalibrationError(f"{where}: meta.prefetch_fractions: expected a list of chunk fractions or null, got "
+                               f"{fractions!r}")
+    try:
+        indexer = meta.get("prefetch_indexer")
+        return PrefetchChunking(fractions=None if fractions is None else tuple(fractions),
+                                split=_setting(meta, "prefetch_split"), indexer=LEGACY_INDEXER.get(indexer, indexer),
+                                last_chunk_prefetch=_setting(meta, "last_chunk_prefetch"))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = _CHUNKING_META.get(str(first["loc"][0]) if first["loc"] else "fractions", "prefetch_fractions")
+        raise CalibrationError(f"{where}: meta.{key}: {first['msg']} (got {_setting(meta, key)!r})") from None
+
+
+LEGACY_INDEXER = {"split": "serial"}
+"""`meta.prefetch_indexer` values of runs from before its current names (the eleventh session's "split": one indexer
+launch per chunk, one after the other on the main stream)."""
+_CHUNKING_META = {"fractions": "prefetch_fractions", "split": "prefetch_split", "indexer": "prefetch_indexer",
+                  "last_chunk_prefetch": "last_chunk_prefetch"}
+"""PrefetchChunking's fields -> the decode-stack run's meta keys they come from."""
+
+
 def _run_margin(meta: Mapping, where: str) -> float:
     margin = meta.get("prefetch_margin", 0.0)
     if margin is None:
@@ -279,23 +341,19 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
     the top-k, so another one's exposed times do not apply. `prefetch_split`: likewise, what the runs' prefetch
     chunks split (`meta.prefetch_split`, "rows" where absent): the prefetch2 layers of the profile run that way.
     `prefetch_fractions`: the chunk fractions the caller runs its prefetchN layers with (decode_layers.py
-    --prefetch-fractions, None for equal chunks): the runs must have measured with the same (`meta.prefetch_fractions`);
-    not named, a run measured with uneven chunks is refused (a profile's layers would run equal ones).
+    --prefetch-fractions, None for equal chunks): the runs must have measured with the same (`meta.prefetch_fractions`).
     `prefetch_indexer`: how the caller launches its chunks ("serial" / "overlapped"); a run that recorded another
     (`meta.prefetch_indexer`) is refused (serial and overlapped chunks measured 1.168 against 1.243 x at 64 / 32K).
     `last_chunk_prefetch`: whether the caller's last chunk prefetches; a run measured otherwise
-    (`meta.last_chunk_prefetch`, True where absent) is refused."""
+    (`meta.last_chunk_prefetch`, True where absent) is refused. What is not named is not checked: the calibration
+    records the runs' chunking (`StackCalibration.prefetch_chunking`), and a profile's layers run it
+    (`overlap_policy.profile_stack_options`)."""
     meta = _meta(data, where)
     where2 = f"{where} (margin run)"
     meta2 = _meta(margin_run, where2) if margin_run is not None else {}
     for m, w in [(meta, where)] + ([(meta2, where2)] if margin_run is not None else []):
         measured_fr = m.get("prefetch_fractions")
-        if prefetch_fractions is UNCHECKED:
-            if measured_fr is not None:
-                raise CalibrationError(f"{w}: measured with uneven indexer chunks (meta.prefetch_fractions "
-                                       f"{measured_fr!r}), but a profile's prefetch layers run equal chunks: "
-                                       f"calibrate without --prefetch-fractions")
-        elif _fractions_key(measured_fr) != _fractions_key(prefetch_fractions):
+        if prefetch_fractions is not UNCHECKED and _fractions_key(measured_fr) != _fractions_key(prefetch_fractions):
             raise CalibrationError(f"{w}: measured with indexer chunks {measured_fr!r} (meta.prefetch_fractions), this "
                                    f"run's are {None if prefetch_fractions is None else list(prefetch_fractions)!r}: "
                                    f"its exposed times do not apply")
@@ -305,7 +363,7 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
                 raise CalibrationError(f"{w}: measured with --topk {measured_with} (meta.topk), this run selects with "
                                        f"--topk {topk}: its exposed times do not apply (the top-k is what ECHO hides "
                                        f"beside)")
-        recorded = m.get("prefetch_indexer")
+        recorded = LEGACY_INDEXER.get(m.get("prefetch_indexer"), m.get("prefetch_indexer"))
         if prefetch_indexer is not None and recorded is not None and recorded != prefetch_indexer:
             raise CalibrationError(f"{w}: its prefetch chunks were launched {recorded} (meta.prefetch_indexer), this "
                                    f"run's {prefetch_indexer}: its exposed times do not apply")
@@ -317,6 +375,7 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
             raise CalibrationError(f"{w}: its prefetch chunks split {_setting(m, 'prefetch_split')} "
                                    f"(meta.prefetch_split), this run's split {prefetch_split}: its exposed times do "
                                    f"not apply")
+    chunking = _chunking(meta, where)
     first = _run_margin(meta, where)
     if first != 0:
         raise CalibrationError(f"{where}: measured at prefetch margin {first} (meta.prefetch_margin), but its prefetch "
@@ -364,7 +423,7 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
                    f"margin {margin}")
     try:
         return StackCalibration(source=source, points=[MeasuredPoint(**p) for p in raw.values()],
-                                prefetch_margin=margin, topk=meta.get("topk", "torch"))
+                                prefetch_margin=margin, topk=meta.get("topk", "torch"), prefetch_chunking=chunking)
     except ValueError as exc:
         raise CalibrationError(f"{where}: {exc}") from None
 

@@ -35,7 +35,7 @@ def error_of(data) -> str:
 
 def test_defaults():
     cfg = EssConfig()
-    assert cfg.enabled and cfg.offload_target == "cpu_memory" and cfg.prefetch_overlap_level == "full"
+    assert cfg.enabled and cfg.offload_target == "cpu_memory" and cfg.prefetch_overlap_level == "auto"
     assert (cfg.top_k, cfg.page_size, cfg.warmup_windows) == (2048, 64, 32)
     assert cfg.prefetch_ema_alpha == 0.5 and cfg.prefetch_cap_fraction == 0.01 and cfg.prefetch_cap_min_tokens == 64
     assert cfg.metrics == MetricsConfig(enabled=True, readout_interval_steps=16, per_layer=False)
@@ -76,7 +76,7 @@ def test_negative_size_names_the_field():
     ("hot_slots_per_layer", 0, "must be > 0"),
     ("warmup_windows", -1, "must be >= 0 (got -1)"),
     ("prefetch_cap_min_tokens", -1, "must be >= 0"),
-    ("prefetch_overlap_level", "fast", "'none', 'da' or 'full' (got 'fast')"),
+    ("prefetch_overlap_level", "fast", "'auto', 'none', 'da' or 'full' (got 'fast')"),
     ("offload_target", "nvme", "got 'nvme'"),
     ("top_k", True, "valid integer (got True)"),
     ("top_k", "2048", "valid integer"),
@@ -138,7 +138,7 @@ def test_deployment_errors_name_the_field():
 
 def test_operator_shape_loads():
     cfg = load_config(CONFIGS / "ess-deepseek-v32-pd-decode.yaml")
-    assert cfg.enabled and cfg.offload_target == "cpu_memory" and cfg.prefetch_overlap_level == "full"
+    assert cfg.enabled and cfg.offload_target == "cpu_memory" and cfg.prefetch_overlap_level == "auto"
     assert cfg.max_gpu_buffer_size_gb == 16 and cfg.memory_pool_size_gb == 200
     assert cfg.hot_pool_sized_by == "max_gpu_buffer_size_gb"
 

@@ -20,6 +20,7 @@ from ess_sglang.overlap_policy import (
     exposed_times,
     layer_settings,
     load_profile,
+    profile_stack_options,
     restrict_modes,
     save_profile,
     spare_slots_for,
@@ -28,6 +29,7 @@ from ess_sglang.overlap_policy import (
 from ess_sglang.stack_calibration import (
     CalibrationError,
     MeasuredPoint,
+    PrefetchChunking,
     StackCalibration,
     calibration_from_decode_layers,
 )
@@ -66,19 +68,45 @@ def _run():
     return dict(meta=dict(command="python benchmarks/decode_layers.py", date="2026-11-29", device="test"), rows=rows)
 
 
-def test_a_run_with_uneven_indexer_chunks_is_no_calibration():
-    # a profile's prefetch2 layers run equal chunks: a run measured at --prefetch-fractions would misrate them
+def test_a_run_with_uneven_indexer_chunks_records_them():
+    """A calibration records how its runs' prefetchN modes split the indexer (a profile's layers then run that:
+    `profile_stack_options`); a run from before the keys measured equal chunks by rows, every chunk prefetching."""
+    run = _run()  # (no chunk keys in meta: an old run)
+    assert calibration_from_decode_layers(run, "run.json").prefetch_chunking == PrefetchChunking(
+        fractions=None, split="rows", indexer=None, last_chunk_prefetch=True)
+    run["meta"].update(prefetch_fractions=[0.6, 0.4], prefetch_split="positions", prefetch_indexer="serial",
+                       last_chunk_prefetch=False)
+    got = calibration_from_decode_layers(run, "run.json").prefetch_chunking
+    assert got == PrefetchChunking(fractions=(0.6, 0.4), split="positions", indexer="serial",
+                                   last_chunk_prefetch=False)
+    assert got.stack_options() == dict(prefetch_split="positions", last_chunk_prefetch=False,
+                                       chunk_plans={2: (0.6, 0.4)}, prefetch_indexer="serial")
+    assert PrefetchChunking().stack_options() == dict(prefetch_split="rows", last_chunk_prefetch=True,
+                                                      chunk_plans=None)  # (the launch: the stack's default)
+    margin = json.loads(json.dumps(run))
+    margin["meta"]["prefetch_margin"] = 0.01
+    assert calibration_from_decode_layers(run, "run.json", margin_run=margin).prefetch_chunking == got
+    margin["meta"]["prefetch_fractions"] = [0.5, 0.5]  # the two runs must share them (COMPARABLE_META)
+    with pytest.raises(CalibrationError, match=r"the two runs differ in meta\.prefetch_fractions"):
+        calibration_from_decode_layers(run, "run.json", margin_run=margin)
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("prefetch_fractions", [0.6, 0.5], "Value error, fractions: two or more fractions in (0, 1) summing to 1, got "
+                                       "[0.6, 0.5] (got [0.6, 0.5])"),
+    ("prefetch_fractions", [1.0], "Input should be less than 1 (got [1.0])"),
+    ("prefetch_fractions", 0.5, "expected a list of chunk fractions or null, got 0.5"),
+    ("prefetch_fractions", "0.5,0.5", "expected a list of chunk fractions or null, got '0.5,0.5'"),
+    ("prefetch_split", "columns", "Input should be 'rows' or 'positions' (got 'columns')"),
+    ("prefetch_indexer", "parallel", "Input should be 'serial' or 'overlapped' (got 'parallel')"),
+    ("last_chunk_prefetch", "off", "Input should be a valid boolean (got 'off')"),
+])
+def test_a_malformed_prefetch_chunking_in_a_runs_meta_is_named(key, value, says):
     run = _run()
-    run["meta"]["prefetch_fractions"] = [0.6, 0.4]
-    with pytest.raises(CalibrationError, match=r"run\.json: measured with uneven indexer chunks "
-                                               r"\(meta\.prefetch_fractions \[0\.6, 0\.4\]\)"):
+    run["meta"][key] = value
+    with pytest.raises(CalibrationError) as info:
         calibration_from_decode_layers(run, "run.json")
-    plain = _run()
-    run["meta"]["prefetch_margin"] = 0.01
-    with pytest.raises(CalibrationError, match=r"run\.json \(margin run\): measured with uneven indexer chunks"):
-        calibration_from_decode_layers(plain, "run.json", margin_run=run)
-    run["meta"]["prefetch_fractions"] = None  # (what decode_layers.py records without the flag)
-    calibration_from_decode_layers(_run(), "run.json")
+    assert str(info.value) == f"run.json: meta.{key}: {says}"
 
 
 def test_a_run_with_another_top_k_is_refused_when_the_top_k_is_named():
@@ -109,8 +137,8 @@ def test_prefetch3_measured_with_uneven_chunks_calibrates_a_run_with_the_same_ch
     with pytest.raises(CalibrationError, match=r"run\.json: measured with indexer chunks \[0\.5, 0\.3, 0\.2\] "
                                                r"\(meta\.prefetch_fractions\), this run's are None"):
         calibration_from_decode_layers(run, "run.json", prefetch_fractions=None)
-    with pytest.raises(CalibrationError, match="measured with uneven indexer chunks"):  # not named: refused as before
-        calibration_from_decode_layers(run, "run.json")
+    # not named: not checked, recorded
+    assert calibration_from_decode_layers(run, "run.json").prefetch_chunking.fractions == (0.5, 0.3, 0.2)
     from ess_sglang.overlap_policy import PREFETCH_CHUNKS, stack_settings
 
     assert stack_settings(["prefetch3", "prefetch3_margin", "sync"]) == (["sync", "sync", "sync"], [3, 3, 0])
@@ -125,6 +153,11 @@ def test_a_run_whose_chunks_were_launched_otherwise_is_refused_when_the_launch_i
     with pytest.raises(CalibrationError, match=r"run\.json: its prefetch chunks were launched overlapped "
                                                r"\(meta\.prefetch_indexer\), this run's serial"):
         calibration_from_decode_layers(run, "run.json", prefetch_indexer="serial")
+    run["meta"]["prefetch_indexer"] = "split"  # (the eleventh session's name of serial launches)
+    assert calibration_from_decode_layers(run, "run.json", prefetch_indexer="serial").prefetch_chunking.indexer == \
+        "serial"
+    with pytest.raises(CalibrationError, match=r"launched serial \(meta\.prefetch_indexer\), this run's overlapped"):
+        calibration_from_decode_layers(run, "run.json", prefetch_indexer="overlapped")
 
 
 def test_a_run_whose_last_chunk_prefetched_otherwise_is_refused_when_named():
@@ -313,17 +346,22 @@ def test_ess_profile_with_a_calibration_measured_with_sglangs_top_k_says_nothing
     assert main(argv) == 0 and "the calibration selected with --topk" not in capsys.readouterr().out
 
 
-def test_ess_profile_refuses_a_calibration_whose_last_chunk_did_not_prefetch(tmp_path, capsys):
-    """The plugin prefetches in each indexer call it runs: a run that left its last chunk's misses to the resolve
-    measured another plan."""
+def test_ess_profile_records_a_calibration_whose_last_chunk_did_not_prefetch(tmp_path, capsys):
+    """A run that left its last chunk's misses to the resolve measured the prefetchN modes so: the profile records
+    it, and the harness's layers run it (`profile_stack_options`); the plugin runs one-chunk prefetch, which has no
+    last chunk to leave out."""
     run = json.loads((ROOT / "benchmarks" / "results" / "sglang_topk_calibration" / "m0" / "decode_layers.json")
                      .read_text())
     run["meta"]["last_chunk_prefetch"] = False
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(run))
     assert main(["profile", "--synthetic", "--gen-layers", "2", "--gen-steps", "8", "--batch", "64", "--context",
-                 "32768", "--top-k", "2048", "--calibration", str(path), "--out", str(tmp_path / "p.yaml")]) == 2
-    assert "its last prefetch chunk prefetched: False (meta.last_chunk_prefetch)" in capsys.readouterr().err
+                 "32768", "--top-k", "2048", "--calibration", str(path), "--out", str(tmp_path / "p.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "the SGLang plugin (one indexer call and one attention call a layer) runs: 2 " in out
+    prof = load_profile(tmp_path / "p.yaml", num_layers=2)
+    assert prof.device.measured.prefetch_chunking.last_chunk_prefetch is False
+    assert profile_stack_options(prof, 2)["last_chunk_prefetch"] is False
 
 
 def test_ess_profile_with_a_spare_slot_calibration(tmp_path, capsys):
@@ -398,6 +436,50 @@ def test_committed_calibrated_example_is_valid_and_reproducible():
     args.trace, args.calibration = str(ROOT / args.trace), str(ROOT / args.calibration)
     again = make_profile(args)
     assert again.layers == prof.layers
+
+
+def test_committed_sglang_topk_profile_records_its_chunks_and_is_reproducible():
+    """The profile from the eighteenth session's calibration pair (SGLang's top-k, spare slots, the indexer in
+    segments of 0.5 / 0.3 / 0.2 by positions, serial launches, the last segment left to the resolve): every layer
+    prefetches in chunks as measured, and the SGLang plugin, which runs one-chunk prefetch or none, runs sync in
+    every layer (one-chunk prefetch measured slower than sync at this profile's misses)."""
+    import shlex
+
+    from ess_sglang.cli import build_parser
+    from ess_sglang.decode_stack import StackOptions
+    from ess_sglang.profile_cmd import make_profile
+
+    name = "smollm2-135m_ratio0.2_h200-sglang-topk.yaml"
+    prof = load_profile(ROOT / "configs" / "overlap" / name, num_layers=30)
+    m = prof.device.measured
+    assert m.topk == "sglang" and m.prefetch_margin == 0.01 and "layerwise_claim" in m.source
+    assert m.prefetch_chunking == PrefetchChunking(fractions=(0.5, 0.3, 0.2), split="positions", indexer="serial",
+                                                   last_chunk_prefetch=False)
+    assert set(prof.modes()) <= {"prefetch2", "prefetch3", "prefetch2_margin", "prefetch3_margin"}
+    assert prof.modes_within(("sync", "prefetch", "prefetch_margin")) == ["sync"] * 30
+    modes, chunks = layer_settings(prof, 30)
+    opts = StackOptions(modes=modes, prefetch_layers=chunks, **profile_stack_options(prof, 30))
+    assert opts.prefetch_split == "positions" and opts.prefetch_indexer == "serial" and not opts.last_chunk_prefetch
+    assert {opts.layer_prefetch_fractions[i] for i, c in enumerate(chunks) if c == 3} == {(0.5, 0.3, 0.2)}
+    assert {opts.layer_prefetch_fractions[i] for i, c in enumerate(chunks) if c == 2} == {(0.5, 0.5)}
+    argv = shlex.split(prof.header.command)
+    assert argv[-2:] == ["--out", f"configs/overlap/{name}"]
+    args = build_parser().parse_args(argv[1:])
+    args.trace = str(ROOT / args.trace)
+    args.calibration, args.calibration_margin = str(ROOT / args.calibration), str(ROOT / args.calibration_margin)
+    again = make_profile(args)
+    assert again.layers == prof.layers  # (the source names the paths as given: here absolute)
+    assert again.device.measured.model_copy(update=dict(source=m.source)) == m
+
+
+def test_a_profile_without_a_recorded_chunking_runs_the_stacks_defaults(tmp_path):
+    """The 18:19 profile predates the key: no chunk options (its runs measured equal chunks by rows)."""
+    prof = load_profile(ROOT / "configs" / "overlap" / "smollm2-135m_ratio0.2_h200-measured.yaml", num_layers=30)
+    assert prof.device.measured.prefetch_chunking is None and profile_stack_options(prof, 30) == {}
+    assert "prefetch_chunking" not in (ROOT / "configs" / "overlap" /
+                                       "smollm2-135m_ratio0.2_h200-measured.yaml").read_text()
+    with pytest.raises(OverlapProfileError, match="lists 30 layers, the model has 4"):
+        profile_stack_options(prof, 4)
 
 
 def test_a_run_at_a_margin_adds_the_margin_modes():

@@ -256,7 +256,7 @@ def overlap_problems(config: EssConfig, num_layers: int | None) -> list[str]:
     p = []
     if config.prefetch_overlap_level == "da":
         p.append(DA_REFUSED)
-    elif config.overlap_profile is not None and config.prefetch_overlap_level == "full":
+    elif config.overlap_profile is not None and config.prefetch_overlap_level in ("auto", "full"):
         try:
             load_profile(config.overlap_profile, num_layers if isinstance(num_layers, int) else None)
         except OverlapProfileError as exc:

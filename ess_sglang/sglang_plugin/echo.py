@@ -51,7 +51,7 @@ from ess_sglang.cache_manager import FetchList, HotPoolCacheManager
 from ess_sglang.config import EssConfig
 from ess_sglang.kernels.prefetch import new_claim_counters
 from ess_sglang.kernels.topk import kth_of_selection_any
-from ess_sglang.overlap_policy import PREFETCH_CHUNKS, load_profile
+from ess_sglang.overlap_policy import ONE_CALL_MODES, PREFETCH_CHUNKS, load_profile
 from ess_sglang.prefetch import EchoPrefetcher
 from ess_sglang.streams import SideStream
 
@@ -60,12 +60,12 @@ logger = logging.getLogger("ess_sglang.sglang_plugin")
 PREFETCH_PROGRAMS = 16  # persistent copy programs of a prefetch beside the top-k (decode_layers.py's setting)
 AUTO_SPARE_FRACTION = 1 / 16  # of top_k x max_running_requests: 1.25 x the misses of a step at 95% hits
 MAX_SPARE_SHARE = 1 / 8  # spare slots never take more than this share of a layer's hot pool
-PLUGIN_MODES = ("sync", "prefetch", "prefetch_margin")
+PLUGIN_MODES = ONE_CALL_MODES
 """What the plugin runs in a decode layer: SGLang computes a layer's indexer logits in one call and its attention in
 one, so ECHO prefetch in one chunk (beside the top-k), or none. DA, DBA and the prefetch in chunks run in the decode
 harness only; a profile's layer in one of those runs the fastest of these by the profile's own times."""
 DA_REFUSED = ("ess_config.prefetch_overlap_level: da needs dual attention, which the SGLang plugin does not run "
-              "(FlashMLA is called inside SGLang's DSA backend): use none or full")
+              "(FlashMLA is called inside SGLang's DSA backend): use auto, none or full")
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,11 @@ class OverlapPlan:
 def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: int, hot_slots_per_layer: int,
          page_size: int) -> OverlapPlan:
     """Prefetching layers, their threshold margins and spare slots per layer, from ``prefetch_overlap_level``,
-    ``overlap_profile``, ``prefetch_threshold_margin`` and ``spare_slot_fraction``. A profile whose calibration
+    ``overlap_profile``, ``prefetch_threshold_margin`` and ``spare_slot_fraction``. Without a profile, level
+    ``auto`` (the default) prefetches in no layer and ``full`` in every one: in the decode harness's current table,
+    this one-chunk prefetch with spare slots was slower than no prefetch without them in 13 of 18 configurations at
+    batch 16-128 (benchmarks/RESULTS.md, eighteenth session), and a profile calibrated from that run gives every
+    layer sync. A profile whose calibration
     measured a margin (``ess profile --calibration-margin``) sets every layer's: its *_margin layers run that margin,
     its other prefetch layers none (the policy chose them because margin 0 measured faster there), and
     ``prefetch_threshold_margin`` is then not used (a warning says so if it is set); otherwise every layer runs
@@ -96,6 +100,10 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
     margins = [config.prefetch_threshold_margin] * num_layers
     if level == "none":
         layers, why = [False] * num_layers, "prefetch_overlap_level none"
+    elif level == "auto" and config.overlap_profile is None:
+        layers, why = [False] * num_layers, ("prefetch_overlap_level auto without an overlap_profile: one-chunk "
+                                             "prefetch measured slower than none in most harness configurations; "
+                                             "give a profile from `ess profile --calibration`, or level full")
     elif config.overlap_profile is not None:
         profile = load_profile(config.overlap_profile, num_layers)
         profiled = profile.modes()
@@ -113,7 +121,7 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
             f" (its layers in modes the plugin does not run take the fastest mode it runs by the profile's times: "
             f"{', '.join(f'{n} {p} -> {m}' for (p, m), n in sorted(moved.items()))})" if moved else "")
     else:
-        layers, why = [True] * num_layers, "prefetch_overlap_level full"
+        layers, why = [True] * num_layers, "prefetch_overlap_level full without an overlap_profile"
     fraction = config.spare_slot_fraction
     if fraction is None:
         fraction = AUTO_SPARE_FRACTION if any(layers) else 0.0

@@ -252,7 +252,7 @@ def test_plugin_prefetch_step_is_captured_in_a_cuda_graph_and_exact():
     from ess_sglang.sglang_plugin import echo
 
     layers, top_k, dev = 3, 512, torch.device("cuda")
-    config = EssConfig(top_k=top_k)
+    config = EssConfig(top_k=top_k, prefetch_overlap_level="full")  # (the default, auto, prefetches by profile only)
     plan = echo.plan(config, layers, top_k, 4, 4096, 64)
     m, host, table, rpi, seq = _setup(layers, top_k=top_k, spare=plan.spare_slots)
     assert plan.spare_slots > 0 and all(plan.prefetch_layers)

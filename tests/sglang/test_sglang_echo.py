@@ -38,12 +38,19 @@ def _profile_with(tmp_path, modes: dict[int, str]) -> str:
 def test_plan_levels_and_spare_slots():
     off = _plan(prefetch_overlap_level="none")
     assert not any(off.prefetch_layers) and off.spare_slots == 0
-    full = _plan()  # the default level: every layer prefetches, 1/16 of top_k x requests spare, whole pages
+    # the default level without a profile: no prefetch, and so no spare slots (one-chunk prefetch with spare slots
+    # measured slower than this in 13 of 18 harness configurations, benchmarks/RESULTS.md)
+    auto = _plan()
+    assert auto.prefetch_layers == off.prefetch_layers and auto.prefetch_margins == off.prefetch_margins
+    assert not any(auto.prefetch_layers) and auto.spare_slots == 0
+    assert "0 of 30 layers" in auto.note and "auto without an overlap_profile" in auto.note
+    full = _plan(prefetch_overlap_level="full")  # every layer prefetches, 1/16 of top_k x requests spare, whole pages
     assert all(full.prefetch_layers) and len(full.prefetch_layers) == 30
     assert full.spare_slots == 8192 and "30 of 30 layers" in full.note
-    assert _plan(spare_slot_fraction=0.1).spare_slots == 13120  # ceil(0.1 x 2048 x 64 / 64) pages
+    assert _plan(prefetch_overlap_level="full", spare_slot_fraction=0.1).spare_slots == 13120  # 0.1 x 2048 x 64
     assert _plan(prefetch_overlap_level="none", spare_slot_fraction=0.05).spare_slots == 6592  # spares without prefetch
-    capped = _plan(hot=20_000)  # at most 1/8 of the hot pool, in whole pages
+    assert _plan(spare_slot_fraction=0.05).spare_slots == 6592
+    capped = _plan(prefetch_overlap_level="full", hot=20_000)  # at most 1/8 of the hot pool, in whole pages
     assert capped.spare_slots == 2496 and "capped" in capped.note
     with pytest.raises(ValueError, match="prefetch_overlap_level: da needs dual attention"):
         _plan(prefetch_overlap_level="da")
@@ -61,6 +68,7 @@ def test_plan_runs_what_the_plugin_can_of_the_overlap_profile(tmp_path):
                  lp.exposed_us.prefetch < lp.exposed_us.sync for lp in profile.layers)
     p = _plan(overlap_profile=path)
     assert p.prefetch_layers == want
+    assert _plan(overlap_profile=path, prefetch_overlap_level="full") == p  # (p: the default level, auto)
     # (in this profile one-chunk prefetch measured faster than sync in every layer but 20 and 24)
     assert p.prefetch_layers[:4] == (False, True, True, True) and sum(p.prefetch_layers) == 27
     assert "1 da -> prefetch, 1 dba -> prefetch, 24 prefetch2 -> prefetch, 2 prefetch2 -> sync" in p.note
@@ -128,11 +136,14 @@ def test_launch_checks_name_the_overlap_problem(tmp_path):
     assert overlap_problems(EssConfig(), 61) == []
     assert overlap_problems(EssConfig(overlap_profile=PROFILE), 30) == []
     (da,) = overlap_problems(EssConfig(prefetch_overlap_level="da"), 61)
-    assert "da needs dual attention" in da and "use none or full" in da
-    (missing,) = overlap_problems(EssConfig(overlap_profile=str(tmp_path / "nope.yaml")), 61)
-    assert missing.startswith("ess_config.overlap_profile:") and "nope.yaml: no such file" in missing
-    (count,) = overlap_problems(EssConfig(overlap_profile=PROFILE), 61)
-    assert "lists 30 layers, the model has 61" in count
+    assert "da needs dual attention" in da and "use auto, none or full" in da
+    for level in ("auto", "full"):  # (both run a profile's layers; none ignores it)
+        (missing,) = overlap_problems(EssConfig(overlap_profile=str(tmp_path / "nope.yaml"),
+                                                prefetch_overlap_level=level), 61)
+        assert missing.startswith("ess_config.overlap_profile:") and "nope.yaml: no such file" in missing
+        (count,) = overlap_problems(EssConfig(overlap_profile=PROFILE, prefetch_overlap_level=level), 61)
+        assert "lists 30 layers, the model has 61" in count
+    assert overlap_problems(EssConfig(overlap_profile=PROFILE, prefetch_overlap_level="none"), 61) == []
 
 
 class _Coordinator:
@@ -205,8 +216,10 @@ def test_small_batches_do_not_prefetch():
     from ess_sglang.sglang_plugin import echo
 
     m = HotPoolCacheManager(HostTotalPool(2, 4096), 1024, max_selected=512)
-    for config, expected in ((EssConfig(), [False, True, True]), (EssConfig(prefetch_min_batch=2), [True] * 3),
-                             (EssConfig(prefetch_overlap_level="none"), [False] * 3)):
+    full = dict(prefetch_overlap_level="full")
+    for config, expected in ((EssConfig(**full), [False, True, True]),
+                             (EssConfig(**full, prefetch_min_batch=2), [True] * 3),
+                             (EssConfig(prefetch_overlap_level="none"), [False] * 3), (EssConfig(), [False] * 3)):
         overlap = echo.DecodeOverlap(m, _plan(layers=2, **config.model_dump(exclude_defaults=True)), 8, 4096, 32,
                                      config)
         assert [overlap.prefetches(1, b) for b in (15, 16, 32)] == expected
@@ -232,7 +245,8 @@ def test_a_step_cut_short_between_prefetch_and_settle_leaves_nothing_behind():
     T, rows = 512, 2
     m = HotPoolCacheManager(HostTotalPool(2, rows * T), 1024, max_selected=256)
     config = EssConfig(top_k=64, prefetch_min_batch=1)
-    overlap = echo.DecodeOverlap(m, _plan(layers=2, top_k=64, requests=rows, hot=1024), rows, T, rows, config)
+    plan = _plan(layers=2, top_k=64, requests=rows, hot=1024, prefetch_overlap_level="full")
+    overlap = echo.DecodeOverlap(m, plan, rows, T, rows, config)
     table = torch.arange(rows * T, dtype=torch.int64).view(rows, T)
     rpi, lens = torch.arange(rows), torch.tensor([T, 300])
     overlap.prefetcher.threshold.fill_(0.0)  # every visible position above the threshold
@@ -261,7 +275,8 @@ def test_the_thresholds_move_beside_attention_after_the_resolve():
     T, rows = 512, 2
     m = HotPoolCacheManager(HostTotalPool(2, rows * T), 1024, max_selected=256)
     config = EssConfig(top_k=64, prefetch_min_batch=1, prefetch_ema_alpha=0.5)
-    overlap = echo.DecodeOverlap(m, _plan(layers=2, top_k=64, requests=rows, hot=1024), rows, T, rows, config)
+    plan = _plan(layers=2, top_k=64, requests=rows, hot=1024, prefetch_overlap_level="full")
+    overlap = echo.DecodeOverlap(m, plan, rows, T, rows, config)
     table = torch.arange(rows * T, dtype=torch.int64).view(rows, T)
     rpi, lens = torch.tensor([1, 0]), torch.tensor([T, 300])
     logits = torch.arange(rows * T, dtype=torch.float32).view(rows, T)
