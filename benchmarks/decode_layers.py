@@ -663,10 +663,12 @@ def main(argv=None) -> int:
                    help="prefetchN: the indexer chunks are N groups of requests (rows) or N segments of the positions "
                    "of every request (positions: the last segment's copy is its share of the misses; segments are "
                    "fractions of the table width, which here is each request's length)")
-    p.add_argument("--prefetch-indexer", default="overlapped", choices=["serial", "overlapped"],
-                   help="prefetchN: the chunks' indexer launches one after the other on the main stream (serial), or "
+    p.add_argument("--prefetch-indexer", default="overlapped", choices=["serial", "overlapped", "chained"],
+                   help="prefetchN: the chunks' indexer launches one after the other on the main stream (serial), "
                    "all but the last on a high-priority stream of their own, the last at once on the main stream "
-                   "(overlapped: the last chunk's blocks fill the first launch's last wave)")
+                   "(overlapped: the last chunk's blocks fill the first launch's last wave), or serial with each "
+                   "launch after the first chained by programmatic dependent launch (chained: its blocks fill the "
+                   "previous launch's last wave, ahead of that segment's claim kernel on the side stream)")
     p.add_argument("--prefetch-fractions", metavar="F,F,...",
                    help="prefetchN modes with N of these: the indexer chunks are these fractions of the batch (or of "
                    "the positions, --prefetch-split positions; summing "

@@ -12,7 +12,10 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
        each chunk's candidates are fetched as soon as its logits exist, beside the next chunk's indexer (the last
        chunk's beside the top-k); the chunks before the last launch on a high-priority stream of their own and the
        last at once on the main stream (`prefetch_indexer="overlapped"`), so the last launch's blocks fill the first
-       one's last wave instead of waiting for it; on sm_90+ a chunk's candidate kernels after the first (and, with
+       one's last wave instead of waiting for it (or one after the other on the main stream, "serial"; "chained":
+       serial, each launch after the first with programmatic dependent launch on sm_90+, so that its blocks fill the
+       previous launch's last wave before the side stream's claim kernel for that launch's segment takes the SMs);
+       on sm_90+ a chunk's candidate kernels after the first (and, with
        spare slots and the resolve's PDL, its three claim launches) use programmatic dependent launch
        (`EchoPrefetcher(pdl=...)`); `last_chunk_priority="normal"`
        queues the last chunk's launches at the main stream's priority instead of the side stream's high one; with
@@ -80,6 +83,8 @@ from ess_sglang.reference.dsa import topk_with_scores as reference_topk
 from ess_sglang.streams import SideStream
 
 MODES = ("sync", "da", "dba")
+PREFETCH_INDEXER_LAUNCHES = ("serial", "overlapped", "chained")
+"""How a layer's prefetch chunks launch their indexer (`StackOptions.prefetch_indexer`)."""
 TopK = Callable[[torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """A caller's top-k: (scores [B, Q, T], k, seq_lens [B]) -> (positions [B, Q, k] int32, -1 padded; k-th score
 [B, Q], or None: a prefetching ESS stack then finds it itself). If it has a ``begin_step(seq_lens, width)`` method,
@@ -130,9 +135,11 @@ class StackOptions:
     # where requests are about as long as the table is wide, as in the benchmark; a request much shorter than the
     # table has all its positions in the first segments, and the last ones then prefetch nothing for it)
     prefetch_indexer: str = "overlapped"  # with chunks: "serial" (the chunks' indexer launches one after the other
-    # on the main stream) or "overlapped" (every chunk but the last on a high-priority stream of their own, the last
+    # on the main stream), "overlapped" (every chunk but the last on a high-priority stream of their own, the last
     # on the main stream at once: the block scheduler fills the first launch's last wave with the next one's blocks;
-    # 5-6 us a layer faster at batch 64-128, benchmarks/RESULTS.md)
+    # 5-6 us a layer faster at batch 64-128, benchmarks/RESULTS.md) or "chained" (serial, each launch after the first
+    # with programmatic dependent launch where the Triton indexer runs on sm_90+, serial elsewhere: its programs are
+    # scheduled once the previous launch's have all started, and end after it: `indexer_logits_triton(chain=...)`)
     threshold_update: str = "side"  # prefetch: where the EMA of the k-th best score is folded in: "side" (on the
     # side stream beside attention, after the layer's settle: it only has to follow the layer's candidate reads, which
     # are on that stream) or "main" (one launch on the main stream at the layer's end; with the resolve's PDL, 5-7 us a
@@ -216,8 +223,9 @@ class StackOptions:
         self.any_prefetch = any(f is not None for f in per_layer)
         if self.prefetch_split not in ("rows", "positions"):
             raise ValueError(f"prefetch_split must be 'rows' or 'positions', got {self.prefetch_split!r}")
-        if self.prefetch_indexer not in ("serial", "overlapped"):
-            raise ValueError(f"prefetch_indexer must be 'serial' or 'overlapped', got {self.prefetch_indexer!r}")
+        if self.prefetch_indexer not in PREFETCH_INDEXER_LAUNCHES:
+            raise ValueError(f"prefetch_indexer must be one of {', '.join(PREFETCH_INDEXER_LAUNCHES)}, got "
+                             f"{self.prefetch_indexer!r}")
         if self.threshold_update not in ("main", "side"):
             raise ValueError(f"threshold_update must be 'main' or 'side', got {self.threshold_update!r}")
         if self.overlap_programs < 1:
@@ -321,9 +329,9 @@ def _indexer(kind: str):
     from ess_sglang.kernels.indexer import indexer_logits
 
     def run(q_index, w_index, cache, batch: DecodeBatch, max_len: int, out: torch.Tensor | None = None,
-            first_pos: int = 0) -> torch.Tensor:
+            first_pos: int = 0, chain: str = "off") -> torch.Tensor:
         return indexer_logits(q_index, w_index, cache, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                              max_len, impl=kind, out=out, first_pos=first_pos)
+                              max_len, impl=kind, out=out, first_pos=first_pos, chain=chain)
     return run
 
 
@@ -359,11 +367,12 @@ class _StackBase:
         return attend(self.attention, q, entries, table, self.softmax_scale, self.schedules)
 
     def _scores(self, layer: int, x: LayerInputs, batch: DecodeBatch, out: torch.Tensor | None = None,
-                first_pos: int = 0, end_pos: int | None = None) -> torch.Tensor:
+                first_pos: int = 0, end_pos: int | None = None, chain: str = "off") -> torch.Tensor:
         """Indexer logits [B, Q, max_len] (or, when a score hook is set, the scores it puts in their place), written
-        to `out` when given; of the positions [first_pos, end_pos) only where those are given (no score hook)."""
+        to `out` when given; of the positions [first_pos, end_pos) only where those are given (no score hook).
+        `chain`: the indexer kernel's launch in a series of position segments (`indexer_logits_triton`)."""
         end = self.max_len if end_pos is None else end_pos
-        logits = self.run_indexer(x.q_index, x.w_index, self.index_cache[layer], batch, end, out, first_pos)
+        logits = self.run_indexer(x.q_index, x.w_index, self.index_cache[layer], batch, end, out, first_pos, chain)
         if (first_pos, end) != (0, self.max_len):
             if self.score_hook is not None:
                 raise ValueError("a score hook replaces the whole logits: it cannot score a segment of the positions")
@@ -509,6 +518,12 @@ class EssDecodeStack(_StackBase):
         chunked = any(f is not None and len(f) > 1 for f in options.layer_prefetch_fractions)
         self._lead = torch.cuda.Stream(manager.device, priority=-1) if self.streams.cuda and chunked and \
             options.prefetch_indexer == "overlapped" else None
+        # prefetch_indexer "chained": the segments' launches chain with PDL where the Triton indexer runs on sm_90+
+        # (and no score hook replaces the logits); serial elsewhere
+        from ess_sglang.kernels.resolve import pdl_supported
+
+        self._chain = chunked and options.prefetch_indexer == "chained" and score_hook is None and \
+            options.indexer in ("auto", "triton") and pdl_supported(manager.device)
         self._before_refill = None  # the side stream's mark before this layer's refill, if one was queued
 
     def step(self, batch: DecodeBatch, inputs: Sequence[LayerInputs], all_resident: bool = False) -> list[torch.Tensor]:
@@ -631,7 +646,8 @@ class EssDecodeStack(_StackBase):
                 done = torch.cuda.Event()
                 done.record(lead)
             else:
-                chunk_logits = self._scores(layer, xi, b, out=out, first_pos=first, end_pos=end)
+                chain = "off" if not self._chain or len(bounds) == 1 else "head" if i == 0 else "link"
+                chunk_logits = self._scores(layer, xi, b, out=out, first_pos=first, end_pos=end, chain=chain)
                 done = None
             last = i == len(bounds) - 1 and len(bounds) > 1  # the chunk whose prefetch runs beside the top-k
             if last and not self.options.last_chunk_prefetch:

@@ -99,7 +99,7 @@ class PrefetchChunking(BaseModel):
     ran N equal chunks. None: every one ran equal chunks."""
     split: Literal["rows", "positions"] = "rows"
     """What the chunks split: batch rows, or segments of the positions."""
-    indexer: Literal["serial", "overlapped"] | None = None
+    indexer: Literal["serial", "overlapped", "chained"] | None = None
     """How the chunks' indexer launches ran (None: not recorded, a run from before the key)."""
     last_chunk_prefetch: StrictBool = True
     """False: the last chunk did not prefetch (its misses were the exact resolve's)."""

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 from ess_sglang.kernels.flashtrans import interpreting
+from ess_sglang.kernels.resolve import pdl_supported
 
 from ess_sglang.formats import FP8, FP8_MAX, INDEX_HEAD_DIM, INDEXER_ENTRY_BYTES, unpack_indexer_key
 from ess_sglang.reference.dsa import causal_lengths, topk_positions
@@ -49,6 +50,7 @@ ENTRY_WORDS = INDEXER_ENTRY_BYTES // 4  # 33: 32 words of fp8 keys, then the sca
 BLOCK_T = 64  # positions per program
 NUM_WARPS = 4
 DOT_FP32, DOT_BF16, DOT_FP8 = 0, 1, 2
+CHAIN_POSITIONS = ("off", "head", "link")  # indexer_logits_triton's `chain`
 
 assert INDEX_HEAD_DIM == 128 and ENTRY_WORDS == 33
 
@@ -107,8 +109,11 @@ def indexer_logits_reference(q_index: torch.Tensor, weights: torch.Tensor, index
 def _indexer_logits_kernel(q_ptr, w_ptr, cache_ptr, r2t_ptr, rpi_ptr, seq_ptr, out_ptr,
                            q_sb, q_sq, q_sh, w_sb, w_sq, w_sh, r2t_stride, out_sb, out_sq,
                            num_locations, table_width, table_rows, first_pos, max_len, H, Q,
-                           HP: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr, Q_FP8: tl.constexpr):
+                           HP: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr, Q_FP8: tl.constexpr,
+                           CHAINED: tl.constexpr):
     # program (tile of BLOCK_T positions from first_pos, (request b, query token j)); out[..., 0] is first_pos
+    if CHAINED:  # (indexer_logits_triton's `chain`) the stream's next launch may be scheduled once every program of
+        tl.extra.cuda.gdc_launch_dependents()  # this one has started
     tile = tl.program_id(0)
     bq = tl.program_id(1)
     b = bq // Q
@@ -152,6 +157,8 @@ def _indexer_logits_kernel(q_ptr, w_ptr, cache_ptr, r2t_ptr, rpi_ptr, seq_ptr, o
         tl.store(out_at, tl.where(ok, logit, float("-inf")), mask=out_mask)
     else:
         tl.store(out_at, tl.full((BLOCK_T,), float("-inf"), tl.float32), mask=out_mask)
+    if CHAINED:  # ... but a link ends after the launch before it (a no-op in a launch without PDL)
+        tl.extra.cuda.gdc_wait()
 
 
 def dot_mode(q_dtype: torch.dtype, fp8_dot: bool = False) -> int:
@@ -170,13 +177,20 @@ def dot_mode(q_dtype: torch.dtype, fp8_dot: bool = False) -> int:
 def indexer_logits_triton(q_index: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                           max_len: int, out: torch.Tensor | None = None, block_t: int = BLOCK_T,
-                          num_warps: int = NUM_WARPS, fp8_dot: bool = False, first_pos: int = 0) -> torch.Tensor:
+                          num_warps: int = NUM_WARPS, fp8_dot: bool = False, first_pos: int = 0,
+                          chain: str = "off") -> torch.Tensor:
     """Triton kernel: logits [B, Q, max_len - first_pos] fp32 of positions [first_pos, max_len), equal to
     `indexer_logits_reference` up to fp32 summation order. A nonzero `first_pos` scores a later part of the positions
     alone (the decode stack's prefetch in position segments: `out` a slice of the whole logits).
 
     One program per (tile of `block_t` positions, request, query token); the grid depends only on B, Q and max_len
     (CUDA-graph safe). Every output element is written (-inf where not visible), so `out` may hold garbage.
+    `chain` (a GPU of compute capability 9.0+): launches of one series of position segments of the same logits, one
+    after the other on one stream, none reading what another writes. "head": the series' first launch, launched as
+    usual; "link": each later one, launched with programmatic dependent launch after the one before. Every program of
+    a series lets the stream's next launch be scheduled once it has started (so a link's programs fill the previous
+    launch's last wave, ahead of kernels that other streams queue behind that launch), and a link's programs end only
+    after the launch before has ended (so the stream's kernels still complete in order). "off": neither.
     q_index [B, Q, H, 128] (last dim contiguous) in fp8 e4m3 / bf16 / fp16 / fp32; weights [B, Q, H];
     index_cache [N, 132] uint8 (rows contiguous); req_to_token [R, C] int32/int64; req_pool_indices, seq_lens [B].
     """
@@ -186,6 +200,11 @@ def indexer_logits_triton(q_index: torch.Tensor, weights: torch.Tensor, index_ca
             or req_to_token.stride(1) != 1:
         raise ValueError("indexer_logits_triton wants q_index's last dim, index_cache and req_to_token rows contiguous")
     mode = dot_mode(q_index.dtype, fp8_dot)
+    if chain not in CHAIN_POSITIONS:
+        raise ValueError(f"indexer_logits_triton: chain must be one of {', '.join(CHAIN_POSITIONS)}, got {chain!r}")
+    if chain != "off" and not pdl_supported(q_index.device):
+        raise ValueError(f"indexer_logits_triton: chain {chain!r} needs programmatic dependent launch (a CUDA GPU of "
+                         f"compute capability 9.0 or newer), and q_index is on {q_index.device}")
     T = max_len - first_pos
     if out is None:
         out = torch.empty((B, Q, T), dtype=torch.float32, device=q_index.device)
@@ -201,8 +220,8 @@ def indexer_logits_triton(q_index: torch.Tensor, weights: torch.Tensor, index_ca
         q_index.stride(0), q_index.stride(1), q_index.stride(2), weights.stride(0), weights.stride(1),
         weights.stride(2), req_to_token.stride(0), out.stride(0), out.stride(1),
         index_cache.shape[0], req_to_token.shape[1], req_to_token.shape[0], first_pos, max_len, H, Q,
-        HP=max(16, triton.next_power_of_2(H)), BLOCK_T=block_t, DOT=mode, Q_FP8=q_fp8,
-        num_warps=num_warps)
+        HP=max(16, triton.next_power_of_2(H)), BLOCK_T=block_t, DOT=mode, Q_FP8=q_fp8, CHAINED=chain != "off",
+        num_warps=num_warps, **(dict(launch_pdl=True) if chain == "link" else {}))
     return out
 
 
@@ -216,13 +235,18 @@ def _check_out(out: torch.Tensor, q_index: torch.Tensor, positions: int) -> None
 
 
 def indexer_logits(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens, max_len,
-                   impl: str = "auto", out: torch.Tensor | None = None, first_pos: int = 0) -> torch.Tensor:
+                   impl: str = "auto", out: torch.Tensor | None = None, first_pos: int = 0,
+                   chain: str = "off") -> torch.Tensor:
     """impl: "auto" (the kernel for CUDA tensors, the reference otherwise), "triton" or "torch". Logits of positions
     [first_pos, max_len). `out` (fp32 [B, Q, max_len - first_pos], e.g. a batch chunk's rows or a position segment of
-    a larger tensor) receives the logits when given."""
+    a larger tensor) receives the logits when given. `chain`: the kernel's (`indexer_logits_triton`); the reference
+    takes "off" only."""
     if impl == "triton" or (impl == "auto" and q_index.is_cuda):
         return indexer_logits_triton(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens,
-                                     max_len, out=out, first_pos=first_pos)
+                                     max_len, out=out, first_pos=first_pos, chain=chain)
+    if chain != "off":
+        raise ValueError(f"indexer_logits: chain {chain!r} is the Triton kernel's launch; impl {impl!r} runs the "
+                         f"reference")
     if impl in ("torch", "auto"):
         if out is not None:
             _check_out(out, q_index, max_len - first_pos)

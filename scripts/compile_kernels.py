@@ -131,12 +131,13 @@ check(kr._refill_kernel, dict(scr_ptr=P32, victims_ptr=P32, l2s_ptr=P32, s2l_ptr
                               taken_ptr=P64, cnt_ptr=P64), dict(C_EVICT=8, ROWS=32))
 check(kf._copy_rows_masked_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64, n_rows=I64),
       dict(WORDS=164, SRC_STRIDE=164, DST_STRIDE=164, BLOCK_WORDS=256, ROWS=4))
-for dot, q_type, q_fp8 in ((ki.DOT_BF16, "*u8", True), (ki.DOT_BF16, "*bf16", False)):
+for dot, q_type, q_fp8, chained in ((ki.DOT_BF16, "*u8", True, False), (ki.DOT_BF16, "*bf16", False, False),
+                                    (ki.DOT_BF16, "*u8", True, True)):
     check(ki._indexer_logits_kernel, dict(q_ptr=q_type, w_ptr=PF, cache_ptr=P32, r2t_ptr=P32, rpi_ptr=P64,
                                           seq_ptr=P64, out_ptr=PF, q_sb=I64, q_sq=I64, q_sh=I64, w_sb=I64, w_sq=I64,
                                           w_sh=I64, r2t_stride=I64, out_sb=I64, out_sq=I64, num_locations=I64,
                                           table_width=I64, table_rows=I64, first_pos=I64, max_len=I64, H=I32, Q=I32),
-          dict(HP=64, BLOCK_T=ki.BLOCK_T, DOT=dot, Q_FP8=q_fp8))
+          dict(HP=64, BLOCK_T=ki.BLOCK_T, DOT=dot, Q_FP8=q_fp8, CHAINED=chained))
 for not_resident in (13, -1):
     check(kn._store_reserved_kernel, dict(entries_ptr=P32, host_ptr=P32, hot_ptr=P32, locs_ptr=P32, l2s_ptr=P32,
                                          stamp_ptr=P64, clock_ptr=P64, cnt_ptr=P64, slots_out_ptr=P64, n=I64,

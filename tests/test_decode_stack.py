@@ -247,8 +247,35 @@ def test_prefetch_indexer_is_checked():
     assert StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2).prefetch_indexer == "overlapped"
     assert StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, prefetch_indexer="serial").prefetch_indexer \
         == "serial"
-    with pytest.raises(ValueError, match="prefetch_indexer must be 'serial' or 'overlapped', got 'split'"):
+    with pytest.raises(ValueError, match="prefetch_indexer must be one of serial, overlapped, chained, got 'split'"):
         StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, prefetch_indexer="split")
+
+
+@pytest.mark.parametrize("split", ["rows", "positions"])
+def test_chained_indexer_launches_head_then_links_and_serial_where_it_cannot_chain(split):
+    """prefetch_indexer "chained": a layer's chunks launch one after the other on the main stream, the first as the
+    chain's head and the others as its links (programmatic dependent launch on sm_90+); where the stack cannot chain
+    (here: CPU, the torch indexer) every launch is plain, as with "serial". The outputs stay the all-HBM stack's."""
+    def record(ess):
+        seen, run = [], ess.run_indexer
+        ess.run_indexer = lambda *a: (seen.append(a[7]), run(*a[:7], "off"))[1]
+        return seen
+
+    ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=(0.5, 0.3, 0.2),
+                                        prefetch_split=split, prefetch_indexer="chained")
+    assert not ess._chain
+    fr = ess.options.layer_prefetch_fractions[0]
+    n = len(chunk_bounds(len(LENGTHS), fr) if split == "rows" else segment_bounds(ess.max_len, fr))
+    assert n >= 2
+    seen = record(ess)
+    _candidate_calls(ess, hbm, table, rows, locs)
+    assert seen == ["off"] * n * LAYERS * 2
+    ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=(0.5, 0.3, 0.2),
+                                        prefetch_split=split, prefetch_indexer="chained")
+    ess._chain = True  # (what a GPU of compute capability 9.0+ with the Triton indexer sets)
+    seen = record(ess)
+    _candidate_calls(ess, hbm, table, rows, locs)
+    assert seen == (["head"] + ["link"] * (n - 1)) * LAYERS * 2
 
 
 def test_prefetch_chunks_are_a_positive_count_or_fractions_summing_to_one():

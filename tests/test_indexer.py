@@ -291,6 +291,15 @@ def test_dispatch_and_bad_arguments():
     rows = torch.full((4, 1, T), float("nan"))
     assert torch.equal(indexer_logits(q, w, cache, r2t, rpi, seq, T, impl="torch", out=rows[1:3]), rows[1:3])
     assert torch.equal(rows[1:3], dsa_indexer_logits(q, w, cache, r2t, rpi, seq, T)) and rows[0].isnan().all()
+    # a chained launch needs programmatic dependent launch (sm_90+): refused on CPU, as is an unknown position, and
+    # the reference has no launch to chain
+    for chain in ("head", "link"):
+        with pytest.raises(ValueError, match=f"chain '{chain}' needs programmatic dependent launch"):
+            indexer_logits_triton(q, w, cache, r2t, rpi, seq, T, chain=chain)
+        with pytest.raises(ValueError, match=f"chain '{chain}' is the Triton kernel's launch; impl 'torch'"):
+            indexer_logits(q, w, cache, r2t, rpi, seq, T, impl="torch", chain=chain)
+    with pytest.raises(ValueError, match="chain must be one of off, head, link, got 'tail'"):
+        indexer_logits_triton(q, w, cache, r2t, rpi, seq, T, chain="tail")
 
 
 @pytest.mark.gpu
@@ -315,6 +324,37 @@ def test_gpu_position_segments_are_bit_identical_to_the_whole():
     for lo, hi in ((0, 1280), (1280, 2240), (2240, 3000)):
         indexer_logits_triton(*args[:-1], hi, out=parts[..., lo:hi], first_pos=lo)
     assert torch.equal(parts, whole), f"seed {seed}"
+
+
+@pytest.mark.gpu
+def test_gpu_chained_segments_are_bit_identical_to_the_whole():
+    """A series of segment launches chained by programmatic dependent launch (the decode stack's
+    prefetch_indexer="chained"): every logit as the whole call computes it, eagerly and replayed in a CUDA graph, and
+    the stream's next kernel (here a copy of the logits) sees every segment's."""
+    seed = _seed()
+    args = _case(64, 1, 64, 32768, seed, rows=70, q_dtype=FP8, device="cuda")
+    whole = indexer_logits_triton(*args)
+    parts = _poisoned(64, 1, 32768, "cuda")
+    seen = torch.empty_like(parts)
+
+    def series():
+        for i, (lo, hi) in enumerate(((0, 16384), (16384, 26240), (26240, 32768))):
+            indexer_logits_triton(*args[:-1], hi, out=parts[..., lo:hi], first_pos=lo,
+                                  chain="head" if i == 0 else "link")
+        seen.copy_(parts)
+
+    series()
+    torch.cuda.synchronize()
+    assert torch.equal(parts, whole) and torch.equal(seen, whole), f"seed {seed}"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        series()
+    for _ in range(3):
+        parts.fill_(float("nan"))
+        seen.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(parts, whole) and torch.equal(seen, whole), f"seed {seed}"
 
 
 @pytest.mark.gpu

@@ -98,7 +98,7 @@ def test_a_run_with_uneven_indexer_chunks_records_them():
     ("prefetch_fractions", 0.5, "expected a list of chunk fractions or null, got 0.5"),
     ("prefetch_fractions", "0.5,0.5", "expected a list of chunk fractions or null, got '0.5,0.5'"),
     ("prefetch_split", "columns", "Input should be 'rows' or 'positions' (got 'columns')"),
-    ("prefetch_indexer", "parallel", "Input should be 'serial' or 'overlapped' (got 'parallel')"),
+    ("prefetch_indexer", "parallel", "Input should be 'serial', 'overlapped' or 'chained' (got 'parallel')"),
     ("last_chunk_prefetch", "off", "Input should be a valid boolean (got 'off')"),
 ])
 def test_a_malformed_prefetch_chunking_in_a_runs_meta_is_named(key, value, says):
