@@ -622,6 +622,8 @@ class EssDecodeStack(_StackBase):
         segments of the positions) into one logits tensor, and each chunk's prefetch (into its own slice of the
         prefetch list) starts as soon as the chunk's logits exist (but the last chunk's, with
         `last_chunk_prefetch=False`: its misses are the exact resolve's). With
+        `prefetch_indexer="chained"` (sm_90+, the Triton indexer) the chunks' launches after the first are chained to
+        the one before by programmatic dependent launch (`indexer_logits_triton(chain=...)`). With
         `prefetch_indexer="overlapped"` (on CUDA) the chunks before the last run on the lead stream, forked from the
         main stream here (so every write their prefetch reads comes before), and each one's prefetch waits for its
         event; the main stream joins the lead stream before the top-k."""

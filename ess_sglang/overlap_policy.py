@@ -678,8 +678,8 @@ def profile_stack_options(path_or_profile: str | Path | OverlapProfile, num_laye
     """`StackOptions` keywords that run a profile's prefetch2 / prefetch3 layers as its calibration measured them:
     the chunk fractions (`chunk_plans`), what the chunks split, how their indexer launches run and whether the last
     chunk prefetches (`StackCalibration.prefetch_chunking`); {} for a profile that records none (no calibration, or
-    one written before the key: its runs measured the stack's defaults but the launch). Pass them with
-    `layer_settings`' modes and prefetch layers."""
+    one written before the key, whose runs' chunking is not known here: the stack's defaults then run its layers).
+    Pass them with `layer_settings`' modes and prefetch layers."""
     m = _profile_of(path_or_profile, num_layers).device.measured
     return {} if m is None or m.prefetch_chunking is None else m.prefetch_chunking.stack_options()
 

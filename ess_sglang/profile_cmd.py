@@ -358,8 +358,9 @@ def print_table(profile: OverlapProfile, stderr: bool = False) -> None:
         if chunking is not None and any(PREFETCH_CHUNKS.get(m, 0) > 1 for m in profile.modes()):
             fr = (f"{len(chunking.fractions)} chunks of {' / '.join(f'{f:g}' for f in chunking.fractions)}, "
                   if chunking.fractions else "")
+            launches = chunking.indexer or "not recorded (the stack default)"
             console.print(f"its prefetchN layers run as the calibration measured them: {fr}split by "
-                          f"{chunking.split}, indexer launches {chunking.indexer or 'overlapped (not recorded)'}, "
+                          f"{chunking.split}, indexer launches {launches}, "
                           f"last chunk {'prefetching' if chunking.last_chunk_prefetch else 'left to the resolve'} "
                           f"(overlap_policy.profile_stack_options)", highlight=False)
         topk = profile.device.measured.topk

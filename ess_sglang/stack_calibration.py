@@ -100,7 +100,8 @@ class PrefetchChunking(BaseModel):
     split: Literal["rows", "positions"] = "rows"
     """What the chunks split: batch rows, or segments of the positions."""
     indexer: Literal["serial", "overlapped", "chained"] | None = None
-    """How the chunks' indexer launches ran (None: not recorded, a run from before the key)."""
+    """How the chunks' indexer launches ran ("serial" for a run from before the key; None: a run that recorded
+    null)."""
     last_chunk_prefetch: StrictBool = True
     """False: the last chunk did not prefetch (its misses were the exact resolve's)."""
 
@@ -135,8 +136,8 @@ class StackCalibration(BaseModel):
     """The top-k the runs selected with (`decode_layers.py --topk`: "sglang", SGLang's decode kernel, or "torch" /
     "triton"); None where not recorded. The prefetch hides beside the top-k, so its modes' times depend on it."""
     prefetch_chunking: PrefetchChunking | None = None
-    """How the runs' prefetch2 / prefetch3 modes split the indexer; None where not recorded (a profile written before
-    the key: equal chunks split by rows, every chunk prefetching, as its runs measured)."""
+    """How the runs' prefetch2 / prefetch3 modes split the indexer; None in a profile written before the key (what its
+    runs measured is not known here: the decode stack's defaults run its layers)."""
 
     @model_validator(mode="after")
     def _full_grid(self) -> StackCalibration:
@@ -264,7 +265,7 @@ with), besides the margin itself."""
 
 
 META_DEFAULTS = {"prefetch_split": "rows", "new_tokens_per_step": False, "last_chunk_prefetch": True,
-                 "overlap_copy_rows": 8, "prefetch_claim": "separate"}
+                 "overlap_copy_rows": 8, "prefetch_claim": "separate", "prefetch_indexer": "serial"}
 """What a run's meta key meant before the key was recorded (older runs lack it)."""
 
 
@@ -295,9 +296,10 @@ def _chunking(meta: Mapping, where: str) -> PrefetchChunking:
         raise CalibrationError(f"{where}: meta.prefetch_fractions: expected a list of chunk fractions or null, got "
                                f"{fractions!r}")
     try:
-        indexer = meta.get("prefetch_indexer")
+        indexer = _setting(meta, "prefetch_indexer")
+        indexer = LEGACY_INDEXER.get(indexer, indexer) if isinstance(indexer, str) else indexer
         return PrefetchChunking(fractions=None if fractions is None else tuple(fractions),
-                                split=_setting(meta, "prefetch_split"), indexer=LEGACY_INDEXER.get(indexer, indexer),
+                                split=_setting(meta, "prefetch_split"), indexer=indexer,
                                 last_chunk_prefetch=_setting(meta, "last_chunk_prefetch"))
     except ValidationError as exc:
         first = exc.errors()[0]
@@ -342,8 +344,9 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
     chunks split (`meta.prefetch_split`, "rows" where absent): the prefetch2 layers of the profile run that way.
     `prefetch_fractions`: the chunk fractions the caller runs its prefetchN layers with (decode_layers.py
     --prefetch-fractions, None for equal chunks): the runs must have measured with the same (`meta.prefetch_fractions`).
-    `prefetch_indexer`: how the caller launches its chunks ("serial" / "overlapped"); a run that recorded another
-    (`meta.prefetch_indexer`) is refused (serial and overlapped chunks measured 1.168 against 1.243 x at 64 / 32K).
+    `prefetch_indexer`: how the caller launches its chunks ("serial" / "overlapped" / "chained"); a run launched
+    otherwise (`meta.prefetch_indexer`, "serial" where absent: the runs before the key launched their chunks one after
+    the other) is refused (serial and overlapped chunks measured 1.168 against 1.243 x at 64 / 32K).
     `last_chunk_prefetch`: whether the caller's last chunk prefetches; a run measured otherwise
     (`meta.last_chunk_prefetch`, True where absent) is refused. What is not named is not checked: the calibration
     records the runs' chunking (`StackCalibration.prefetch_chunking`), and a profile's layers run it
@@ -351,10 +354,12 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
     meta = _meta(data, where)
     where2 = f"{where} (margin run)"
     meta2 = _meta(margin_run, where2) if margin_run is not None else {}
-    for m, w in [(meta, where)] + ([(meta2, where2)] if margin_run is not None else []):
-        measured_fr = m.get("prefetch_fractions")
-        if prefetch_fractions is not UNCHECKED and _fractions_key(measured_fr) != _fractions_key(prefetch_fractions):
-            raise CalibrationError(f"{w}: measured with indexer chunks {measured_fr!r} (meta.prefetch_fractions), this "
+    runs = [(meta, where)] + ([(meta2, where2)] if margin_run is not None else [])
+    chunkings = [_chunking(m, w) for m, w in runs]  # (validated first: a malformed key is named, not a TypeError)
+    for (m, w), ch in zip(runs, chunkings, strict=True):
+        if prefetch_fractions is not UNCHECKED and _fractions_key(ch.fractions) != _fractions_key(prefetch_fractions):
+            raise CalibrationError(f"{w}: measured with indexer chunks {m.get('prefetch_fractions')!r} "
+                                   f"(meta.prefetch_fractions), this "
                                    f"run's are {None if prefetch_fractions is None else list(prefetch_fractions)!r}: "
                                    f"its exposed times do not apply")
         if topk is not None:
@@ -363,19 +368,18 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
                 raise CalibrationError(f"{w}: measured with --topk {measured_with} (meta.topk), this run selects with "
                                        f"--topk {topk}: its exposed times do not apply (the top-k is what ECHO hides "
                                        f"beside)")
-        recorded = LEGACY_INDEXER.get(m.get("prefetch_indexer"), m.get("prefetch_indexer"))
-        if prefetch_indexer is not None and recorded is not None and recorded != prefetch_indexer:
-            raise CalibrationError(f"{w}: its prefetch chunks were launched {recorded} (meta.prefetch_indexer), this "
-                                   f"run's {prefetch_indexer}: its exposed times do not apply")
-        if last_chunk_prefetch is not None and _setting(m, "last_chunk_prefetch") != last_chunk_prefetch:
-            raise CalibrationError(f"{w}: its last prefetch chunk prefetched: {_setting(m, 'last_chunk_prefetch')} "
+        if prefetch_indexer is not None and ch.indexer != prefetch_indexer:
+            raise CalibrationError(f"{w}: its prefetch chunks were launched {ch.indexer} (meta.prefetch_indexer), "
+                                   f"this run's {prefetch_indexer}: its exposed times do not apply")
+        if last_chunk_prefetch is not None and ch.last_chunk_prefetch != last_chunk_prefetch:
+            raise CalibrationError(f"{w}: its last prefetch chunk prefetched: {ch.last_chunk_prefetch} "
                                    f"(meta.last_chunk_prefetch), this caller's: {last_chunk_prefetch}: its exposed "
                                    f"times do not apply")
-        if prefetch_split is not None and _setting(m, "prefetch_split") != prefetch_split:
-            raise CalibrationError(f"{w}: its prefetch chunks split {_setting(m, 'prefetch_split')} "
+        if prefetch_split is not None and ch.split != prefetch_split:
+            raise CalibrationError(f"{w}: its prefetch chunks split {ch.split} "
                                    f"(meta.prefetch_split), this run's split {prefetch_split}: its exposed times do "
                                    f"not apply")
-    chunking = _chunking(meta, where)
+    chunking = chunkings[0]
     first = _run_margin(meta, where)
     if first != 0:
         raise CalibrationError(f"{where}: measured at prefetch margin {first} (meta.prefetch_margin), but its prefetch "
@@ -387,7 +391,10 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
         if margin == 0:
             raise CalibrationError(f"{where}: the margin run must be at a prefetch margin in (0, 1) "
                                    f"(meta.prefetch_margin; decode_layers.py --prefetch-margin), got 0")
-        differ = [k for k in COMPARABLE_META if _setting(meta, k) != _setting(meta2, k)]
+        # (the chunking keys compared as read: a legacy name and its current one are the same launch)
+        differ = [k for k in COMPARABLE_META if k not in _CHUNKING_META.values() and _setting(meta, k) !=
+                  _setting(meta2, k)] + [key for field, key in _CHUNKING_META.items()
+                                        if getattr(chunkings[0], field) != getattr(chunkings[1], field)]
         if differ:
             k = differ[0]
             raise CalibrationError(f"{where}: the two runs differ in meta.{k} ({_setting(meta, k)!r} against "

@@ -185,12 +185,15 @@ def indexer_logits_triton(q_index: torch.Tensor, weights: torch.Tensor, index_ca
 
     One program per (tile of `block_t` positions, request, query token); the grid depends only on B, Q and max_len
     (CUDA-graph safe). Every output element is written (-inf where not visible), so `out` may hold garbage.
-    `chain` (a GPU of compute capability 9.0+): launches of one series of position segments of the same logits, one
-    after the other on one stream, none reading what another writes. "head": the series' first launch, launched as
-    usual; "link": each later one, launched with programmatic dependent launch after the one before. Every program of
-    a series lets the stream's next launch be scheduled once it has started (so a link's programs fill the previous
-    launch's last wave, ahead of kernels that other streams queue behind that launch), and a link's programs end only
-    after the launch before has ended (so the stream's kernels still complete in order). "off": neither.
+    `chain` (a GPU of compute capability 9.0+): launches of one series of segments of the same logits (positions, or
+    batch rows), one after the other on one stream, none reading what another writes. "head": the series' first
+    launch, launched as usual; "link": each later one, launched with programmatic dependent launch after the one
+    before. Every program of a series lets the stream's next launch be scheduled once it has started (so a link's
+    programs fill the previous launch's last wave, ahead of kernels that other streams queue behind that launch), and
+    a link's programs end only after the launch before has ended (so the stream's kernels still complete in order).
+    "off": neither. The stream's next kernel after the series may then start early too if it is itself launched with
+    programmatic dependent launch: it must wait (griddepcontrol.wait) before it reads the logits, as SGLang's decode
+    top-k and this package's PDL kernels do; a kernel launched as usual waits for the last link to end.
     q_index [B, Q, H, 128] (last dim contiguous) in fp8 e4m3 / bf16 / fp16 / fp32; weights [B, Q, H];
     index_cache [N, 132] uint8 (rows contiguous); req_to_token [R, C] int32/int64; req_pool_indices, seq_lens [B].
     """

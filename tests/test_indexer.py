@@ -329,32 +329,43 @@ def test_gpu_position_segments_are_bit_identical_to_the_whole():
 @pytest.mark.gpu
 def test_gpu_chained_segments_are_bit_identical_to_the_whole():
     """A series of segment launches chained by programmatic dependent launch (the decode stack's
-    prefetch_indexer="chained"): every logit as the whole call computes it, eagerly and replayed in a CUDA graph, and
-    the stream's next kernel (here a copy of the logits) sees every segment's."""
+    prefetch_indexer="chained"): every logit as the whole call computes it, eagerly and replayed in a CUDA graph; the
+    stream's next kernel (a copy of the logits) sees every segment's, and so does a high-priority side stream that
+    copies each segment after an event recorded behind its launch."""
     seed = _seed()
     args = _case(64, 1, 64, 32768, seed, rows=70, q_dtype=FP8, device="cuda")
     whole = indexer_logits_triton(*args)
     parts = _poisoned(64, 1, 32768, "cuda")
     seen = torch.empty_like(parts)
+    side = torch.cuda.Stream(priority=-1)  # a high-priority stream reading each segment once its launch has ended,
+    seen_side = torch.empty_like(parts)  # as the decode stack's claim kernels do
 
     def series():
+        side.wait_stream(torch.cuda.current_stream())
         for i, (lo, hi) in enumerate(((0, 16384), (16384, 26240), (26240, 32768))):
             indexer_logits_triton(*args[:-1], hi, out=parts[..., lo:hi], first_pos=lo,
                                   chain="head" if i == 0 else "link")
+            done = torch.cuda.Event()
+            done.record()
+            side.wait_event(done)
+            with torch.cuda.stream(side):
+                seen_side[..., lo:hi].copy_(parts[..., lo:hi])
         seen.copy_(parts)
+        torch.cuda.current_stream().wait_stream(side)
 
     series()
     torch.cuda.synchronize()
-    assert torch.equal(parts, whole) and torch.equal(seen, whole), f"seed {seed}"
+    assert torch.equal(parts, whole) and torch.equal(seen, whole) and torch.equal(seen_side, whole), f"seed {seed}"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         series()
     for _ in range(3):
-        parts.fill_(float("nan"))
-        seen.fill_(float("nan"))
+        for t in (parts, seen, seen_side):
+            t.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(parts, whole) and torch.equal(seen, whole), f"seed {seed}"
+        assert torch.equal(parts, whole) and torch.equal(seen, whole) and torch.equal(seen_side, whole), \
+            f"seed {seed}"
 
 
 @pytest.mark.gpu

@@ -73,7 +73,7 @@ def test_a_run_with_uneven_indexer_chunks_records_them():
     `profile_stack_options`); a run from before the keys measured equal chunks by rows, every chunk prefetching."""
     run = _run()  # (no chunk keys in meta: an old run)
     assert calibration_from_decode_layers(run, "run.json").prefetch_chunking == PrefetchChunking(
-        fractions=None, split="rows", indexer=None, last_chunk_prefetch=True)
+        fractions=None, split="rows", indexer="serial", last_chunk_prefetch=True)
     run["meta"].update(prefetch_fractions=[0.6, 0.4], prefetch_split="positions", prefetch_indexer="serial",
                        last_chunk_prefetch=False)
     got = calibration_from_decode_layers(run, "run.json").prefetch_chunking
@@ -99,14 +99,21 @@ def test_a_run_with_uneven_indexer_chunks_records_them():
     ("prefetch_fractions", "0.5,0.5", "expected a list of chunk fractions or null, got '0.5,0.5'"),
     ("prefetch_split", "columns", "Input should be 'rows' or 'positions' (got 'columns')"),
     ("prefetch_indexer", "parallel", "Input should be 'serial', 'overlapped' or 'chained' (got 'parallel')"),
+    ("prefetch_indexer", ["serial"], "Input should be 'serial', 'overlapped' or 'chained' (got ['serial'])"),
     ("last_chunk_prefetch", "off", "Input should be a valid boolean (got 'off')"),
 ])
 def test_a_malformed_prefetch_chunking_in_a_runs_meta_is_named(key, value, says):
     run = _run()
     run["meta"][key] = value
+    for named in (dict(), dict(prefetch_fractions=(0.5, 0.5), prefetch_indexer="serial")):  # checked or not
+        with pytest.raises(CalibrationError) as info:
+            calibration_from_decode_layers(run, "run.json", **named)
+        assert str(info.value) == f"run.json: meta.{key}: {says}"
+    plain = _run()
+    run["meta"]["prefetch_margin"] = 0.01  # (a margin run's meta is read the same way)
     with pytest.raises(CalibrationError) as info:
-        calibration_from_decode_layers(run, "run.json")
-    assert str(info.value) == f"run.json: meta.{key}: {says}"
+        calibration_from_decode_layers(plain, "run.json", margin_run=run)
+    assert str(info.value) == f"run.json (margin run): meta.{key}: {says}"
 
 
 def test_a_run_with_another_top_k_is_refused_when_the_top_k_is_named():
@@ -146,8 +153,10 @@ def test_prefetch3_measured_with_uneven_chunks_calibrates_a_run_with_the_same_ch
 
 
 def test_a_run_whose_chunks_were_launched_otherwise_is_refused_when_the_launch_is_named():
-    run = _run()  # (no meta.prefetch_indexer: not checked)
+    run = _run()  # (no meta.prefetch_indexer: a run from before the key, whose chunks launched one after the other)
     calibration_from_decode_layers(run, "run.json", prefetch_indexer="serial")
+    with pytest.raises(CalibrationError, match=r"launched serial \(meta\.prefetch_indexer\), this run's chained"):
+        calibration_from_decode_layers(run, "run.json", prefetch_indexer="chained")
     run["meta"]["prefetch_indexer"] = "overlapped"
     calibration_from_decode_layers(run, "run.json", prefetch_indexer="overlapped")
     with pytest.raises(CalibrationError, match=r"run\.json: its prefetch chunks were launched overlapped "
@@ -158,6 +167,13 @@ def test_a_run_whose_chunks_were_launched_otherwise_is_refused_when_the_launch_i
         "serial"
     with pytest.raises(CalibrationError, match=r"launched serial \(meta\.prefetch_indexer\), this run's overlapped"):
         calibration_from_decode_layers(run, "run.json", prefetch_indexer="overlapped")
+    margin = json.loads(json.dumps(run))  # a margin run that names the same launch by its current name
+    margin["meta"].update(prefetch_indexer="serial", prefetch_margin=0.01)
+    assert calibration_from_decode_layers(run, "run.json", margin_run=margin).prefetch_chunking.indexer == "serial"
+    margin["meta"]["prefetch_indexer"] = "chained"
+    with pytest.raises(CalibrationError, match=r"the two runs differ in meta\.prefetch_indexer \('split' against "
+                                               r"'chained'\)"):
+        calibration_from_decode_layers(run, "run.json", margin_run=margin)
 
 
 def test_a_run_whose_last_chunk_prefetched_otherwise_is_refused_when_named():
@@ -439,8 +455,8 @@ def test_committed_calibrated_example_is_valid_and_reproducible():
 
 
 def test_committed_sglang_topk_profile_records_its_chunks_and_is_reproducible():
-    """The profile from the eighteenth session's calibration pair (SGLang's top-k, spare slots, the indexer in
-    segments of 0.5 / 0.3 / 0.2 by positions, serial launches, the last segment left to the resolve): every layer
+    """The profile from the nineteenth session's calibration pair (SGLang's top-k, spare slots, the indexer in
+    segments of 0.5 / 0.3 / 0.2 by positions, chained launches, the last segment left to the resolve): every layer
     prefetches in chunks as measured, and the SGLang plugin, which runs one-chunk prefetch or none, runs sync in
     every layer (one-chunk prefetch measured slower than sync at this profile's misses)."""
     import shlex
@@ -452,14 +468,14 @@ def test_committed_sglang_topk_profile_records_its_chunks_and_is_reproducible():
     name = "smollm2-135m_ratio0.2_h200-sglang-topk.yaml"
     prof = load_profile(ROOT / "configs" / "overlap" / name, num_layers=30)
     m = prof.device.measured
-    assert m.topk == "sglang" and m.prefetch_margin == 0.01 and "layerwise_claim" in m.source
-    assert m.prefetch_chunking == PrefetchChunking(fractions=(0.5, 0.3, 0.2), split="positions", indexer="serial",
+    assert m.topk == "sglang" and m.prefetch_margin == 0.01 and "chained_indexer" in m.source
+    assert m.prefetch_chunking == PrefetchChunking(fractions=(0.5, 0.3, 0.2), split="positions", indexer="chained",
                                                    last_chunk_prefetch=False)
     assert set(prof.modes()) <= {"prefetch2", "prefetch3", "prefetch2_margin", "prefetch3_margin"}
     assert prof.modes_within(("sync", "prefetch", "prefetch_margin")) == ["sync"] * 30
     modes, chunks = layer_settings(prof, 30)
     opts = StackOptions(modes=modes, prefetch_layers=chunks, **profile_stack_options(prof, 30))
-    assert opts.prefetch_split == "positions" and opts.prefetch_indexer == "serial" and not opts.last_chunk_prefetch
+    assert opts.prefetch_split == "positions" and opts.prefetch_indexer == "chained" and not opts.last_chunk_prefetch
     assert {opts.layer_prefetch_fractions[i] for i, c in enumerate(chunks) if c == 3} == {(0.5, 0.3, 0.2)}
     assert {opts.layer_prefetch_fractions[i] for i, c in enumerate(chunks) if c == 2} == {(0.5, 0.5)}
     argv = shlex.split(prof.header.command)

@@ -148,11 +148,15 @@ def reference(world):
     ("dba", 2, "whole", "spare, overlapped, positions"),
     # the calibrated plan: segments launched one after the other, the last one's misses left to the exact resolve
     ("sync", 3, "whole", "spare, positions, lastoff"), ("sync", 2, "whole", "lastoff"),
-    ("sync", 3, "whole", "overlapped, lastoff"), ("dba", 2, "whole", "spare, positions, lastoff")])
+    ("sync", 3, "whole", "overlapped, lastoff"), ("dba", 2, "whole", "spare, positions, lastoff"),
+    # the segments' indexer launches chained by programmatic dependent launch (the table's plan since the nineteenth
+    # session), by positions and by rows, and in DBA's chunks
+    ("sync", 3, "whole", "spare, chained, positions, lastoff"), ("sync", 3, "whole", "chained"),
+    ("dba", 2, "whole", "spare, chained, positions")])
 def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attention, new_tokens):
     variant = new_tokens  # "insert", or the case's other settings ("on_demand" new tokens)
     spare = 1024 if "spare" in variant else 0
-    indexer = "overlapped" if "overlapped" in variant else "serial"
+    indexer = "overlapped" if "overlapped" in variant else "chained" if "chained" in variant else "serial"
     update = "main" if "main" in variant else "side"
     new_tokens = "insert" if variant == "insert" else "on_demand"
     ess = _ess(world, [mode] * LAYERS, bool(prefetch), dba_attention, new_tokens, prefetch_chunks=max(1, int(prefetch)),
@@ -166,6 +170,7 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
     assert ess.prefetcher is None or ess.prefetcher.pdl == ("nopfpdl" not in variant)
     assert ess.options.last_chunk_priority == ("normal" if "normal" in variant else "high")
     assert ess.options.last_chunk_prefetch == ("lastoff" not in variant)
+    assert ess._chain == ("chained" in variant)  # (the H200 and the Triton indexer: chained where asked)
     worst = 0.0
     for s in range(STEPS):
         got = ess.step(_batch(world, s), _inputs(world, s))
@@ -209,7 +214,9 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
     # the prefetch in segments of the positions
     (["sync", "sync"], 3, 1024, "overlapped, positions"), (["dba", "sync"], 2, 1024, "overlapped, positions"),
     # the last segment's misses left to the exact resolve
-    (["sync", "sync"], 3, 1024, "serial, positions, lastoff")])
+    (["sync", "sync"], 3, 1024, "serial, positions, lastoff"),
+    # the segments' indexer launches chained (the table's plan since the nineteenth session)
+    (["sync", "sync"], 3, 1024, "chained, positions, lastoff"), (["dba", "sync"], 2, 1024, "chained")])
 def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, spare, indexer):
     """Capture a step with prefetch and mixed modes; replaying it over later steps gives what the all-HBM stack and
     the same steps run eagerly give (exact layers bit-identical; DA within 1e-2 of single-pass attention: graph and

@@ -109,7 +109,8 @@ def test_plan_runs_the_profiles_threshold_margin_in_its_margin_layers(tmp_path, 
     assert p.prefetch_layers == tuple(m != "sync" for m in modes)
     assert p.prefetch_margins == tuple(0.01 if m.endswith("_margin") else 0.0 for m in modes)
     assert "threshold margin 0.01" in p.note and "0.002" not in p.note
-    assert _plan(layers=3).prefetch_margins == (0.0,) * 3 and "margin" not in _plan(layers=3).note
+    every = _plan(layers=3, prefetch_overlap_level="full")  # (without a profile: every layer, no margin set)
+    assert all(every.prefetch_layers) and every.prefetch_margins == (0.0,) * 3 and "margin" not in every.note
     # the 18:19 calibration (no margin run) chose prefetch / prefetch2 only: every layer runs the configured margin
     plain = _plan(overlap_profile=PROFILE, prefetch_threshold_margin=0.002)
     assert plain.prefetch_margins == (0.002,) * 30 and "threshold margin 0.002" in plain.note
