@@ -65,6 +65,7 @@ from timing import replay_us  # benchmarks/timing.py (run these files as scripts
 
 from ess_sglang.cache_manager import Counter, HotPoolCacheManager
 from ess_sglang.decode_stack import (
+    PREFETCH_INDEXER_LAUNCHES,
     DecodeBatch,
     EssDecodeStack,
     HbmDecodeStack,
@@ -663,7 +664,7 @@ def main(argv=None) -> int:
                    help="prefetchN: the indexer chunks are N groups of requests (rows) or N segments of the positions "
                    "of every request (positions: the last segment's copy is its share of the misses; segments are "
                    "fractions of the table width, which here is each request's length)")
-    p.add_argument("--prefetch-indexer", default="overlapped", choices=["serial", "overlapped", "chained"],
+    p.add_argument("--prefetch-indexer", default="overlapped", choices=list(PREFETCH_INDEXER_LAUNCHES),
                    help="prefetchN: the chunks' indexer launches one after the other on the main stream (serial), "
                    "all but the last on a high-priority stream of their own, the last at once on the main stream "
                    "(overlapped: the last chunk's blocks fill the first launch's last wave), or serial with each "

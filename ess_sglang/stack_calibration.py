@@ -379,7 +379,6 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
             raise CalibrationError(f"{w}: its prefetch chunks split {ch.split} "
                                    f"(meta.prefetch_split), this run's split {prefetch_split}: its exposed times do "
                                    f"not apply")
-    chunking = chunkings[0]
     first = _run_margin(meta, where)
     if first != 0:
         raise CalibrationError(f"{where}: measured at prefetch margin {first} (meta.prefetch_margin), but its prefetch "
@@ -430,7 +429,8 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
                    f"margin {margin}")
     try:
         return StackCalibration(source=source, points=[MeasuredPoint(**p) for p in raw.values()],
-                                prefetch_margin=margin, topk=meta.get("topk", "torch"), prefetch_chunking=chunking)
+                                prefetch_margin=margin, topk=meta.get("topk", "torch"),
+                                prefetch_chunking=chunkings[0])
     except ValueError as exc:
         raise CalibrationError(f"{where}: {exc}") from None
 
