@@ -189,21 +189,26 @@ def _age(stamp_ptr, s, ms, clock, A: tl.constexpr):
 
 
 @triton.jit
-def _ages_kernel(stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, num_slots, REFILL: tl.constexpr,
+def _ages_kernel(stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, num_slots, per, REFILL: tl.constexpr,
                  A: tl.constexpr, SBLOCK: tl.constexpr, PDL: tl.constexpr):
+    # each program scans `per` consecutive blocks of SBLOCK slots (one, or a few over a short grid)
     _pdl_enter(PDL)
     if _victims_needed(scr_ptr, taken_ptr, num_spare, REFILL) > 0:  # else every program returns at once
-        s = tl.program_id(0) * SBLOCK + tl.arange(0, SBLOCK)
-        ms = s < num_slots
-        age = _age(stamp_ptr, s, ms, tl.load(clock_ptr), A)
-        hist = tl.histogram(age, A, mask=ms)
-        # only the ages this block holds: every program adding all 256 bins queues thousands of atomics per bin
+        clock = tl.load(clock_ptr)
+        hist = tl.zeros((A,), tl.int32)
+        for k in range(0, per):
+            s = (tl.program_id(0) * per + k) * SBLOCK + tl.arange(0, SBLOCK)
+            ms = s < num_slots
+            hist += tl.histogram(_age(stamp_ptr, s, ms, clock, A), A, mask=ms)
+        # only the ages this program holds: every program adding all 256 bins queues thousands of atomics per bin
         tl.atomic_add(scr_ptr + SCR_HIST + tl.arange(0, A), hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
-def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, taken_ptr, num_spare, num_slots,
+def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, taken_ptr, num_spare, num_slots, per,
                     REFILL: tl.constexpr, A: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # each program scans `per` consecutive blocks of BLOCK slots, in order (so that under the interpreter the victim
+    # list comes out in slot order whatever the grid)
     _pdl_enter(PDL)
     need = _victims_needed(scr_ptr, taken_ptr, num_spare, REFILL)
     if need > 0:  # none needed: no victims, and no stamp is read
@@ -213,22 +218,24 @@ def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, taken_ptr, num_s
         eligible = (at_or_above >= need) & (a >= 1)
         T = tl.maximum(tl.max(tl.where(eligible, a, 0)), 1)
         n_above = tl.sum(tl.where(a == T + 1, at_or_above, 0))
-        s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ms = s < num_slots
-        age = _age(stamp_ptr, s, ms, tl.load(clock_ptr), A)
-        # most blocks hold no victim: they skip the list counters, on which every program would otherwise queue
-        above = ms & (age > T)
-        above32 = above.to(tl.int32)
-        n_a = tl.sum(above32)
-        if n_a > 0:
-            ra = tl.atomic_add(scr_ptr + SCR_ABOVE, n_a, sem="relaxed") + tl.cumsum(above32, 0) - 1
-            tl.store(victims_ptr + ra, s + 1, mask=above & (ra < need))
-        at_t = ms & (age == T)
-        at32 = at_t.to(tl.int32)
-        n_t = tl.sum(at32)
-        if n_t > 0:
-            rt = tl.atomic_add(scr_ptr + SCR_AT, n_t, sem="relaxed") + tl.cumsum(at32, 0) - 1
-            tl.store(victims_ptr + n_above + rt, s + 1, mask=at_t & (rt < need - n_above))
+        clock = tl.load(clock_ptr)
+        for k in range(0, per):
+            s = (tl.program_id(0) * per + k) * BLOCK + tl.arange(0, BLOCK)
+            ms = s < num_slots
+            age = _age(stamp_ptr, s, ms, clock, A)
+            # most blocks hold no victim: they skip the list counters, on which every block would otherwise queue
+            above = ms & (age > T)
+            above32 = above.to(tl.int32)
+            n_a = tl.sum(above32)
+            if n_a > 0:
+                ra = tl.atomic_add(scr_ptr + SCR_ABOVE, n_a, sem="relaxed") + tl.cumsum(above32, 0) - 1
+                tl.store(victims_ptr + ra, s + 1, mask=above & (ra < need))
+            at_t = ms & (age == T)
+            at32 = at_t.to(tl.int32)
+            n_t = tl.sum(at32)
+            if n_t > 0:
+                rt = tl.atomic_add(scr_ptr + SCR_AT, n_t, sem="relaxed") + tl.cumsum(at32, 0) - 1
+                tl.store(victims_ptr + n_above + rt, s + 1, mask=at_t & (rt < need - n_above))
 
 
 @triton.jit
@@ -434,6 +441,8 @@ class FusedResolver:
         # without ages or victims of their own skip the shared atomics
         self.age_block, self.age_warps = 1024, 4
         self.victim_block, self.victim_warps = 512, (4 if num_slots < 1 << 20 else 2)
+        # programs of a resolve's scans where spare slots take the misses (`_scans`): one wave
+        self.scan_programs = 2 * sms
         self.lookup_block = 256  # entries per program of the lookup (256: 5.2 us at batch 64, 1024: 6.5)
         self.lookup_copy_cap = LOOKUP_COPY_CAP  # a resolve's misses ranked below this are copied by the lookup
         self.max_entries = 0
@@ -460,15 +469,28 @@ class FusedResolver:
         return pdl_launch(on and self.pdl)
 
     def _scans(self, stamp: torch.Tensor, clock: torch.Tensor, spare_taken: torch.Tensor, refill: bool) -> None:
-        """K2 + K3 (R2 + R3): the LRU victims, when any are needed (otherwise both launches return at once)."""
+        """K2 + K3 (R2 + R3): the LRU victims, when any are needed (otherwise both launches return at once).
+
+        A refill, and a resolve without spare slots (every miss overflows), scan the pool in one program per block.
+        A resolve with spare slots needs victims only once they run out (rarely): its scans run over a short grid
+        (`scan_programs`, each program walking consecutive blocks), so that the usual no-victim launch is a wave of
+        programs that return at once rather than thousands."""
         S = self.num_slots
-        _ages_kernel[(triton.cdiv(S, self.age_block),)](stamp, clock, self.scratch, spare_taken, self.num_spare, S,
-                                                        REFILL=refill, A=AGE_BUCKETS, SBLOCK=self.age_block,
-                                                        num_warps=self.age_warps, **self._pdl(not refill))
-        _victims_kernel[(triton.cdiv(S, self.victim_block),)](stamp, clock, self.scratch, self.victims, spare_taken,
-                                                              self.num_spare, S, REFILL=refill, A=AGE_BUCKETS,
-                                                              BLOCK=self.victim_block, num_warps=self.victim_warps,
-                                                              **self._pdl(not refill))
+        short = not refill and self.num_spare > 0
+
+        def per_program(block: int) -> tuple[int, int]:  # (blocks per program, programs)
+            blocks = triton.cdiv(S, block)
+            per = triton.cdiv(blocks, self.scan_programs) if short else 1
+            return per, triton.cdiv(blocks, per)
+
+        per, programs = per_program(self.age_block)
+        _ages_kernel[(programs,)](stamp, clock, self.scratch, spare_taken, self.num_spare, S, per, REFILL=refill,
+                                  A=AGE_BUCKETS, SBLOCK=self.age_block, num_warps=self.age_warps,
+                                  **self._pdl(not refill))
+        per, programs = per_program(self.victim_block)
+        _victims_kernel[(programs,)](stamp, clock, self.scratch, self.victims, spare_taken, self.num_spare, S, per,
+                                     REFILL=refill, A=AGE_BUCKETS, BLOCK=self.victim_block,
+                                     num_warps=self.victim_warps, **self._pdl(not refill))
 
     def run(self, *, src: torch.Tensor, mode: int, l2s: torch.Tensor, s2l: torch.Tensor, stamp: torch.Tensor,
             clock: torch.Tensor, counters: torch.Tensor, count: bool, fetch_counters: tuple[int, int],
