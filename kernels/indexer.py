@@ -47,7 +47,9 @@ from ess_sglang.formats import FP8, FP8_MAX, INDEX_HEAD_DIM, INDEXER_ENTRY_BYTES
 from ess_sglang.reference.dsa import causal_lengths, topk_positions
 
 ENTRY_WORDS = INDEXER_ENTRY_BYTES // 4  # 33: 32 words of fp8 keys, then the scale
-BLOCK_T = 64  # positions per program
+BLOCK_T = 128  # positions per tile
+TILES = 8  # tiles per program
+STAGES = 2  # tiles a program keeps in flight (the compiler's software pipelining of its loop over them)
 NUM_WARPS = 4
 DOT_FP32, DOT_BF16, DOT_FP8 = 0, 1, 2
 CHAIN_POSITIONS = ("off", "head", "link")  # indexer_logits_triton's `chain`
@@ -106,57 +108,69 @@ def indexer_logits_reference(q_index: torch.Tensor, weights: torch.Tensor, index
 
 
 @triton.jit
+def _score_tile(q_base, hm, w, cache_ptr, r2t_ptr, row, r2t_stride, num_locations, visible, pos,
+                BLOCK_T: tl.constexpr, HP: tl.constexpr, DOT: tl.constexpr, Q_FP8: tl.constexpr):
+    """The logits of BLOCK_T positions `pos` (-inf where not visible or the table entry is out of range)."""
+    valid = pos < visible
+    loc = tl.load(r2t_ptr + row * r2t_stride + pos, mask=valid, other=-1).to(tl.int64)
+    ok = valid & (loc >= 0) & (loc < num_locations)
+    # the entry as 33 little-endian words: key byte d = 4 w + i is byte i of word w; word 32 is the scale
+    kw = tl.arange(0, 32)
+    words = tl.load(cache_ptr + loc[:, None] * 33 + kw[None, :], mask=ok[:, None], other=0)  # [BLOCK_T, 32]
+    scale = tl.load(cache_ptr + loc * 33 + 32, mask=ok, other=0).to(tl.float32, bitcast=True)
+    acc = tl.zeros((BLOCK_T, HP), dtype=tl.float32)
+    for i in tl.static_range(4):
+        k8 = ((words >> (8 * i)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)  # keys d = 4 w + i
+        if Q_FP8:  # fp8 q comes as its bytes (a masked load needs no fp8 constant)
+            qt = tl.load(q_base + (4 * kw[:, None] + i), mask=hm[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+        else:
+            qt = tl.load(q_base + (4 * kw[:, None] + i), mask=hm[None, :], other=0.0)  # [32, HP]: q[h, 4 w + i]
+        if DOT == 2:
+            acc = tl.dot(k8, qt, acc)
+        elif DOT == 1:
+            acc = tl.dot(k8.to(tl.bfloat16), qt.to(tl.bfloat16), acc)
+        else:
+            acc = tl.dot(k8.to(tl.float32), qt.to(tl.float32), acc, input_precision="ieee")
+    scored = tl.maximum(acc * scale[:, None], 0.0) * w[None, :]
+    return tl.where(ok, tl.sum(scored, axis=1), float("-inf"))
+
+
+@triton.jit
 def _indexer_logits_kernel(q_ptr, w_ptr, cache_ptr, r2t_ptr, rpi_ptr, seq_ptr, out_ptr,
                            q_sb, q_sq, q_sh, w_sb, w_sq, w_sh, r2t_stride, out_sb, out_sq,
                            num_locations, table_width, table_rows, first_pos, max_len, H, Q,
-                           HP: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr, Q_FP8: tl.constexpr,
-                           CHAINED: tl.constexpr):
-    # program (tile of BLOCK_T positions from first_pos, (request b, query token j)); out[..., 0] is first_pos
+                           HP: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+                           DOT: tl.constexpr, Q_FP8: tl.constexpr, CHAINED: tl.constexpr):
+    # program (group of TILES tiles of BLOCK_T positions from first_pos, (request b, query token j)); out[..., 0] is
+    # first_pos. The tiles of a group are scored one after the other by the same program, which reads the head
+    # weights once (and, for its later tiles, the query from L1 / L2 rather than DRAM)
     if CHAINED:  # (indexer_logits_triton's `chain`) the stream's next launch may be scheduled once every program of
         tl.extra.cuda.gdc_launch_dependents()  # this one has started
-    tile = tl.program_id(0)
+    group = tl.program_id(0)
     bq = tl.program_id(1)
     b = bq // Q
     j = bq % Q
     seq = tl.load(seq_ptr + b).to(tl.int64)
     visible = tl.minimum(tl.minimum(seq - (Q - 1) + j, max_len), table_width)  # readable positions: [0, visible)
-    start = first_pos + tile * BLOCK_T
-    pos = start + tl.arange(0, BLOCK_T)
-    out_at = out_ptr + b.to(tl.int64) * out_sb + j * out_sq + (pos - first_pos)
-    out_mask = pos < max_len
     row = tl.load(rpi_ptr + b).to(tl.int64)
     # a request row outside the table: nothing is read, nothing is visible
     visible = tl.where((row >= 0) & (row < table_rows), visible, 0)
-    if start < visible:
-        valid = pos < visible
-        loc = tl.load(r2t_ptr + row * r2t_stride + pos, mask=valid, other=-1).to(tl.int64)
-        ok = valid & (loc >= 0) & (loc < num_locations)
-        # the entry as 33 little-endian words: key byte d = 4 w + i is byte i of word w; word 32 is the scale
-        kw = tl.arange(0, 32)
-        words = tl.load(cache_ptr + loc[:, None] * 33 + kw[None, :], mask=ok[:, None], other=0)  # [BLOCK_T, 32]
-        scale = tl.load(cache_ptr + loc * 33 + 32, mask=ok, other=0).to(tl.float32, bitcast=True)
+    first = first_pos + group * (TILES * BLOCK_T)
+    out_row = out_ptr + b.to(tl.int64) * out_sb + j * out_sq - first_pos
+    if first < visible:
         h = tl.arange(0, HP)
         hm = h < H
         q_base = q_ptr + b.to(tl.int64) * q_sb + j * q_sq + h[None, :] * q_sh
-        acc = tl.zeros((BLOCK_T, HP), dtype=tl.float32)
-        for i in tl.static_range(4):
-            k8 = ((words >> (8 * i)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)  # keys d = 4 w + i
-            if Q_FP8:  # fp8 q comes as its bytes (a masked load needs no fp8 constant)
-                qt = tl.load(q_base + (4 * kw[:, None] + i), mask=hm[None, :], other=0).to(tl.float8e4nv, bitcast=True)
-            else:
-                qt = tl.load(q_base + (4 * kw[:, None] + i), mask=hm[None, :], other=0.0)  # [32, HP]: q[h, 4 w + i]
-            if DOT == 2:
-                acc = tl.dot(k8, qt, acc)
-            elif DOT == 1:
-                acc = tl.dot(k8.to(tl.bfloat16), qt.to(tl.bfloat16), acc)
-            else:
-                acc = tl.dot(k8.to(tl.float32), qt.to(tl.float32), acc, input_precision="ieee")
         w = tl.load(w_ptr + b.to(tl.int64) * w_sb + j * w_sq + h * w_sh, mask=hm, other=0.0).to(tl.float32)
-        scored = tl.maximum(acc * scale[:, None], 0.0) * w[None, :]
-        logit = tl.sum(scored, axis=1)
-        tl.store(out_at, tl.where(ok, logit, float("-inf")), mask=out_mask)
+        for t in tl.range(0, TILES, num_stages=STAGES):
+            pos = first + t * BLOCK_T + tl.arange(0, BLOCK_T)
+            logit = _score_tile(q_base, hm, w, cache_ptr, r2t_ptr, row, r2t_stride, num_locations, visible, pos,
+                                BLOCK_T, HP, DOT, Q_FP8)
+            tl.store(out_row + pos, logit, mask=pos < max_len)
     else:
-        tl.store(out_at, tl.full((BLOCK_T,), float("-inf"), tl.float32), mask=out_mask)
+        for t in tl.range(0, TILES):
+            pos = first + t * BLOCK_T + tl.arange(0, BLOCK_T)
+            tl.store(out_row + pos, tl.full((BLOCK_T,), float("-inf"), tl.float32), mask=pos < max_len)
     if CHAINED:  # ... but a link ends after the launch before it (a no-op in a launch without PDL)
         tl.extra.cuda.gdc_wait()
 
@@ -178,13 +192,14 @@ def indexer_logits_triton(q_index: torch.Tensor, weights: torch.Tensor, index_ca
                           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                           max_len: int, out: torch.Tensor | None = None, block_t: int = BLOCK_T,
                           num_warps: int = NUM_WARPS, fp8_dot: bool = False, first_pos: int = 0,
-                          chain: str = "off") -> torch.Tensor:
+                          chain: str = "off", tiles: int = TILES, stages: int = STAGES) -> torch.Tensor:
     """Triton kernel: logits [B, Q, max_len - first_pos] fp32 of positions [first_pos, max_len), equal to
     `indexer_logits_reference` up to fp32 summation order. A nonzero `first_pos` scores a later part of the positions
     alone (the decode stack's prefetch in position segments: `out` a slice of the whole logits).
 
-    One program per (tile of `block_t` positions, request, query token); the grid depends only on B, Q and max_len
-    (CUDA-graph safe). Every output element is written (-inf where not visible), so `out` may hold garbage.
+    One program per (group of `tiles` tiles of `block_t` positions, request, query token), which scores its tiles one
+    after the other (`stages`: how many of them the compiler keeps in flight); the grid depends only on B, Q and
+    max_len (CUDA-graph safe). Every output element is written (-inf where not visible), so `out` may hold garbage.
     `chain` (a GPU of compute capability 9.0+): launches of one series of segments of the same logits (positions, or
     batch rows), one after the other on one stream, none reading what another writes. "head": the series' first
     launch, launched as usual; "link": each later one, launched with programmatic dependent launch after the one
@@ -215,7 +230,9 @@ def indexer_logits_triton(q_index: torch.Tensor, weights: torch.Tensor, index_ca
     if B == 0 or T == 0:
         return out
     cache_words = index_cache.view(torch.int32)  # [N, 33]
-    grid = (triton.cdiv(T, block_t), B * Q)
+    if tiles < 1 or stages < 1:
+        raise ValueError(f"indexer_logits_triton: tiles and stages must be >= 1, got {tiles} and {stages}")
+    grid = (triton.cdiv(T, block_t * tiles), B * Q)
     q_fp8 = q_index.dtype == FP8
     _indexer_logits_kernel[grid](
         q_index.view(torch.uint8) if q_fp8 else q_index, weights, cache_words, req_to_token, req_pool_indices,
@@ -223,7 +240,8 @@ def indexer_logits_triton(q_index: torch.Tensor, weights: torch.Tensor, index_ca
         q_index.stride(0), q_index.stride(1), q_index.stride(2), weights.stride(0), weights.stride(1),
         weights.stride(2), req_to_token.stride(0), out.stride(0), out.stride(1),
         index_cache.shape[0], req_to_token.shape[1], req_to_token.shape[0], first_pos, max_len, H, Q,
-        HP=max(16, triton.next_power_of_2(H)), BLOCK_T=block_t, DOT=mode, Q_FP8=q_fp8, CHAINED=chain != "off",
+        HP=max(16, triton.next_power_of_2(H)), BLOCK_T=block_t, TILES=tiles, STAGES=stages, DOT=mode, Q_FP8=q_fp8,
+        CHAINED=chain != "off",
         num_warps=num_warps, **(dict(launch_pdl=True) if chain == "link" else {}))
     return out
 

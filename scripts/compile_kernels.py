@@ -114,10 +114,10 @@ check(kp._settle_kernel, dict(src_ptr=P64, dst_ptr=P64, count_ptr=P64, n=I64, s2
                               clock_ptr=P64, cnt_ptr=P64), dict(C_USEFUL=11, C_WASTED=12, BLOCK=1024))
 for refill in (False, True):
     check(kr._ages_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, taken_ptr=P64, num_spare=I64,
-                                num_slots=I64), dict(REFILL=refill, A=256, SBLOCK=1024, PDL=not refill))
+                                num_slots=I64, per=I32), dict(REFILL=refill, A=256, SBLOCK=1024, PDL=not refill))
     check(kr._victims_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, victims_ptr=P32, taken_ptr=P64,
-                                   num_spare=I64, num_slots=I64), dict(REFILL=refill, A=256, BLOCK=512,
-                                                                       PDL=not refill))
+                                   num_spare=I64, num_slots=I64, per=I32), dict(REFILL=refill, A=256, BLOCK=512,
+                                                                                PDL=not refill))
     for spare_only, pend, close in ((False, False, True), (False, True, True), (True, True, False), (True, True, True)):
         if refill and (spare_only or pend):
             continue
@@ -131,13 +131,16 @@ check(kr._refill_kernel, dict(scr_ptr=P32, victims_ptr=P32, l2s_ptr=P32, s2l_ptr
                               taken_ptr=P64, cnt_ptr=P64), dict(C_EVICT=8, ROWS=32))
 check(kf._copy_rows_masked_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64, n_rows=I64),
       dict(WORDS=164, SRC_STRIDE=164, DST_STRIDE=164, BLOCK_WORDS=256, ROWS=4))
-for dot, q_type, q_fp8, chained in ((ki.DOT_BF16, "*u8", True, False), (ki.DOT_BF16, "*bf16", False, False),
-                                    (ki.DOT_BF16, "*u8", True, True)):
+for dot, q_type, q_fp8, chained, tiles, stages in ((ki.DOT_BF16, "*u8", True, False, ki.TILES, ki.STAGES),
+                                                   (ki.DOT_BF16, "*bf16", False, False, ki.TILES, ki.STAGES),
+                                                   (ki.DOT_BF16, "*u8", True, True, ki.TILES, ki.STAGES),
+                                                   (ki.DOT_BF16, "*bf16", False, False, 1, 1),
+                                                   (ki.DOT_BF16, "*bf16", False, False, 8, 3)):
     check(ki._indexer_logits_kernel, dict(q_ptr=q_type, w_ptr=PF, cache_ptr=P32, r2t_ptr=P32, rpi_ptr=P64,
                                           seq_ptr=P64, out_ptr=PF, q_sb=I64, q_sq=I64, q_sh=I64, w_sb=I64, w_sq=I64,
                                           w_sh=I64, r2t_stride=I64, out_sb=I64, out_sq=I64, num_locations=I64,
                                           table_width=I64, table_rows=I64, first_pos=I64, max_len=I64, H=I32, Q=I32),
-          dict(HP=64, BLOCK_T=ki.BLOCK_T, DOT=dot, Q_FP8=q_fp8, CHAINED=chained))
+          dict(HP=64, BLOCK_T=ki.BLOCK_T, TILES=tiles, STAGES=stages, DOT=dot, Q_FP8=q_fp8, CHAINED=chained))
 for not_resident in (13, -1):
     check(kn._store_reserved_kernel, dict(entries_ptr=P32, host_ptr=P32, hot_ptr=P32, locs_ptr=P32, l2s_ptr=P32,
                                          stamp_ptr=P64, clock_ptr=P64, cnt_ptr=P64, slots_out_ptr=P64, n=I64,

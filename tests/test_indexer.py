@@ -98,12 +98,16 @@ def test_kernel_matches_reference(Q, H, max_len, q_dtype):
     _check_close(got, args, want, f"Q={Q} H={H} T={max_len} {q_dtype}", seed)
 
 
-@pytest.mark.parametrize("block_t", [16, 32, 128])
-def test_signed_weights_and_tiles(block_t):
+@pytest.mark.parametrize("block_t,tiles,stages", [(16, 1, 1), (32, 1, 1), (128, 1, 1), (16, 4, 2), (32, 3, 1)])
+def test_signed_weights_and_tiles(block_t, tiles, stages):
+    """Tile sizes, and programs that score several tiles (the last group partly past max_len, groups past a short
+    request's length)."""
     seed = _seed()
     args = _case(2, 2, 8, 150, seed, signed_weights=True)
-    got = indexer_logits_triton(*args, out=_poisoned(2, 2, 150), block_t=block_t)
-    _check_close(got, args, name=f"signed weights, block_t={block_t}", seed=seed)
+    got = indexer_logits_triton(*args, out=_poisoned(2, 2, 150), block_t=block_t, tiles=tiles, stages=stages)
+    _check_close(got, args, name=f"signed weights, block_t={block_t} x {tiles}", seed=seed)
+    with pytest.raises(ValueError, match="tiles and stages must be >= 1, got 0 and 1"):
+        indexer_logits_triton(*args, tiles=0, stages=1)
 
 
 @pytest.mark.parametrize("first_pos", [0, 64, 128, 256])
