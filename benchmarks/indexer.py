@@ -43,7 +43,7 @@ H, D, PAGE, TOPK = 64, 128, 64, 2048
 BATCHES = [16, 64, 128]
 CONTEXTS = [32768, 131072]
 # (positions per tile, warps, tiles per program, stages); first = the kernel's default, second = the one-tile kernel
-# it replaced (2026-11-30: 0.75-0.78 x its time at batch 64-128)
+# it replaced (2026-11-30: 0.75-0.79 x its time at batch 64-128)
 CONFIGS = [(BLOCK_T, NUM_WARPS, TILES, STAGES), (64, 4, 1, 1), (128, 4, 4, 2), (128, 4, 16, 2), (64, 4, 8, 2)]
 DEV = "cuda"  # the CPU smoke check of the helpers sets "cpu"
 REF_LIMIT_GIB = 60.0  # skip the reference where its intermediates would exceed this
