@@ -231,8 +231,8 @@ def plot(rows, path):
     x = range(len(rows))
     ax = axes[0]
     ax.bar([i - 0.3 for i in x], [r["floor_us"] for r in rows], 0.2, label="byte floor")
-    ax.bar([i - 0.1 for i in x], [r["triton_us"] for r in rows], 0.2, label="Triton (fp8 q, best tile)")
-    ax.bar([i + 0.1 for i in x], [r["triton_default_us"] for r in rows], 0.2, label="Triton (default tile)")
+    ax.bar([i - 0.1 for i in x], [r["triton_us"] for r in rows], 0.2, label="Triton (fp8 q, best dot and tile)")
+    ax.bar([i + 0.1 for i in x], [r["triton_default_us"] for r in rows], 0.2, label="Triton (default: fp8 q, bf16 dot)")
     ax.bar([i + 0.3 for i in x], [r["reference_us"] or 0 for r in rows], 0.2, label="torch reference")
     ax.set_yscale("log")
     ax.set_xticks(list(x), labels)
@@ -351,7 +351,7 @@ def main(argv=None):
     print(f"\nDSA indexer decode logits, {H} heads x {D}, Q=1, fp8 q (scale in weights), page {PAGE}; "
           f"{info['device']}; D2D copy {copy_gbps:.0f} GB/s; GPU check max rel err {info['max_rel_err']:.1e}")
     print(f"{'batch':>5} {'ctx':>7} {'floor us':>9} {'triton us':>10} {'GB/s':>6} {'of floor':>8} "
-          f"{'default us':>10} {'bf16-q us':>9} {'torch ref us':>12} {'ref/triton':>10}  best tile")
+          f"{'default us':>10} {'bf16-q us':>9} {'torch ref us':>12} {'ref/triton':>10}  best (either dot) and tile")
     for r in rows:
         bf16 = r["times"].get(f"bf16-q {config_name(CONFIGS[0])}")
         ref = f"{r['reference_us']:.0f}" if r["reference_us"] else "skipped"

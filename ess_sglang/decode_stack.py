@@ -129,7 +129,8 @@ class StackOptions:
     # prefetch3 layers measured so
     prefetch_split: str = "rows"  # with chunks: what the chunks split: "rows" (batch rows: each chunk is some requests
     # over all their positions) or "positions" (segments of the positions, as fractions of the table width rounded to
-    # the indexer's 64-position tiles: each chunk is every request over positions [lo, hi); the last segment's copy is
+    # multiples of 64 positions (the indexer's tile when the calibrations were measured; any boundary gives the same
+    # logits): each chunk is every request over positions [lo, hi); the last segment's copy is
     # its share of the misses whatever the batch size; each segment prefetches at most its share of a request's cap;
     # the segments are fractions of the table width, not of each request's length: they split the work as intended
     # where requests are about as long as the table is wide, as in the benchmark; a request much shorter than the
@@ -469,7 +470,8 @@ def _cumulative(fractions: Sequence[float]) -> list[float]:
 
 def segment_bounds(T: int, fractions: Sequence[float], align: int = 64) -> list[tuple[int, int]]:
     """[lo, hi) position ranges of the prefetch's segments: cumulative fractions of T rounded to multiples of
-    `align` (the indexer's tile); empty segments dropped."""
+    `align` (64: the indexer's tile when the calibrations were measured; the kernel takes any boundary); empty
+    segments dropped."""
     return _ranges([min(T, round(T * c / align) * align) for c in _cumulative(fractions)] + [T])
 
 

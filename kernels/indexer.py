@@ -223,6 +223,8 @@ def indexer_logits_triton(q_index: torch.Tensor, weights: torch.Tensor, index_ca
     if chain != "off" and not pdl_supported(q_index.device):
         raise ValueError(f"indexer_logits_triton: chain {chain!r} needs programmatic dependent launch (a CUDA GPU of "
                          f"compute capability 9.0 or newer), and q_index is on {q_index.device}")
+    if tiles < 1 or stages < 1:
+        raise ValueError(f"indexer_logits_triton: tiles and stages must be >= 1, got {tiles} and {stages}")
     T = max_len - first_pos
     if out is None:
         out = torch.empty((B, Q, T), dtype=torch.float32, device=q_index.device)
@@ -230,8 +232,6 @@ def indexer_logits_triton(q_index: torch.Tensor, weights: torch.Tensor, index_ca
     if B == 0 or T == 0:
         return out
     cache_words = index_cache.view(torch.int32)  # [N, 33]
-    if tiles < 1 or stages < 1:
-        raise ValueError(f"indexer_logits_triton: tiles and stages must be >= 1, got {tiles} and {stages}")
     grid = (triton.cdiv(T, block_t * tiles), B * Q)
     q_fp8 = q_index.dtype == FP8
     _indexer_logits_kernel[grid](

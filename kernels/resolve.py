@@ -436,12 +436,12 @@ class FusedResolver:
         self.assign_programs = assign_programs or (4 * sms, sms)
         # programs of the refill's evictions: few, since it runs beside attention (which wants the SMs)
         self.refill_programs = 16 if device.type == "cuda" else 2
-        # Slots per program and warps of the two launches over the pool (age histogram, victim scan), the best of a
+        # Slots per block and warps of the two launches over the pool (age histogram, victim scan), the best of a
         # sweep over pools of 164K-3.4M slots at batch 64 (benchmarks/NOTES.md): small blocks, now that blocks
         # without ages or victims of their own skip the shared atomics
         self.age_block, self.age_warps = 1024, 4
         self.victim_block, self.victim_warps = 512, (4 if num_slots < 1 << 20 else 2)
-        # programs of a resolve's scans where spare slots take the misses (`_scans`): one wave
+        # programs of a resolve's scans where spare slots take the misses (`_scans`): a wave of them
         self.scan_programs = 2 * sms
         self.lookup_block = 256  # entries per program of the lookup (256: 5.2 us at batch 64, 1024: 6.5)
         self.lookup_copy_cap = LOOKUP_COPY_CAP  # a resolve's misses ranked below this are copied by the lookup
@@ -474,7 +474,9 @@ class FusedResolver:
         A refill, and a resolve without spare slots (every miss overflows), scan the pool in one program per block.
         A resolve with spare slots needs victims only once they run out (rarely): its scans run over a short grid
         (`scan_programs`, each program walking consecutive blocks), so that the usual no-victim launch is a wave of
-        programs that return at once rather than thousands."""
+        programs that return at once rather than thousands. When such a resolve does need victims (a layer's first
+        resolve, before its first refill; misses beyond the spare slots left) the short grid scans the pool with
+        fewer programs at once: that case is not timed (benchmarks/NOTES.md, twentieth session)."""
         S = self.num_slots
         short = not refill and self.num_spare > 0
 
