@@ -169,8 +169,8 @@ class EssConfig(BaseModel):
     """Where the latent cache lives: pinned host memory (the only target so far)."""
     prefetch_overlap_level: Literal["auto", "none", "da", "full"] = "auto"
     """How decode layers hide their fetches. auto: each layer as ``overlap_profile`` says, and without a profile no
-    prefetch (misses fetched after the top-k): in the decode harness's last two tables, the one-chunk ECHO prefetch
-    the SGLang plugin can run was slower than that in 13 and 14 of 18 configurations (benchmarks/RESULTS.md); full:
+    prefetch (misses fetched after the top-k): in the decode harness's last three tables, the one-chunk ECHO prefetch
+    the SGLang plugin can run was slower than that in 13, 14 and 14 of 18 configurations (benchmarks/RESULTS.md); full:
     as the profile says, and without one ECHO prefetch in every layer; none: every layer fetches its misses, then
     attends; da: dual attention hides fetches (decode harness only)."""
     max_gpu_buffer_size_gb: PositiveSize | None = None

@@ -83,10 +83,10 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
          page_size: int) -> OverlapPlan:
     """Prefetching layers, their threshold margins and spare slots per layer, from ``prefetch_overlap_level``,
     ``overlap_profile``, ``prefetch_threshold_margin`` and ``spare_slot_fraction``. Without a profile, level
-    ``auto`` (the default) prefetches in no layer and ``full`` in every one: in the decode harness's last two tables,
-    this one-chunk prefetch with spare slots was slower than no prefetch without them in 13 and 14 of 18
-    configurations at batch 16-128 (benchmarks/RESULTS.md, eighteenth and nineteenth sessions), and a profile
-    calibrated from either run gives every layer sync. A profile whose calibration
+    ``auto`` (the default) prefetches in no layer and ``full`` in every one: in the decode harness's last three tables,
+    this one-chunk prefetch with spare slots was slower than no prefetch without them in 13, 14 and 14 of 18
+    configurations at batch 16-128 (benchmarks/RESULTS.md, eighteenth to twentieth sessions), and a profile
+    calibrated from any of those runs gives every layer sync. A profile whose calibration
     measured a margin (``ess profile --calibration-margin``) sets every layer's: its *_margin layers run that margin,
     its other prefetch layers none (the policy chose them because margin 0 measured faster there), and
     ``prefetch_threshold_margin`` is then not used (a warning says so if it is set); otherwise every layer runs
