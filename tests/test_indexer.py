@@ -107,8 +107,6 @@ def test_signed_weights_and_tiles(block_t, tiles, stages):
     args[5][1] = 40  # the second request's groups from position 64 on lie wholly past its length
     got = indexer_logits_triton(*args, out=_poisoned(2, 2, 150), block_t=block_t, tiles=tiles, stages=stages)
     _check_close(got, args, name=f"signed weights, block_t={block_t} x {tiles}", seed=seed)
-    with pytest.raises(ValueError, match="tiles and stages must be >= 1, got 0 and 1"):
-        indexer_logits_triton(*args, tiles=0, stages=1)
 
 
 @pytest.mark.parametrize("first_pos", [0, 64, 128, 256])
@@ -305,6 +303,8 @@ def test_dispatch_and_bad_arguments():
             indexer_logits(q, w, cache, r2t, rpi, seq, T, impl="torch", chain=chain)
     with pytest.raises(ValueError, match="chain must be one of off, head, link, got 'tail'"):
         indexer_logits_triton(q, w, cache, r2t, rpi, seq, T, chain="tail")
+    with pytest.raises(ValueError, match="tiles and stages must be >= 1, got 0 and 1"):
+        indexer_logits_triton(q, w, cache, r2t, rpi, seq, T, tiles=0, stages=1)
 
 
 @pytest.mark.gpu
