@@ -257,14 +257,18 @@ def _check_out(out: torch.Tensor, q_index: torch.Tensor, positions: int) -> None
 
 def indexer_logits(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens, max_len,
                    impl: str = "auto", out: torch.Tensor | None = None, first_pos: int = 0,
-                   chain: str = "off") -> torch.Tensor:
+                   chain: str = "off", tiles: int | None = None) -> torch.Tensor:
     """impl: "auto" (the kernel for CUDA tensors, the reference otherwise), "triton" or "torch". Logits of positions
     [first_pos, max_len). `out` (fp32 [B, Q, max_len - first_pos], e.g. a batch chunk's rows or a position segment of
     a larger tensor) receives the logits when given. `chain`: the kernel's (`indexer_logits_triton`); the reference
-    takes "off" only."""
+    takes "off" only. `tiles`: the kernel's tiles a program (None: its default); a launch shape only, which the
+    reference (one result whatever the launch) checks and otherwise ignores."""
+    if tiles is not None and (isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1):
+        raise ValueError(f"indexer_logits: tiles must be an integer >= 1 or None, got {tiles!r}")
     if impl == "triton" or (impl == "auto" and q_index.is_cuda):
         return indexer_logits_triton(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens,
-                                     max_len, out=out, first_pos=first_pos, chain=chain)
+                                     max_len, out=out, first_pos=first_pos, chain=chain,
+                                     tiles=TILES if tiles is None else tiles)
     if chain != "off":
         raise ValueError(f"indexer_logits: chain {chain!r} is the Triton kernel's launch; impl {impl!r} runs the "
                          f"reference")

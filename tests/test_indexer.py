@@ -301,6 +301,13 @@ def test_dispatch_and_bad_arguments():
             indexer_logits_triton(q, w, cache, r2t, rpi, seq, T, chain=chain)
         with pytest.raises(ValueError, match=f"chain '{chain}' is the Triton kernel's launch; impl 'torch'"):
             indexer_logits(q, w, cache, r2t, rpi, seq, T, impl="torch", chain=chain)
+    # tiles a program: a launch shape, checked on both paths (the reference's result does not depend on it)
+    for impl in ("torch", "triton"):
+        for bad in (0, True, 2.0):
+            with pytest.raises(ValueError, match=f"tiles must be an integer >= 1 or None, got {bad!r}"):
+                indexer_logits(q, w, cache, r2t, rpi, seq, T, impl=impl, tiles=bad)
+    assert torch.equal(indexer_logits(q, w, cache, r2t, rpi, seq, T, impl="torch", tiles=3),
+                       dsa_indexer_logits(q, w, cache, r2t, rpi, seq, T))
     with pytest.raises(ValueError, match="chain must be one of off, head, link, got 'tail'"):
         indexer_logits_triton(q, w, cache, r2t, rpi, seq, T, chain="tail")
     with pytest.raises(ValueError, match="tiles and stages must be >= 1, got 0 and 1"):
