@@ -330,7 +330,7 @@ def stack_knobs(args) -> dict:
                 threshold_update=args.threshold_update, overlap_copy_rows=args.overlap_copy_rows,
                 last_chunk_programs=args.last_chunk_programs, last_chunk_margin=args.last_chunk_margin,
                 last_chunk_priority=args.last_chunk_priority, last_chunk_prefetch=args.last_chunk_prefetch == "on",
-                prefetch_claim=args.prefetch_claim)
+                prefetch_claim=args.prefetch_claim, chunk_indexer_tiles=args.chunk_indexer_tiles)
 
 
 class SelectionLog:
@@ -675,6 +675,9 @@ def main(argv=None) -> int:
                    "the positions, --prefetch-split positions; summing "
                    "to 1, e.g. 0.5,0.3,0.2) instead of N equal ones; layerwise runs its profile's prefetchN layers "
                    "with them too, from a calibration measured with the same fractions")
+    p.add_argument("--chunk-indexer-tiles", type=int, default=StackOptions.chunk_indexer_tiles,
+                   help="prefetchN: the Triton indexer's tiles a program in the chunks' launches after the first "
+                   "(beside an earlier chunk's claim and copy; the whole-logits launch keeps the kernel's 8)")
     p.add_argument("--threshold-update", default="side", choices=["main", "side"],
                    help="prefetch: the EMA threshold update at the layer's end on the main stream, or on the side "
                    "stream beside attention")

@@ -15,7 +15,8 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
        one's last wave instead of waiting for it (or one after the other on the main stream, "serial"; "chained":
        serial, each launch after the first with programmatic dependent launch on sm_90+, so that its blocks fill the
        previous launch's last wave before the side stream's claim kernel for that launch's segment takes the SMs);
-       on sm_90+ a chunk's candidate kernels after the first (and, with
+       the launches after the first score `chunk_indexer_tiles` tiles a program (default 1, the first launch the
+       kernel's 8), so that their short programs free SM slots for the side stream's claim and copy; on sm_90+ a chunk's candidate kernels after the first (and, with
        spare slots and the resolve's PDL, its three claim launches) use programmatic dependent launch
        (`EchoPrefetcher(pdl=...)`); `last_chunk_priority="normal"`
        queues the last chunk's launches at the main stream's priority instead of the side stream's high one; with
@@ -141,6 +142,11 @@ class StackOptions:
     # 5-6 us a layer faster at batch 64-128, benchmarks/RESULTS.md) or "chained" (serial, each launch after the first
     # with programmatic dependent launch where the Triton indexer runs on sm_90+, serial elsewhere: its programs are
     # scheduled once the previous launch's have all started, and end after it: `indexer_logits_triton(chain=...)`)
+    chunk_indexer_tiles: int | None = 1  # prefetch in chunks, the Triton indexer: tiles a program in the launches
+    # of the chunks after the first (those beside an earlier chunk's claim and copy on the side stream), None: the
+    # kernel's default (`kernels.indexer.TILES`, 8); the logits do not depend on it. 1 measured fastest at batch 64,
+    # hit 0.95, 3 position segments (benchmarks/RESULTS.md): 32K 506-522 us a layer (3 processes) against 542-568
+    # with 8 (2) and 525-529 with 2 (2); 128K, one process: 1,387-1,397 against 1,405-1,413 with 8, 1,482 with 2
     threshold_update: str = "side"  # prefetch: where the EMA of the k-th best score is folded in: "side" (on the
     # side stream beside attention, after the layer's settle: it only has to follow the layer's candidate reads, which
     # are on that stream) or "main" (one launch on the main stream at the layer's end; with the resolve's PDL, 5-7 us a
@@ -227,6 +233,9 @@ class StackOptions:
         if self.prefetch_indexer not in PREFETCH_INDEXER_LAUNCHES:
             raise ValueError(f"prefetch_indexer must be one of {', '.join(PREFETCH_INDEXER_LAUNCHES)}, got "
                              f"{self.prefetch_indexer!r}")
+        t = self.chunk_indexer_tiles
+        if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 1):
+            raise ValueError(f"chunk_indexer_tiles must be an integer >= 1 or None, got {t!r}")
         if self.threshold_update not in ("main", "side"):
             raise ValueError(f"threshold_update must be 'main' or 'side', got {self.threshold_update!r}")
         if self.overlap_programs < 1:
@@ -330,9 +339,9 @@ def _indexer(kind: str):
     from ess_sglang.kernels.indexer import indexer_logits
 
     def run(q_index, w_index, cache, batch: DecodeBatch, max_len: int, out: torch.Tensor | None = None,
-            first_pos: int = 0, chain: str = "off") -> torch.Tensor:
+            first_pos: int = 0, chain: str = "off", tiles: int | None = None) -> torch.Tensor:
         return indexer_logits(q_index, w_index, cache, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                              max_len, impl=kind, out=out, first_pos=first_pos, chain=chain)
+                              max_len, impl=kind, out=out, first_pos=first_pos, chain=chain, tiles=tiles)
     return run
 
 
@@ -368,12 +377,15 @@ class _StackBase:
         return attend(self.attention, q, entries, table, self.softmax_scale, self.schedules)
 
     def _scores(self, layer: int, x: LayerInputs, batch: DecodeBatch, out: torch.Tensor | None = None,
-                first_pos: int = 0, end_pos: int | None = None, chain: str = "off") -> torch.Tensor:
+                first_pos: int = 0, end_pos: int | None = None, chain: str = "off",
+                tiles: int | None = None) -> torch.Tensor:
         """Indexer logits [B, Q, max_len] (or, when a score hook is set, the scores it puts in their place), written
         to `out` when given; of the positions [first_pos, end_pos) only where those are given (no score hook).
-        `chain`: the indexer kernel's launch in a series of position segments (`indexer_logits_triton`)."""
+        `chain`: the indexer kernel's launch in a series of position segments (`indexer_logits_triton`); `tiles`: its
+        tiles a program (None: the kernel's default)."""
         end = self.max_len if end_pos is None else end_pos
-        logits = self.run_indexer(x.q_index, x.w_index, self.index_cache[layer], batch, end, out, first_pos, chain)
+        logits = self.run_indexer(x.q_index, x.w_index, self.index_cache[layer], batch, end, out, first_pos, chain,
+                                  tiles)
         if (first_pos, end) != (0, self.max_len):
             if self.score_hook is not None:
                 raise ValueError("a score hook replaces the whole logits: it cannot score a segment of the positions")
@@ -644,14 +656,16 @@ class EssDecodeStack(_StackBase):
             # a chunk: rows lo:hi over every position, or every row over positions lo:hi
             b, xi = _slice(batch, x, lo, hi) if by_rows else (batch, x)
             out, first, end = (logits[lo:hi], 0, None) if by_rows else (logits[..., lo:hi], lo, hi)
+            tiles = self.options.chunk_indexer_tiles if i else None  # a launch beside an earlier chunk's prefetch
             if lead is not None and i < len(bounds) - 1:
                 with torch.cuda.stream(lead):
-                    chunk_logits = self._scores(layer, xi, b, out=out, first_pos=first, end_pos=end)
+                    chunk_logits = self._scores(layer, xi, b, out=out, first_pos=first, end_pos=end, tiles=tiles)
                 done = torch.cuda.Event()
                 done.record(lead)
             else:
                 chain = "off" if not self._chain or len(bounds) == 1 else "head" if i == 0 else "link"
-                chunk_logits = self._scores(layer, xi, b, out=out, first_pos=first, end_pos=end, chain=chain)
+                chunk_logits = self._scores(layer, xi, b, out=out, first_pos=first, end_pos=end, chain=chain,
+                                            tiles=tiles)
                 done = None
             last = i == len(bounds) - 1 and len(bounds) > 1  # the chunk whose prefetch runs beside the top-k
             if last and not self.options.last_chunk_prefetch:

@@ -243,6 +243,24 @@ def test_the_last_chunks_copy_takes_its_own_program_count():
         StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, last_chunk_programs=0)
 
 
+def test_chunk_indexer_tiles_reach_the_launches_after_the_first_chunk():
+    # the launches beside an earlier chunk's prefetch take the option's tiles a program (default 1); the first (and a
+    # layer's whole-logits launch) the kernel's default
+    assert StackOptions(modes=["sync"]).chunk_indexer_tiles == 1
+    ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=(0.5, 0.3, 0.2),
+                                        prefetch_split="positions", chunk_indexer_tiles=2)
+    tiles = []
+    run = ess.run_indexer
+    ess.run_indexer = lambda *a, run=run: (tiles.append(a[-1]), run(*a))[1]
+    batch, inputs = next(steps(1, table, rows, locs))
+    got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
+    assert tiles == [None, 2, 2] * LAYERS
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    for bad in (0, -1, 1.5, True, "4"):
+        with pytest.raises(ValueError, match=f"chunk_indexer_tiles must be an integer >= 1 or None, got {bad!r}"):
+            StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, chunk_indexer_tiles=bad)
+
+
 def test_prefetch_indexer_is_checked():
     assert StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2).prefetch_indexer == "overlapped"
     assert StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, prefetch_indexer="serial").prefetch_indexer \
