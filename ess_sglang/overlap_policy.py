@@ -607,6 +607,8 @@ def dump_profile(profile: OverlapProfile) -> str:
             del measured[key]
     if measured is not None and measured.get("prefetch_chunking") is not None:
         chunking = measured["prefetch_chunking"]
+        if chunking.get("indexer_tiles") is None:
+            chunking.pop("indexer_tiles", None)
         if chunking["fractions"] is not None:
             chunking["fractions"] = list(chunking["fractions"])  # (safe_dump writes lists, not tuples)
     lines = [f"# {_LINE}",

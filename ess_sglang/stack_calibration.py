@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 CALIBRATED_MODES = ("sync", "da", "dba", "prefetch", "prefetch2", "prefetch3", "prefetch_margin", "prefetch2_margin",
                     "prefetch3_margin")
@@ -104,6 +104,10 @@ class PrefetchChunking(BaseModel):
     null)."""
     last_chunk_prefetch: StrictBool = True
     """False: the last chunk did not prefetch (its misses were the exact resolve's)."""
+    indexer_tiles: Annotated[StrictInt, Field(ge=1)] | None = None
+    """The Triton indexer's tiles a program in the launches of the chunks after the first
+    (`StackOptions.chunk_indexer_tiles`); None: not recorded (a run from before the key), left to the stack's
+    default."""
 
     @model_validator(mode="after")
     def _fractions_sum_to_one(self) -> PrefetchChunking:
@@ -118,6 +122,8 @@ class PrefetchChunking(BaseModel):
                                    chunk_plans={len(self.fractions): self.fractions} if self.fractions else None)
         if self.indexer is not None:
             out["prefetch_indexer"] = self.indexer
+        if self.indexer_tiles is not None:
+            out["chunk_indexer_tiles"] = self.indexer_tiles
         return out
 
 
@@ -259,14 +265,17 @@ def load_calibration(path: str | Path | Sequence[str | Path], where: str | None 
 COMPARABLE_META = ("layers", "warm", "steps", "ratio", "pool_batch", "dba_split", "overlap_programs", "topk", "spare",
                    "device", "prefetch_indexer", "prefetch_fractions", "prefetch_split", "new_tokens_per_step",
                    "threshold_update", "resolve_pdl", "prefetch_pdl", "last_chunk_programs", "last_chunk_margin",
-                   "last_chunk_priority", "last_chunk_prefetch", "overlap_copy_rows", "prefetch_claim")
+                   "last_chunk_priority", "last_chunk_prefetch", "overlap_copy_rows", "prefetch_claim",
+                   "chunk_indexer_tiles")
 """`meta` keys of a decode-stack run that the two runs of a margin calibration must share (what else they measure
 with), besides the margin itself."""
 
 
 META_DEFAULTS = {"prefetch_split": "rows", "new_tokens_per_step": False, "last_chunk_prefetch": True,
-                 "overlap_copy_rows": 8, "prefetch_claim": "separate", "prefetch_indexer": "serial"}
-"""What a run's meta key meant before the key was recorded (older runs lack it)."""
+                 "overlap_copy_rows": 8, "prefetch_claim": "separate", "prefetch_indexer": "serial",
+                 "chunk_indexer_tiles": None}
+"""What a run's meta key meant before the key was recorded (older runs lack it; chunk_indexer_tiles None: every
+chunk's launch had the indexer kernel's own tiles a program)."""
 
 
 def _fractions_key(fractions: Any) -> tuple[float, ...] | None:
@@ -300,7 +309,8 @@ def _chunking(meta: Mapping, where: str) -> PrefetchChunking:
         indexer = LEGACY_INDEXER.get(indexer, indexer) if isinstance(indexer, str) else indexer
         return PrefetchChunking(fractions=None if fractions is None else tuple(fractions),
                                 split=_setting(meta, "prefetch_split"), indexer=indexer,
-                                last_chunk_prefetch=_setting(meta, "last_chunk_prefetch"))
+                                last_chunk_prefetch=_setting(meta, "last_chunk_prefetch"),
+                                indexer_tiles=_setting(meta, "chunk_indexer_tiles"))
     except ValidationError as exc:
         first = exc.errors()[0]
         key = _CHUNKING_META.get(str(first["loc"][0]) if first["loc"] else "fractions", "prefetch_fractions")
@@ -311,7 +321,7 @@ LEGACY_INDEXER = {"split": "serial"}
 """`meta.prefetch_indexer` values of runs from before its current names (the eleventh session's "split": one indexer
 launch per chunk, one after the other on the main stream)."""
 _CHUNKING_META = {"fractions": "prefetch_fractions", "split": "prefetch_split", "indexer": "prefetch_indexer",
-                  "last_chunk_prefetch": "last_chunk_prefetch"}
+                  "last_chunk_prefetch": "last_chunk_prefetch", "indexer_tiles": "chunk_indexer_tiles"}
 """PrefetchChunking's fields -> the decode-stack run's meta keys they come from."""
 
 

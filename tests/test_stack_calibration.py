@@ -17,6 +17,7 @@ from ess_sglang.overlap_policy import (
     ProfileHeader,
     build_profile,
     choose_modes,
+    dump_profile,
     exposed_times,
     layer_settings,
     load_profile,
@@ -75,12 +76,12 @@ def test_a_run_with_uneven_indexer_chunks_records_them():
     assert calibration_from_decode_layers(run, "run.json").prefetch_chunking == PrefetchChunking(
         fractions=None, split="rows", indexer="serial", last_chunk_prefetch=True)
     run["meta"].update(prefetch_fractions=[0.6, 0.4], prefetch_split="positions", prefetch_indexer="serial",
-                       last_chunk_prefetch=False)
+                       last_chunk_prefetch=False, chunk_indexer_tiles=2)
     got = calibration_from_decode_layers(run, "run.json").prefetch_chunking
     assert got == PrefetchChunking(fractions=(0.6, 0.4), split="positions", indexer="serial",
-                                   last_chunk_prefetch=False)
+                                   last_chunk_prefetch=False, indexer_tiles=2)
     assert got.stack_options() == dict(prefetch_split="positions", last_chunk_prefetch=False,
-                                       chunk_plans={2: (0.6, 0.4)}, prefetch_indexer="serial")
+                                       chunk_plans={2: (0.6, 0.4)}, prefetch_indexer="serial", chunk_indexer_tiles=2)
     assert PrefetchChunking().stack_options() == dict(prefetch_split="rows", last_chunk_prefetch=True,
                                                       chunk_plans=None)  # (the launch: the stack's default)
     margin = json.loads(json.dumps(run))
@@ -88,6 +89,10 @@ def test_a_run_with_uneven_indexer_chunks_records_them():
     assert calibration_from_decode_layers(run, "run.json", margin_run=margin).prefetch_chunking == got
     margin["meta"]["prefetch_fractions"] = [0.5, 0.5]  # the two runs must share them (COMPARABLE_META)
     with pytest.raises(CalibrationError, match=r"the two runs differ in meta\.prefetch_fractions"):
+        calibration_from_decode_layers(run, "run.json", margin_run=margin)
+    margin["meta"]["prefetch_fractions"] = run["meta"]["prefetch_fractions"]
+    margin["meta"]["chunk_indexer_tiles"] = 1  # the chunks' launches (the margin-0 run's: 2)
+    with pytest.raises(CalibrationError, match=r"the two runs differ in meta\.chunk_indexer_tiles \(2 against 1\)"):
         calibration_from_decode_layers(run, "run.json", margin_run=margin)
 
 
@@ -101,6 +106,8 @@ def test_a_run_with_uneven_indexer_chunks_records_them():
     ("prefetch_indexer", "parallel", "Input should be 'serial', 'overlapped' or 'chained' (got 'parallel')"),
     ("prefetch_indexer", ["serial"], "Input should be 'serial', 'overlapped' or 'chained' (got ['serial'])"),
     ("last_chunk_prefetch", "off", "Input should be a valid boolean (got 'off')"),
+    ("chunk_indexer_tiles", 0, "Input should be greater than or equal to 1 (got 0)"),
+    ("chunk_indexer_tiles", "1", "Input should be a valid integer (got '1')"),
 ])
 def test_a_malformed_prefetch_chunking_in_a_runs_meta_is_named(key, value, says):
     run = _run()
@@ -455,10 +462,11 @@ def test_committed_calibrated_example_is_valid_and_reproducible():
 
 
 def test_committed_sglang_topk_profile_records_its_chunks_and_is_reproducible():
-    """The profile from the twentieth session's calibration pair (SGLang's top-k, spare slots, the indexer in
-    segments of 0.5 / 0.3 / 0.2 by positions, chained launches, the last segment left to the resolve): every layer
-    prefetches in chunks as measured, and the SGLang plugin, which runs one-chunk prefetch or none, runs sync in
-    every layer (one-chunk prefetch measured slower than sync at this profile's misses)."""
+    """The profile from the twenty-first session's calibration pair (SGLang's top-k, spare slots, the indexer in
+    segments of 0.5 / 0.3 / 0.2 by positions, chained launches of 1 tile a program after the first, the last segment
+    left to the resolve): every layer prefetches in chunks as measured, and the SGLang plugin, which runs one-chunk
+    prefetch or none, runs sync in every layer (one-chunk prefetch measured slower than sync at this profile's
+    misses)."""
     import shlex
 
     from ess_sglang.cli import build_parser
@@ -468,14 +476,15 @@ def test_committed_sglang_topk_profile_records_its_chunks_and_is_reproducible():
     name = "smollm2-135m_ratio0.2_h200-sglang-topk.yaml"
     prof = load_profile(ROOT / "configs" / "overlap" / name, num_layers=30)
     m = prof.device.measured
-    assert m.topk == "sglang" and m.prefetch_margin == 0.01 and "indexer_tiles" in m.source
+    assert m.topk == "sglang" and m.prefetch_margin == 0.01 and "segment_tiles" in m.source
     assert m.prefetch_chunking == PrefetchChunking(fractions=(0.5, 0.3, 0.2), split="positions", indexer="chained",
-                                                   last_chunk_prefetch=False)
+                                                   last_chunk_prefetch=False, indexer_tiles=1)
     assert set(prof.modes()) <= {"prefetch2", "prefetch3", "prefetch2_margin", "prefetch3_margin"}
     assert prof.modes_within(("sync", "prefetch", "prefetch_margin")) == ["sync"] * 30
     modes, chunks = layer_settings(prof, 30)
     opts = StackOptions(modes=modes, prefetch_layers=chunks, **profile_stack_options(prof, 30))
     assert opts.prefetch_split == "positions" and opts.prefetch_indexer == "chained" and not opts.last_chunk_prefetch
+    assert opts.chunk_indexer_tiles == 1
     assert {opts.layer_prefetch_fractions[i] for i, c in enumerate(chunks) if c == 3} == {(0.5, 0.3, 0.2)}
     assert {opts.layer_prefetch_fractions[i] for i, c in enumerate(chunks) if c == 2} == {(0.5, 0.5)}
     argv = shlex.split(prof.header.command)
@@ -486,6 +495,10 @@ def test_committed_sglang_topk_profile_records_its_chunks_and_is_reproducible():
     again = make_profile(args)
     assert again.layers == prof.layers  # (the source names the paths as given: here absolute)
     assert again.device.measured.model_copy(update=dict(source=m.source)) == m
+    # a chunking without the tiles key (a run from before it) writes none: code from before the key reads it too
+    older = m.model_copy(update=dict(prefetch_chunking=m.prefetch_chunking.model_copy(update=dict(indexer_tiles=None))))
+    text = dump_profile(prof.model_copy(update=dict(device=prof.device.model_copy(update=dict(measured=older)))))
+    assert "indexer_tiles" not in text and "indexer_tiles: 1" in dump_profile(prof)
 
 
 def test_a_profile_without_a_recorded_chunking_runs_the_stacks_defaults(tmp_path):
