@@ -324,6 +324,19 @@ def calibrate_rho(pools, cfg, slots, target, warm, iters=7, topk="torch") -> tup
     return best
 
 
+def _tiles_arg(text: str) -> int | None:
+    """--chunk-indexer-tiles: a whole number >= 1, or "kernel" (None: the kernel's own)."""
+    if text == "kernel":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a whole number >= 1 or 'kernel', got {text!r}")
+    return n
+
+
 def stack_knobs(args) -> dict:
     """The StackOptions every ESS variant of a run takes from the command line (and the run's meta records)."""
     return dict(prefetch_split=args.prefetch_split, prefetch_indexer=args.prefetch_indexer,
@@ -675,9 +688,11 @@ def main(argv=None) -> int:
                    "the positions, --prefetch-split positions; summing "
                    "to 1, e.g. 0.5,0.3,0.2) instead of N equal ones; layerwise runs its profile's prefetchN layers "
                    "with them too, from a calibration measured with the same fractions")
-    p.add_argument("--chunk-indexer-tiles", type=int, default=StackOptions.chunk_indexer_tiles,
-                   help="prefetchN: the Triton indexer's tiles a program in the chunks' launches after the first "
-                   "(beside an earlier chunk's claim and copy; the whole-logits launch keeps the kernel's 8)")
+    p.add_argument("--chunk-indexer-tiles", type=_tiles_arg, default=StackOptions.chunk_indexer_tiles,
+                   metavar="N|kernel",
+                   help="prefetchN and layerwise: the Triton indexer's tiles a program in the chunks' launches after "
+                   "the first (beside an earlier chunk's claim and copy), or 'kernel' for the kernel's own (8, which "
+                   "the whole-logits launch keeps)")
     p.add_argument("--threshold-update", default="side", choices=["main", "side"],
                    help="prefetch: the EMA threshold update at the layer's end on the main stream, or on the side "
                    "stream beside attention")
@@ -777,7 +792,8 @@ def main(argv=None) -> int:
         # what the calibration's runs must have measured with: this run's top-k and prefetch chunks
         same_as_this_run = dict(topk=args.topk, prefetch_split=args.prefetch_split,
                                 prefetch_fractions=args.prefetch_fractions, prefetch_indexer=args.prefetch_indexer,
-                                last_chunk_prefetch=args.last_chunk_prefetch == "on")
+                                last_chunk_prefetch=args.last_chunk_prefetch == "on",
+                                chunk_indexer_tiles=args.chunk_indexer_tiles)
         try:
             timings = timings.model_copy(update={"measured": load_calibration(runs, **same_as_this_run)})
         except CalibrationError as exc:

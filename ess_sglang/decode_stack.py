@@ -16,8 +16,9 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
        serial, each launch after the first with programmatic dependent launch on sm_90+, so that its blocks fill the
        previous launch's last wave before the side stream's claim kernel for that launch's segment takes the SMs);
        the launches after the first score `chunk_indexer_tiles` tiles a program (default 1, the first launch the
-       kernel's 8), so that their short programs free SM slots for the side stream's claim and copy; on sm_90+ a chunk's candidate kernels after the first (and, with
-       spare slots and the resolve's PDL, its three claim launches) use programmatic dependent launch
+       kernel's 8), so that their short programs free SM slots for the side stream's claim and copy; on sm_90+ a
+       chunk's candidate kernels after the first (and, with spare slots and the resolve's PDL, its three claim
+       launches) use programmatic dependent launch
        (`EchoPrefetcher(pdl=...)`); `last_chunk_priority="normal"`
        queues the last chunk's launches at the main stream's priority instead of the side stream's high one; with
        `prefetch_split="positions"` the chunks are segments of the positions instead (every request, positions
@@ -145,8 +146,9 @@ class StackOptions:
     chunk_indexer_tiles: int | None = 1  # prefetch in chunks, the Triton indexer: tiles a program in the launches
     # of the chunks after the first (those beside an earlier chunk's claim and copy on the side stream), None: the
     # kernel's default (`kernels.indexer.TILES`, 8); the logits do not depend on it. 1 measured fastest at batch 64,
-    # hit 0.95, 3 position segments (benchmarks/RESULTS.md): 32K 506-522 us a layer (3 processes) against 542-568
-    # with 8 (2) and 525-529 with 2 (2); 128K, one process: 1,387-1,397 against 1,405-1,413 with 8, 1,482 with 2
+    # hit 0.95, 3 position segments launched chained (benchmarks/RESULTS.md): 32K 488-522 us a layer (4 processes)
+    # against 542-568 with 8 (2) and 525-529 with 2 (2); 128K, one process: 1,387-1,397 against 1,405-1,413 with 8,
+    # 1,482 with 2. It applies to chunks by rows and on the lead stream too, where it was not measured
     threshold_update: str = "side"  # prefetch: where the EMA of the k-th best score is folded in: "side" (on the
     # side stream beside attention, after the layer's settle: it only has to follow the layer's candidate reads, which
     # are on that stream) or "main" (one launch on the main stream at the layer's end; with the resolve's PDL, 5-7 us a

@@ -359,9 +359,9 @@ def print_table(profile: OverlapProfile, stderr: bool = False) -> None:
             fr = (f"{len(chunking.fractions)} chunks of {' / '.join(f'{f:g}' for f in chunking.fractions)}, "
                   if chunking.fractions else "")
             launches = chunking.indexer or "not recorded (the stack default)"
-            if chunking.indexer_tiles is not None:
-                launches += f" ({chunking.indexer_tiles} tile{'s' if chunking.indexer_tiles > 1 else ''} a " \
-                            f"program after the first)"
+            tiles = chunking.indexer_tiles
+            launches += " (the kernel's own tiles a program)" if tiles is None else \
+                f" ({tiles} tile{'s' if tiles > 1 else ''} a program after the first)"
             console.print(f"its prefetchN layers run as the calibration measured them: {fr}split by "
                           f"{chunking.split}, indexer launches {launches}, "
                           f"last chunk {'prefetching' if chunking.last_chunk_prefetch else 'left to the resolve'} "

@@ -106,8 +106,8 @@ class PrefetchChunking(BaseModel):
     """False: the last chunk did not prefetch (its misses were the exact resolve's)."""
     indexer_tiles: Annotated[StrictInt, Field(ge=1)] | None = None
     """The Triton indexer's tiles a program in the launches of the chunks after the first
-    (`StackOptions.chunk_indexer_tiles`); None: not recorded (a run from before the key), left to the stack's
-    default."""
+    (`StackOptions.chunk_indexer_tiles`); None: the kernel's own (a run from before the key, or one that recorded
+    null), which a profile's stack then runs too."""
 
     @model_validator(mode="after")
     def _fractions_sum_to_one(self) -> PrefetchChunking:
@@ -122,8 +122,7 @@ class PrefetchChunking(BaseModel):
                                    chunk_plans={len(self.fractions): self.fractions} if self.fractions else None)
         if self.indexer is not None:
             out["prefetch_indexer"] = self.indexer
-        if self.indexer_tiles is not None:
-            out["chunk_indexer_tiles"] = self.indexer_tiles
+        out["chunk_indexer_tiles"] = self.indexer_tiles  # (None: the kernel's own, as the runs measured)
         return out
 
 
@@ -237,7 +236,8 @@ def load_calibration(path: str | Path | Sequence[str | Path], where: str | None 
                      spare_slots: bool = False, topk: str | None = None,
                      prefetch_split: str | None = None, prefetch_fractions: Any = UNCHECKED,
                      prefetch_indexer: str | None = None,
-                     last_chunk_prefetch: bool | None = None) -> StackCalibration:
+                     last_chunk_prefetch: bool | None = None,
+                     chunk_indexer_tiles: Any = UNCHECKED) -> StackCalibration:
     """`calibration_from_decode_layers` of a JSON file, or of two: a run at margin 0 and a run at a threshold margin
     (`--prefetch-margin`), whose prefetch modes join as the *_margin modes. Every error is a CalibrationError
     starting with `where` (default: the path or paths)."""
@@ -259,7 +259,8 @@ def load_calibration(path: str | Path | Sequence[str | Path], where: str | None 
     return calibration_from_decode_layers(runs[0], where, spare_slots, margin_run=runs[1] if len(runs) > 1 else None,
                                           topk=topk, prefetch_split=prefetch_split,
                                           prefetch_fractions=prefetch_fractions, prefetch_indexer=prefetch_indexer,
-                                          last_chunk_prefetch=last_chunk_prefetch)
+                                          last_chunk_prefetch=last_chunk_prefetch,
+                                          chunk_indexer_tiles=chunk_indexer_tiles)
 
 
 COMPARABLE_META = ("layers", "warm", "steps", "ratio", "pool_batch", "dba_split", "overlap_programs", "topk", "spare",
@@ -339,7 +340,8 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
                                    prefetch_split: str | None = None,
                                    prefetch_fractions: Any = UNCHECKED,
                                    prefetch_indexer: str | None = None,
-                                   last_chunk_prefetch: bool | None = None) -> StackCalibration:
+                                   last_chunk_prefetch: bool | None = None,
+                                   chunk_indexer_tiles: Any = UNCHECKED) -> StackCalibration:
     """A calibration from the parsed JSON of `benchmarks/decode_layers.py` (`{"meta": ..., "rows": [...]}`).
 
     Every configuration (context, batch, hit) with an all-HBM row and a sync row with misses becomes a point; the
@@ -358,7 +360,9 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
     otherwise (`meta.prefetch_indexer`, "serial" where absent: the runs before the key launched their chunks one after
     the other) is refused (serial and overlapped chunks measured 1.168 against 1.243 x at 64 / 32K).
     `last_chunk_prefetch`: whether the caller's last chunk prefetches; a run measured otherwise
-    (`meta.last_chunk_prefetch`, True where absent) is refused. What is not named is not checked: the calibration
+    (`meta.last_chunk_prefetch`, True where absent) is refused. `chunk_indexer_tiles`: the tiles a program of the
+    caller's chunk launches after the first (None: the kernel's own); a run measured with others
+    (`meta.chunk_indexer_tiles`, None where absent) is refused. What is not named is not checked: the calibration
     records the runs' chunking (`StackCalibration.prefetch_chunking`), and a profile's layers run it
     (`overlap_policy.profile_stack_options`)."""
     meta = _meta(data, where)
@@ -385,6 +389,10 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
             raise CalibrationError(f"{w}: its last prefetch chunk prefetched: {ch.last_chunk_prefetch} "
                                    f"(meta.last_chunk_prefetch), this caller's: {last_chunk_prefetch}: its exposed "
                                    f"times do not apply")
+        if chunk_indexer_tiles is not UNCHECKED and ch.indexer_tiles != chunk_indexer_tiles:
+            raise CalibrationError(f"{w}: its later prefetch chunks' indexer launches ran {ch.indexer_tiles} tiles a "
+                                   f"program (meta.chunk_indexer_tiles; None: the kernel's own), this run's "
+                                   f"{chunk_indexer_tiles}: its exposed times do not apply")
         if prefetch_split is not None and ch.split != prefetch_split:
             raise CalibrationError(f"{w}: its prefetch chunks split {ch.split} "
                                    f"(meta.prefetch_split), this run's split {prefetch_split}: its exposed times do "

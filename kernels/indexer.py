@@ -37,6 +37,8 @@ visible table entry is in range, and accepting fp8 q); `indexer_logits_triton` t
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import triton
 import triton.language as tl
@@ -263,12 +265,12 @@ def indexer_logits(q_index, weights, index_cache, req_to_token, req_pool_indices
     a larger tensor) receives the logits when given. `chain`: the kernel's (`indexer_logits_triton`); the reference
     takes "off" only. `tiles`: the kernel's tiles a program (None: its default); a launch shape only, which the
     reference (one result whatever the launch) checks and otherwise ignores."""
-    if tiles is not None and (isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1):
+    if tiles is not None and (isinstance(tiles, bool) or not isinstance(tiles, numbers.Integral) or tiles < 1):
         raise ValueError(f"indexer_logits: tiles must be an integer >= 1 or None, got {tiles!r}")
     if impl == "triton" or (impl == "auto" and q_index.is_cuda):
         return indexer_logits_triton(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens,
                                      max_len, out=out, first_pos=first_pos, chain=chain,
-                                     tiles=TILES if tiles is None else tiles)
+                                     tiles=TILES if tiles is None else int(tiles))
     if chain != "off":
         raise ValueError(f"indexer_logits: chain {chain!r} is the Triton kernel's launch; impl {impl!r} runs the "
                          f"reference")

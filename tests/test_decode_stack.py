@@ -243,12 +243,15 @@ def test_the_last_chunks_copy_takes_its_own_program_count():
         StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, last_chunk_programs=0)
 
 
-def test_chunk_indexer_tiles_reach_the_launches_after_the_first_chunk():
-    # the launches beside an earlier chunk's prefetch take the option's tiles a program (default 1); the first (and a
-    # layer's whole-logits launch) the kernel's default
+@pytest.mark.parametrize("split", ["positions", "rows"])
+def test_chunk_indexer_tiles_reach_the_launches_after_the_first_chunk(split):
+    # the launches beside an earlier chunk's prefetch take the option's tiles a program (default 1), by positions or
+    # by rows; the first (and a layer's whole-logits launch) the kernel's default. (The torch indexer here ignores
+    # them: the Triton kernel's logits across tile counts are test_indexer's.)
     assert StackOptions(modes=["sync"]).chunk_indexer_tiles == 1
-    ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=(0.5, 0.3, 0.2),
-                                        prefetch_split="positions", chunk_indexer_tiles=2)
+    chunks = (0.5, 0.3, 0.2) if split == "positions" else 3  # (by rows: one request each of the three)
+    ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, prefetch_chunks=chunks,
+                                        prefetch_split=split, chunk_indexer_tiles=np.int64(2))
     tiles = []
     run = ess.run_indexer
     ess.run_indexer = lambda *a, run=run: (tiles.append(a[-1]), run(*a))[1]

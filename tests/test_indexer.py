@@ -1,5 +1,6 @@
 """DSA indexer kernel against its torch reference: Triton interpreter at small sizes on CPU, and on the GPU (marked)."""
 
+import numpy as np
 import pytest
 import torch
 from ess_sglang.kernels.indexer import (
@@ -306,8 +307,9 @@ def test_dispatch_and_bad_arguments():
         for bad in (0, True, 2.0):
             with pytest.raises(ValueError, match=f"tiles must be an integer >= 1 or None, got {bad!r}"):
                 indexer_logits(q, w, cache, r2t, rpi, seq, T, impl=impl, tiles=bad)
-    assert torch.equal(indexer_logits(q, w, cache, r2t, rpi, seq, T, impl="torch", tiles=3),
-                       dsa_indexer_logits(q, w, cache, r2t, rpi, seq, T))
+    for tiles in (3, np.int64(2)):  # (a numpy integer too, as StackOptions takes)
+        assert torch.equal(indexer_logits(q, w, cache, r2t, rpi, seq, T, impl="torch", tiles=tiles),
+                           dsa_indexer_logits(q, w, cache, r2t, rpi, seq, T))
     with pytest.raises(ValueError, match="chain must be one of off, head, link, got 'tail'"):
         indexer_logits_triton(q, w, cache, r2t, rpi, seq, T, chain="tail")
     with pytest.raises(ValueError, match="tiles and stages must be >= 1, got 0 and 1"):

@@ -104,6 +104,8 @@ def test_a_replayed_selection_gives_the_recorded_positions_call_by_call_and_chun
     (["--modes", "sync,prefetch2", "--last-chunk-prefetch", "off", "--last-chunk-priority", "normal"],
      "last_chunk_priority sets the last chunk's prefetch, which last_chunk_prefetch=False drops"),
     (["--overlap-copy-rows", "12"], "overlap_copy_rows must be a power of two from 1 to 64, got 12"),
+    (["--chunk-indexer-tiles", "0"], "--chunk-indexer-tiles: a whole number >= 1 or 'kernel', got '0'"),
+    (["--chunk-indexer-tiles", "eight"], "--chunk-indexer-tiles: a whole number >= 1 or 'kernel', got 'eight'"),
 ])
 def test_decode_layers_refuses_a_last_chunk_setting_with_nothing_to_act_on(monkeypatch, capsys, argv, expected):
     """Checked from the command line alone, before any pool is allocated (CUDA faked present: nothing reaches it)."""
@@ -113,4 +115,9 @@ def test_decode_layers_refuses_a_last_chunk_setting_with_nothing_to_act_on(monke
         dl.main(argv + ["--out", "/nonexistent"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and expected in err
-    assert "--last-chunk-prefetch off:" in expected or "stack options from the command line" in err
+    assert "--last-chunk-prefetch off:" in expected or "stack options from the command line" in err or \
+        "--chunk-indexer-tiles:" in expected  # (argparse's own refusal of the value)
+
+
+def test_decode_layers_chunk_indexer_tiles_takes_a_count_or_the_kernels_own():
+    assert dl._tiles_arg("kernel") is None and dl._tiles_arg("4") == 4

@@ -83,7 +83,8 @@ def test_a_run_with_uneven_indexer_chunks_records_them():
     assert got.stack_options() == dict(prefetch_split="positions", last_chunk_prefetch=False,
                                        chunk_plans={2: (0.6, 0.4)}, prefetch_indexer="serial", chunk_indexer_tiles=2)
     assert PrefetchChunking().stack_options() == dict(prefetch_split="rows", last_chunk_prefetch=True,
-                                                      chunk_plans=None)  # (the launch: the stack's default)
+                                                      chunk_plans=None, chunk_indexer_tiles=None)
+    # (the launch: the stack's default; the tiles, not recorded: the kernel's own, as such a run measured)
     margin = json.loads(json.dumps(run))
     margin["meta"]["prefetch_margin"] = 0.01
     assert calibration_from_decode_layers(run, "run.json", margin_run=margin).prefetch_chunking == got
@@ -94,6 +95,18 @@ def test_a_run_with_uneven_indexer_chunks_records_them():
     margin["meta"]["chunk_indexer_tiles"] = 1  # the chunks' launches (the margin-0 run's: 2)
     with pytest.raises(CalibrationError, match=r"the two runs differ in meta\.chunk_indexer_tiles \(2 against 1\)"):
         calibration_from_decode_layers(run, "run.json", margin_run=margin)
+    # a caller that names its launches' tiles gets only runs measured with them (None: the kernel's own)
+    assert calibration_from_decode_layers(run, "run.json", chunk_indexer_tiles=2).prefetch_chunking == got
+    for caller in (1, None):
+        with pytest.raises(CalibrationError, match=rf"run.json: its later prefetch chunks' indexer launches ran 2 "
+                                                   rf"tiles a program \(meta.chunk_indexer_tiles; None: the "
+                                                   rf"kernel's own\), this run's {caller}"):
+            calibration_from_decode_layers(run, "run.json", chunk_indexer_tiles=caller)
+    del run["meta"]["chunk_indexer_tiles"]  # a run from before the key: the kernel's own
+    assert calibration_from_decode_layers(run, "run.json", chunk_indexer_tiles=None).prefetch_chunking == \
+        got.model_copy(update=dict(indexer_tiles=None))
+    with pytest.raises(CalibrationError, match="ran None tiles a program"):
+        calibration_from_decode_layers(run, "run.json", chunk_indexer_tiles=1)
 
 
 @pytest.mark.parametrize("key,value,says", [
@@ -461,7 +474,7 @@ def test_committed_calibrated_example_is_valid_and_reproducible():
     assert again.layers == prof.layers
 
 
-def test_committed_sglang_topk_profile_records_its_chunks_and_is_reproducible():
+def test_committed_sglang_topk_profile_records_its_chunks_and_is_reproducible(tmp_path):
     """The profile from the twenty-first session's calibration pair (SGLang's top-k, spare slots, the indexer in
     segments of 0.5 / 0.3 / 0.2 by positions, chained launches of 1 tile a program after the first, the last segment
     left to the resolve): every layer prefetches in chunks as measured, and the SGLang plugin, which runs one-chunk
@@ -499,6 +512,10 @@ def test_committed_sglang_topk_profile_records_its_chunks_and_is_reproducible():
     older = m.model_copy(update=dict(prefetch_chunking=m.prefetch_chunking.model_copy(update=dict(indexer_tiles=None))))
     text = dump_profile(prof.model_copy(update=dict(device=prof.device.model_copy(update=dict(measured=older)))))
     assert "indexer_tiles" not in text and "indexer_tiles: 1" in dump_profile(prof)
+    # ... and runs its later segments with the kernel's own tiles, as such a run measured
+    (tmp_path / "older.yaml").write_text(text)
+    older_prof = load_profile(tmp_path / "older.yaml", num_layers=30)
+    assert profile_stack_options(older_prof, 30)["chunk_indexer_tiles"] is None
 
 
 def test_a_profile_without_a_recorded_chunking_runs_the_stacks_defaults(tmp_path):
