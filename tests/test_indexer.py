@@ -310,6 +310,8 @@ def test_dispatch_and_bad_arguments():
     for tiles in (3, np.int64(2)):  # (a numpy integer too, as StackOptions takes)
         assert torch.equal(indexer_logits(q, w, cache, r2t, rpi, seq, T, impl="torch", tiles=tiles),
                            dsa_indexer_logits(q, w, cache, r2t, rpi, seq, T))
+    _check_close(indexer_logits(q, w, cache, r2t, rpi, seq, T, impl="triton", tiles=np.int64(2)),
+                 (q, w, cache, r2t, rpi, seq, T))
     with pytest.raises(ValueError, match="chain must be one of off, head, link, got 'tail'"):
         indexer_logits_triton(q, w, cache, r2t, rpi, seq, T, chain="tail")
     with pytest.raises(ValueError, match="tiles and stages must be >= 1, got 0 and 1"):
