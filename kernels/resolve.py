@@ -443,6 +443,10 @@ class FusedResolver:
         self.victim_block, self.victim_warps = 512, (4 if num_slots < 1 << 20 else 2)
         # programs of a resolve's scans where spare slots take the misses (`_scans`): a wave of them
         self.scan_programs = 2 * sms
+        # programs of a refill's age and victim scans (None: one per block, measured faster than 2 x SMs for both:
+        # benchmarks/NOTES.md, twenty-first session); knobs for a middle grid, which is not measured yet
+        self.refill_age_programs: int | None = None
+        self.refill_victim_programs: int | None = None
         self.lookup_block = 256  # entries per program of the lookup (256: 5.2 us at batch 64, 1024: 6.5)
         self.lookup_copy_cap = LOOKUP_COPY_CAP  # a resolve's misses ranked below this are copied by the lookup
         self.max_entries = 0
@@ -471,25 +475,26 @@ class FusedResolver:
     def _scans(self, stamp: torch.Tensor, clock: torch.Tensor, spare_taken: torch.Tensor, refill: bool) -> None:
         """K2 + K3 (R2 + R3): the LRU victims, when any are needed (otherwise both launches return at once).
 
-        A refill, and a resolve without spare slots (every miss overflows), scan the pool in one program per block.
-        A resolve with spare slots needs victims only once they run out (rarely): its scans run over a short grid
-        (`scan_programs`, each program walking consecutive blocks), so that the usual no-victim launch is a wave of
-        programs that return at once rather than thousands. When such a resolve does need victims (a layer's first
-        resolve, before its first refill; misses beyond the spare slots left) the short grid scans the pool with
-        fewer programs at once: that case is not timed (benchmarks/NOTES.md, twentieth session)."""
+        A refill, and a resolve without spare slots (every miss overflows), scan the pool in one program per block
+        (a refill: unless `refill_age_programs` / `refill_victim_programs` give a grid). A resolve with spare slots
+        needs victims only once they run out (rarely): its scans run over a short grid (`scan_programs`, each
+        program walking consecutive blocks), so that the usual no-victim launch is a wave of programs that return at
+        once rather than thousands. When such a resolve does need victims (a layer's first resolve, before its first
+        refill; misses beyond the spare slots left) the short grid scans the pool with fewer programs at once: that
+        case is not timed (benchmarks/NOTES.md, twentieth session)."""
         S = self.num_slots
-        short = not refill and self.num_spare > 0
+        short = self.scan_programs if not refill and self.num_spare > 0 else None
 
-        def per_program(block: int) -> tuple[int, int]:  # (blocks per program, programs)
+        def per_program(block: int, grid: int | None) -> tuple[int, int]:  # (blocks per program, programs)
             blocks = triton.cdiv(S, block)
-            per = triton.cdiv(blocks, self.scan_programs) if short else 1
+            per = triton.cdiv(blocks, grid) if grid else 1
             return per, triton.cdiv(blocks, per)
 
-        per, programs = per_program(self.age_block)
+        per, programs = per_program(self.age_block, self.refill_age_programs if refill else short)
         _ages_kernel[(programs,)](stamp, clock, self.scratch, spare_taken, self.num_spare, S, per, REFILL=refill,
                                   A=AGE_BUCKETS, SBLOCK=self.age_block, num_warps=self.age_warps,
                                   **self._pdl(not refill))
-        per, programs = per_program(self.victim_block)
+        per, programs = per_program(self.victim_block, self.refill_victim_programs if refill else short)
         _victims_kernel[(programs,)](stamp, clock, self.scratch, self.victims, spare_taken, self.num_spare, S, per,
                                      REFILL=refill, A=AGE_BUCKETS, BLOCK=self.victim_block,
                                      num_warps=self.victim_warps, **self._pdl(not refill))

@@ -223,9 +223,9 @@ def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, 
 
     (Triton's interpreter runs programs in order, so even the order of the miss and victim lists matches.)
     `small_blocks`: the pool scans and the lookup in many programs, as over a large pool on the GPU (blocks without
-    ages or victims of their own skip the shared atomics; with spare slots a resolve's scans in a short grid whose
-    programs walk several blocks), and the lookup copying only the first 8 misses (the
-    assign kernel copies the spare-slot winners after those). `spare`: spare slots per layer, refilled after each
+    ages or victims of their own skip the shared atomics; with spare slots a resolve's scans, and with 24 a refill's
+    victim scan, in a short grid whose programs walk several blocks), and the lookup copying only the first 8 misses
+    (the assign kernel copies the spare-slot winners after those). `spare`: spare slots per layer, refilled after each
     layer's resolve (24: fewer than the misses of most resolves, so the rest take LRU victims; 120: most covered).
     """
     g = torch.Generator().manual_seed(7)
@@ -235,6 +235,8 @@ def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, 
         f.age_block, f.victim_block, f.lookup_block = 64, 32, 16
         f.lookup_copy_cap = 8
         f.scan_programs = 3  # with spare slots, a resolve's scans walk 2 and 4 blocks a program (some past the pool)
+        if spare == 24:  # and a refill's victim scan 5 blocks a program (its age scan one block each, the default)
+            f.refill_victim_programs = 2
     state = ("hot_entries", "loc_to_slot", "slot_to_loc", "slot_stamp", "clock", "counters", "spare_taken")
     for step in range(12):
         q = 1 + step % 2
