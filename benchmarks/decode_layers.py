@@ -343,7 +343,8 @@ def stack_knobs(args) -> dict:
                 threshold_update=args.threshold_update, overlap_copy_rows=args.overlap_copy_rows,
                 last_chunk_programs=args.last_chunk_programs, last_chunk_margin=args.last_chunk_margin,
                 last_chunk_priority=args.last_chunk_priority, last_chunk_prefetch=args.last_chunk_prefetch == "on",
-                prefetch_claim=args.prefetch_claim, chunk_indexer_tiles=args.chunk_indexer_tiles)
+                prefetch_claim=args.prefetch_claim, chunk_indexer_tiles=args.chunk_indexer_tiles,
+                refill_priority=args.refill_priority)
 
 
 class SelectionLog:
@@ -709,6 +710,9 @@ def main(argv=None) -> int:
     p.add_argument("--last-chunk-priority", default="high", choices=["high", "normal"],
                    help="prefetchN: the last chunk's candidate, claim and copy launches (beside the top-k) on the "
                    "high-priority side stream, or at the main stream's priority")
+    p.add_argument("--refill-priority", default="high", choices=["high", "normal"],
+                   help="spare slots: the refill's launches on the high-priority side stream, or at the main "
+                   "stream's priority")
     p.add_argument("--prefetch-claim", default="one_launch", choices=["one_launch", "separate"],
                    help="prefetch with spare slots: each chunk's candidates found and their spare slots claimed in "
                    "one kernel, or the candidate kernels then the spare-only claim (six launches)")

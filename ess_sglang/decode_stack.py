@@ -49,7 +49,7 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
              bit-identical).
     6. [spare slots] the layer's spare slots taken in this step are refilled (`HotPoolCacheManager.refill_spares`:
        the LRU scans a resolve would otherwise run, evicting ahead), queued last on the side stream, beside
-       attention;
+       attention (`refill_priority="normal"`: at the main stream's priority, joined into the side stream);
     7. the main stream waits for the side stream before the layer ends (for all of it but the refill, which nothing
        before the layer's next step reads; the step's end waits for everything).
 
@@ -171,6 +171,10 @@ class StackOptions:
     # high-priority side stream ("high"), or on a stream at the main stream's priority, joined into the side stream
     # ("normal": its wide candidate kernel then shares the SMs with the top-k's first kernels, not taking them all;
     # measured -8 us a layer at 128K / 64, +9.5 at 32K / 128, no change at 32K / 64: benchmarks/RESULTS.md)
+    refill_priority: str = "high"  # spare slots: the refill's launches (beside attention and the next layer's first
+    # kernels) on the high-priority side stream ("high"), or on a stream at the main stream's priority joined into
+    # the side stream ("normal": its scans' thousands of programs then share the SMs with the main stream's kernels
+    # instead of taking every free one first; not measured yet: benchmarks/NOTES.md, twenty-first session)
     prefetch_claim: str = "one_launch"  # prefetch with spare slots on the fused path: "one_launch" (each chunk's
     # candidates found and their spare slots claimed in one kernel, `HotPoolCacheManager.prefetch_above`) or
     # "separate" (the candidate kernels, then the spare-only claim: six launches); the same state under the
@@ -257,6 +261,8 @@ class StackOptions:
                                     ("last_chunk_priority", self.last_chunk_priority != "high")) if on]
             if idle:
                 raise ValueError(f"{idle[0]} sets the last chunk's prefetch, which last_chunk_prefetch=False drops")
+        if self.refill_priority not in ("high", "normal"):
+            raise ValueError(f"refill_priority must be 'high' or 'normal', got {self.refill_priority!r}")
         if self.last_chunk_priority not in ("high", "normal"):
             raise ValueError(f"last_chunk_priority must be 'high' or 'normal', got {self.last_chunk_priority!r}")
         if self.prefetch_claim not in ("one_launch", "separate"):
@@ -628,7 +634,7 @@ class EssDecodeStack(_StackBase):
         layer) queues behind it, and every main-stream wait of the next layer covers it."""
         if self.m.num_spare:
             self._before_refill = self.streams.mark()
-            with self.streams.on_side():
+            with self.streams.on_normal() if self.options.refill_priority == "normal" else self.streams.on_side():
                 self.m.refill_spares(layer)
 
     def _select_and_prefetch(self, layer: int, x: LayerInputs, batch: DecodeBatch) -> torch.Tensor:

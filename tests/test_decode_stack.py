@@ -264,6 +264,17 @@ def test_chunk_indexer_tiles_reach_the_launches_after_the_first_chunk(split):
             StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, chunk_indexer_tiles=bad)
 
 
+def test_the_refill_at_normal_priority_changes_no_output():
+    # (on CPU the streams are program order: this runs the option's path; its timing is the GPU's)
+    ess, hbm, table, rows, locs = build(("sync", "sync"), prefetch=True, spare=48, refill_priority="normal")
+    for batch, inputs in steps(4, table, rows, locs):
+        got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert bool((ess.m.spare_taken < 48).all())  # refilled
+    with pytest.raises(ValueError, match="refill_priority must be 'high' or 'normal', got 'low'"):
+        StackOptions(modes=["sync"], refill_priority="low")
+
+
 def test_prefetch_indexer_is_checked():
     assert StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2).prefetch_indexer == "overlapped"
     assert StackOptions(modes=["sync"], prefetch=True, prefetch_chunks=2, prefetch_indexer="serial").prefetch_indexer \

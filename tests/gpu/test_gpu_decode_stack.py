@@ -91,7 +91,8 @@ def _inputs(w, s, q_index=None):
 
 def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand", prefetch_chunks=1,
          prefetch_layers=None, spare=0, prefetch_indexer="serial", threshold_update="side", resolve_pdl=None,
-         last_chunk_priority="high", prefetch_pdl=None, prefetch_split="rows", last_chunk_prefetch=True):
+         last_chunk_priority="high", prefetch_pdl=None, prefetch_split="rows", last_chunk_prefetch=True,
+         refill_priority="high"):
     slots = math.ceil(0.25 * B * CTX / 64) * 64
     m = HotPoolCacheManager(w["host"], slots, max_selected=B * TOPK, spare_slots=spare, resolve_pdl=resolve_pdl)
     recent = slots // B - 64
@@ -102,7 +103,7 @@ def _ess(w, modes, prefetch=False, dba_attention="whole", new_tokens="on_demand"
                         new_tokens=new_tokens, prefetch_chunks=prefetch_chunks, prefetch_layers=prefetch_layers,
                         prefetch_indexer=prefetch_indexer, threshold_update=threshold_update,
                         last_chunk_priority=last_chunk_priority, prefetch_split=prefetch_split,
-                        last_chunk_prefetch=last_chunk_prefetch)
+                        last_chunk_prefetch=last_chunk_prefetch, refill_priority=refill_priority)
     return EssDecodeStack(m, w["index_cache"], w["width"], opts, max_batch=B, prefetcher=pf)
 
 
@@ -152,7 +153,9 @@ def reference(world):
     # the segments' indexer launches chained by programmatic dependent launch (the table's plan since the nineteenth
     # session), by positions and by rows, and in DBA's chunks
     ("sync", 3, "whole", "spare, chained, positions, lastoff"), ("sync", 3, "whole", "chained"),
-    ("dba", 2, "whole", "spare, chained, positions")])
+    ("dba", 2, "whole", "spare, chained, positions"),
+    # the refill of the spare slots at the main stream's priority
+    ("sync", 3, "whole", "spare, chained, positions, lastoff, lowrefill")])
 def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attention, new_tokens):
     variant = new_tokens  # "insert", or the case's other settings ("on_demand" new tokens)
     spare = 1024 if "spare" in variant else 0
@@ -165,7 +168,8 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
                last_chunk_priority="normal" if "normal" in variant else "high",
                prefetch_pdl=False if "nopfpdl" in variant else None,
                prefetch_split="positions" if "positions" in variant else "rows",
-               last_chunk_prefetch="lastoff" not in variant)
+               last_chunk_prefetch="lastoff" not in variant,
+               refill_priority="normal" if "lowrefill" in variant else "high")
     assert ess.m._fused.pdl == ("nopdl" not in variant)  # (the H200: on by default)
     assert ess.prefetcher is None or ess.prefetcher.pdl == ("nopfpdl" not in variant)
     assert ess.options.last_chunk_priority == ("normal" if "normal" in variant else "high")
