@@ -483,18 +483,18 @@ class FusedResolver:
         refill; misses beyond the spare slots left) the short grid scans the pool with fewer programs at once: that
         case is not timed (benchmarks/NOTES.md, twentieth session)."""
         S = self.num_slots
-        short = self.scan_programs if not refill and self.num_spare > 0 else None
+        resolve_grid = self.scan_programs if self.num_spare > 0 else None  # (a resolve's: short with spare slots)
 
         def per_program(block: int, grid: int | None) -> tuple[int, int]:  # (blocks per program, programs)
             blocks = triton.cdiv(S, block)
             per = triton.cdiv(blocks, grid) if grid else 1
             return per, triton.cdiv(blocks, per)
 
-        per, programs = per_program(self.age_block, self.refill_age_programs if refill else short)
+        per, programs = per_program(self.age_block, self.refill_age_programs if refill else resolve_grid)
         _ages_kernel[(programs,)](stamp, clock, self.scratch, spare_taken, self.num_spare, S, per, REFILL=refill,
                                   A=AGE_BUCKETS, SBLOCK=self.age_block, num_warps=self.age_warps,
                                   **self._pdl(not refill))
-        per, programs = per_program(self.victim_block, self.refill_victim_programs if refill else short)
+        per, programs = per_program(self.victim_block, self.refill_victim_programs if refill else resolve_grid)
         _victims_kernel[(programs,)](stamp, clock, self.scratch, self.victims, spare_taken, self.num_spare, S, per,
                                      REFILL=refill, A=AGE_BUCKETS, BLOCK=self.victim_block,
                                      num_warps=self.victim_warps, **self._pdl(not refill))
