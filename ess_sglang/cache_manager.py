@@ -414,8 +414,7 @@ class HotPoolCacheManager:
 
     def prefetch_above(self, layer: int, scored, fetch_list: FetchList, claim_counters: torch.Tensor,
                        programs: int | None = None, chained: bool = False,
-                       rows_per_program: int | None = None, claim_programs: int | None = None,
-                       claim_tile: int | None = None) -> None:
+                       rows_per_program: int | None = None) -> None:
         """ECHO prefetch straight from a layer's indexer logits: `scored` (`EchoPrefetcher.scored`: the logits of
         some positions, the thresholds, margin and caps) names the candidates; they are claimed and fetched as
         `prefetch(layer, scored.candidates(...))` would, into `fetch_list` (at least B x the prefetcher's width): the
@@ -426,18 +425,15 @@ class HotPoolCacheManager:
         launch (`kernels/prefetch.claim_above_triton`, with `claim_counters` from `new_claim_counters`, its own for
         every launch that may run beside another) instead of six; the fetch list then holds its real pairs in the
         first count[0] only (every reader of this manager reads no further). Elsewhere it is candidates, then
-        `prefetch` (`chained` passed on). `claim_programs`: the one launch's grid (`claim_above_triton(programs=)`;
-        None: one program per tile); `claim_tile`: its positions a tile (`claim_above_triton(tile=)`; None: its
-        default). Returns nothing: a caller that wants each candidate's slot uses those two.
+        `prefetch` (`chained` passed on). Returns nothing: a caller that wants each candidate's slot uses those two.
         """
         pf = scored.prefetcher
         if scored.layer != layer:
             raise ValueError(f"prefetch_above(layer {layer}): the scores are layer {scored.layer}'s")
         fetch_list.check_holds(scored.rows * pf.width, "prefetch_above", "candidates")
-        from ess_sglang.kernels.prefetch import check_claim_counters, check_claim_programs
+        from ess_sglang.kernels.prefetch import check_claim_counters
 
         check_claim_counters(claim_counters, scored.rows)  # (on every path: a bad one fails here, not only on a GPU)
-        check_claim_programs(claim_programs)
         if self._fused is None or self.num_spare == 0 or not pf.runs_triton(scored.logits):
             cand = scored.candidates(self.loc_to_slot[layer], self.num_locations)
             self.prefetch(layer, cand, fetch_list, programs=programs, chained=chained,
@@ -453,8 +449,7 @@ class HotPoolCacheManager:
                            fetch_src=fetch_list.src, fetch_dst=fetch_list.dst, fetch_count=fetch_list.count,
                            counters=self.counters[layer],
                            fetch_counter_ids=(int(Counter.PREFETCHED), int(Counter.H2D_ENTRIES)),
-                           claim_counters=claim_counters, programs=claim_programs,
-                           **({} if claim_tile is None else {"tile": claim_tile}))
+                           claim_counters=claim_counters)
         self.fetch(layer, fetch_list, programs, rows_per_program)
         self._mark_unsettled(layer, fetch_list)
 

@@ -29,7 +29,6 @@ critical path (a kernel timeline at batch 64: ~30 and ~70 us a layer).
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -210,12 +209,18 @@ CLAIM_ROWS = 32  # kept candidates a claiming program takes at a time (a tile ke
 
 
 @triton.jit
-def _claim_tile(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr_ptr, margin, rpi_ptr, seq_ptr, r2t_ptr,
-                r2t_stride, r2t_rows, r2t_width, num_locations, cap_fraction_ptr, cap_min, width, l2s_ptr, s2l_ptr,
-                stamp_ptr, clock_ptr, num_slots, spare_ptr, taken_ptr, num_spare, src_ptr, dst_ptr, cnt_ptr, ctr_ptr,
-                kept_ptr, B, tiles, me, C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr, TILE: tl.constexpr,
-                KEEP: tl.constexpr, ROWS: tl.constexpr):
-    """Item `me` of `_claim_above_kernel`'s order: request me // tiles, its (me % tiles)-th most recent tile."""
+def _claim_above_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr_ptr, margin, rpi_ptr, seq_ptr,
+                        r2t_ptr, r2t_stride, r2t_rows, r2t_width, num_locations, cap_fraction_ptr, cap_min, width,
+                        l2s_ptr, s2l_ptr, stamp_ptr, clock_ptr, num_slots, spare_ptr, taken_ptr, num_spare,
+                        src_ptr, dst_ptr, count_ptr, cnt_ptr, ctr_ptr, kept_ptr, B, tiles,
+                        C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr, TILE: tl.constexpr, KEEP: tl.constexpr,
+                        ROWS: tl.constexpr, ZERO: tl.constexpr):
+    # one dimension, request-major: programs are dispatched (and run under the interpreter) in this order, so that
+    # the shared rank mostly follows it: each request's candidates come out together in the fetch list, which keeps
+    # the copy's host reads near each other (a request's entries are near each other in the host pool); x-fastest
+    # dispatch of a (B, tiles) grid interleaved the requests, and the copy of 128 / 32K's first segment took 194 us
+    # against 161 (H200, benchmarks/NOTES.md)
+    me = tl.program_id(0).to(tl.int64)
     b = me // tiles
     p = me % tiles
     # the request's most recent tile first: in program order (the interpreter's, and roughly a GPU's) each request's
@@ -269,27 +274,6 @@ def _claim_tile(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr_ptr, ma
                 tl.atomic_add(cnt_ptr + C_FETCH_A, n_got, sem="relaxed")
             if C_FETCH_B >= 0:
                 tl.atomic_add(cnt_ptr + C_FETCH_B, n_got, sem="relaxed")
-
-
-@triton.jit
-def _claim_above_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr_ptr, margin, rpi_ptr, seq_ptr,
-                        r2t_ptr, r2t_stride, r2t_rows, r2t_width, num_locations, cap_fraction_ptr, cap_min, width,
-                        l2s_ptr, s2l_ptr, stamp_ptr, clock_ptr, num_slots, spare_ptr, taken_ptr, num_spare,
-                        src_ptr, dst_ptr, count_ptr, cnt_ptr, ctr_ptr, kept_ptr, B, tiles, per,
-                        C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr, TILE: tl.constexpr, KEEP: tl.constexpr,
-                        ROWS: tl.constexpr, ZERO: tl.constexpr):
-    # one dimension, request-major: programs are dispatched (and run under the interpreter) in this order, so that
-    # the shared rank mostly follows it: each request's candidates come out together in the fetch list, which keeps
-    # the copy's host reads near each other (a request's entries are near each other in the host pool); x-fastest
-    # dispatch of a (B, tiles) grid interleaved the requests, and the copy of 128 / 32K's first segment took 194 us
-    # against 161 (H200, benchmarks/NOTES.md). A program takes `per` consecutive (request, tile) items of that order
-    # (one where the grid has a program per item), so the order is the same whatever the grid
-    first = tl.program_id(0).to(tl.int64) * per
-    for me in range(first, tl.minimum(first + per, B * tiles)):
-        _claim_tile(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr_ptr, margin, rpi_ptr, seq_ptr, r2t_ptr,
-                    r2t_stride, r2t_rows, r2t_width, num_locations, cap_fraction_ptr, cap_min, width, l2s_ptr, s2l_ptr,
-                    stamp_ptr, clock_ptr, num_slots, spare_ptr, taken_ptr, num_spare, src_ptr, dst_ptr, cnt_ptr,
-                    ctr_ptr, kept_ptr, B, tiles, me, C_FETCH_A, C_FETCH_B, TILE, KEEP, ROWS)
     # the last program to finish (every other one has released its counts) closes: the list's count, the spare slots
     # taken, and the counters back to zero for the next launch
     done = tl.atomic_add(ctr_ptr + B + 1, 1, sem="acq_rel")
@@ -318,13 +302,6 @@ def check_claim_counters(claim_counters: torch.Tensor, batch: int) -> None:
                          f"got {claim_counters.dtype} x {tuple(claim_counters.shape)}")
 
 
-def check_claim_programs(programs: object) -> None:
-    """`programs` is a valid grid for `claim_above_triton` (an integer >= 1, or None), or a ValueError that says why."""
-    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, numbers.Integral)
-                                 or programs < 1):
-        raise ValueError(f"claim_above_triton: programs must be an integer >= 1 or None, got {programs!r}")
-
-
 def claim_above_triton(logits: torch.Tensor, thresholds: torch.Tensor, margin: float, req_to_token: torch.Tensor,
                        req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, first_pos: int,
                        cap_fraction: torch.Tensor, cap_min_tokens: int, width: int, *, num_locations: int,
@@ -332,22 +309,19 @@ def claim_above_triton(logits: torch.Tensor, thresholds: torch.Tensor, margin: f
                        clock: torch.Tensor, num_slots: int, spare: torch.Tensor, spare_taken: torch.Tensor,
                        num_spare: int, fetch_src: torch.Tensor, fetch_dst: torch.Tensor, fetch_count: torch.Tensor,
                        counters: torch.Tensor, fetch_counter_ids: tuple[int, int],
-                       claim_counters: torch.Tensor, programs: int | None = None,
-                       tile: int = TILE) -> None:
+                       claim_counters: torch.Tensor) -> None:
     """ECHO candidates and their spare-slot claims in one launch: what `prefetch_candidates_triton` followed by a
     spare-only prefetch claim (`HotPoolCacheManager.prefetch` with spare slots: lookup, finish, close) does in six.
 
-    One item per (request, tile of TILE positions) of logits [B, Q, T] (positions [first_pos, first_pos + T)),
-    request-major; one program per item, or with `programs` at most that many programs, each taking a run of
-    consecutive items (the same order: fewer SM slots held beside the indexer, for longer). `tile`: positions an
-    item covers (a power of two in [128, 16384]; TILE by default). Each item finds its candidates (as
-    `_count_kernel` does), ranks them most recent first within the request through a per-request counter, and keeps
-    those below the request's cap (`candidates_from_tiles`' rule); each kept one claims its location
-    (compare-and-swap), and the winners take the layer's free spare slots (from spare_taken[0]) in the order of one
-    shared counter: slot -> location, location -> slot, stamp clock - 1, and the pair (location, slot) into the
-    fetch list at its rank; winners past the spare slots give their claim back (with none left, nothing is claimed).
-    The last program to finish writes fetch_count[0] (the pairs listed: only those are real, the rest of the list is
-    left as it was), moves spare_taken and zeroes `claim_counters` (`new_claim_counters`) for the next launch.
+    One program per (request, tile of TILE positions) of logits [B, Q, T] (positions [first_pos, first_pos + T)),
+    request-major. Each finds its candidates (as `_count_kernel` does), ranks them most recent first within the
+    request through a per-request counter, and keeps those below the request's cap (`candidates_from_tiles`' rule);
+    each kept one claims its location (compare-and-swap), and the winners take the layer's free spare slots (from
+    spare_taken[0]) in the order of one shared counter: slot -> location, location -> slot, stamp clock - 1, and the
+    pair (location, slot) into the fetch list at its rank; winners past the spare slots give their claim back (with
+    none left, nothing is claimed). The last program to finish writes fetch_count[0] (the pairs listed: only those are
+    real, the rest of the list is left as it was), moves spare_taken and zeroes `claim_counters`
+    (`new_claim_counters`) for the next launch.
 
     Under TRITON_INTERPRET (programs in order) the state equals the six launches' where no two candidates share a
     location. On a GPU, where the cap binds, which candidates it keeps follows the order programs reach its counter
@@ -358,10 +332,6 @@ def claim_above_triton(logits: torch.Tensor, thresholds: torch.Tensor, margin: f
     if logits.stride(-1) != 1 or req_to_token.stride(1) != 1:
         raise ValueError("claim_above_triton wants logits and req_to_token rows contiguous")
     check_claim_counters(claim_counters, B)
-    check_claim_programs(programs)
-    if isinstance(tile, bool) or not isinstance(tile, numbers.Integral) or not 128 <= tile <= 16384 \
-            or tile & (tile - 1):
-        raise ValueError(f"claim_above_triton: tile must be a power of two in [128, 16384], got {tile!r}")
     if any(t.dtype != torch.int64 for t in (fetch_src, fetch_dst, fetch_count)):
         raise ValueError("claim_above_triton wants an int64 fetch list (HotPoolCacheManager.new_fetch_list)")
     if num_locations >= 1 << 31:
@@ -371,25 +341,22 @@ def claim_above_triton(logits: torch.Tensor, thresholds: torch.Tensor, margin: f
     if fetch_src.numel() < B * width or fetch_dst.numel() < B * width:
         raise ValueError(f"claim_above_triton: the fetch list holds {fetch_src.numel()} pairs, {B} rows of "
                          f"{width} candidates need {B * width}")
-    tile = int(tile)
-    tiles = triton.cdiv(T, tile)
+    tiles = triton.cdiv(T, TILE)
     if B == 0 or tiles == 0:
         fetch_count.zero_()
         return
     # a program's kept candidates (at most its cap, at most a tile), rounded to whole claim rows: a lane past them
     # compares its own word of this row
-    keep = max(CLAIM_ROWS, min(tile, triton.next_power_of_2(max(width, 1))))
+    keep = max(CLAIM_ROWS, min(TILE, triton.next_power_of_2(max(width, 1))))
     assert keep % CLAIM_ROWS == 0
     kept = torch.empty(B * tiles * keep, dtype=torch.int32, device=logits.device)  # per program, read back by it
-    items = B * tiles
-    per = 1 if programs is None else triton.cdiv(items, min(programs, items))
-    _claim_above_kernel[(triton.cdiv(items, per),)](
+    _claim_above_kernel[(B * tiles,)](
         logits, logits.stride(0), logits.stride(1), Q, T, int(first_pos), thresholds, float(margin), req_pool_indices,
         seq_lens, req_to_token, req_to_token.stride(0), req_to_token.shape[0], req_to_token.shape[1], num_locations,
         cap_fraction, int(cap_min_tokens), int(width), loc_to_slot, slot_to_loc, slot_stamp, clock, int(num_slots),
         spare, spare_taken, int(num_spare), fetch_src, fetch_dst, fetch_count, counters,
-        claim_counters, kept, B, tiles, per, C_FETCH_A=int(fetch_counter_ids[0]), C_FETCH_B=int(fetch_counter_ids[1]),
-        TILE=tile, KEEP=keep, ROWS=CLAIM_ROWS, ZERO=128)
+        claim_counters, kept, B, tiles, C_FETCH_A=int(fetch_counter_ids[0]), C_FETCH_B=int(fetch_counter_ids[1]),
+        TILE=TILE, KEEP=keep, ROWS=CLAIM_ROWS, ZERO=128)
 
 
 @triton.jit

@@ -72,8 +72,7 @@ CASES = [(400, 1.0, 0, 1300, 0.0, (4, 1, 0)), (400, 0.02, 0, T, 0.0, (4, 1, 0)),
 
 
 @pytest.mark.parametrize("spare,cap_fraction,lo,hi,margin,rows", CASES)
-@pytest.mark.parametrize("programs", [None, 1, 2, 5])
-def test_one_launch_claim_equals_candidates_then_claim(spare, cap_fraction, lo, hi, margin, rows, programs, launches):
+def test_one_launch_claim_equals_candidates_then_claim(spare, cap_fraction, lo, hi, margin, rows, launches):
     req_to_token, logits, _, seq = scores()
     rpi = torch.tensor(rows)
     pf = prefetcher(cap_fraction, margin)
@@ -83,8 +82,7 @@ def test_one_launch_claim_equals_candidates_then_claim(spare, cap_fraction, lo, 
     cand = pf.candidates(0, seg, req_to_token, rpi, seq, want_m.loc_to_slot[0], want_m.num_locations, first_pos=lo)
     want_m.prefetch(0, cand, want_list)
     counters = new_claim_counters(B, "cpu")
-    got_m.prefetch_above(0, pf.scored(0, seg, req_to_token, rpi, seq, first_pos=lo), got_list, counters,
-                         claim_programs=programs)
+    got_m.prefetch_above(0, pf.scored(0, seg, req_to_token, rpi, seq, first_pos=lo), got_list, counters)
     assert launches == [1]
     want, got = state(want_m), state(got_m)
     for name in want:
