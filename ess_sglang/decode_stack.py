@@ -174,7 +174,8 @@ class StackOptions:
     refill_priority: str = "high"  # spare slots: the refill's launches (beside attention and the next layer's first
     # kernels) on the high-priority side stream ("high"), or on a stream at the main stream's priority joined into
     # the side stream ("normal": its scans' thousands of programs then share the SMs with the main stream's kernels
-    # instead of taking every free one first; not measured yet: benchmarks/NOTES.md, twenty-first session)
+    # instead of taking every free one first; measured no faster: 1,394.4 / 1,411.5 us a layer against 1,380.7 /
+    # 1,406.2 at 128K / 64, within the repeats at 32K / 64: benchmarks/RESULTS.md, twenty-second session)
     prefetch_claim: str = "one_launch"  # prefetch with spare slots on the fused path: "one_launch" (each chunk's
     # candidates found and their spare slots claimed in one kernel, `HotPoolCacheManager.prefetch_above`) or
     # "separate" (the candidate kernels, then the spare-only claim: six launches); the same state under the
