@@ -240,9 +240,9 @@ class StackOptions:
         if self.prefetch_indexer not in PREFETCH_INDEXER_LAUNCHES:
             raise ValueError(f"prefetch_indexer must be one of {', '.join(PREFETCH_INDEXER_LAUNCHES)}, got "
                              f"{self.prefetch_indexer!r}")
-        t = self.chunk_indexer_tiles
-        if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 1):
-            raise ValueError(f"chunk_indexer_tiles must be an integer >= 1 or None, got {t!r}")
+        from ess_sglang.kernels.indexer import check_tiles
+
+        check_tiles(self.chunk_indexer_tiles, "chunk_indexer_tiles")
         if self.threshold_update not in ("main", "side"):
             raise ValueError(f"threshold_update must be 'main' or 'side', got {self.threshold_update!r}")
         if self.overlap_programs < 1:

@@ -257,6 +257,13 @@ def _check_out(out: torch.Tensor, q_index: torch.Tensor, positions: int) -> None
                          f"{out.device}")
 
 
+def check_tiles(tiles: object, name: str) -> None:
+    """`tiles` is a valid tiles-a-program setting (an integer >= 1, not a bool, or None: the kernel's default), or a
+    ValueError that names it as `name`. (StackOptions checks its own with this before anything is allocated.)"""
+    if tiles is not None and (isinstance(tiles, bool) or not isinstance(tiles, numbers.Integral) or tiles < 1):
+        raise ValueError(f"{name} must be an integer >= 1 or None, got {tiles!r}")
+
+
 def indexer_logits(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens, max_len,
                    impl: str = "auto", out: torch.Tensor | None = None, first_pos: int = 0,
                    chain: str = "off", tiles: int | None = None) -> torch.Tensor:
@@ -265,8 +272,7 @@ def indexer_logits(q_index, weights, index_cache, req_to_token, req_pool_indices
     a larger tensor) receives the logits when given. `chain`: the kernel's (`indexer_logits_triton`); the reference
     takes "off" only. `tiles`: the kernel's tiles a program (None: its default); a launch shape only, which the
     reference (one result whatever the launch) checks and otherwise ignores."""
-    if tiles is not None and (isinstance(tiles, bool) or not isinstance(tiles, numbers.Integral) or tiles < 1):
-        raise ValueError(f"indexer_logits: tiles must be an integer >= 1 or None, got {tiles!r}")
+    check_tiles(tiles, "indexer_logits: tiles")
     if impl == "triton" or (impl == "auto" and q_index.is_cuda):
         return indexer_logits_triton(q_index, weights, index_cache, req_to_token, req_pool_indices, seq_lens,
                                      max_len, out=out, first_pos=first_pos, chain=chain,

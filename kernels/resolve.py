@@ -444,7 +444,7 @@ class FusedResolver:
         # programs of a resolve's scans where spare slots take the misses (`_scans`): a wave of them
         self.scan_programs = 2 * sms
         # programs of a refill's age and victim scans (None: one per block, measured faster than 2 x SMs for both:
-        # benchmarks/NOTES.md, twenty-first session); knobs for a middle grid, which is not measured yet
+        # benchmarks/NOTES.md, twenty-first session; victims over 8 x SMs measured no faster: twenty-second session)
         self.refill_age_programs: int | None = None
         self.refill_victim_programs: int | None = None
         self.lookup_block = 256  # entries per program of the lookup (256: 5.2 us at batch 64, 1024: 6.5)
