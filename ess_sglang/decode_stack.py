@@ -145,10 +145,11 @@ class StackOptions:
     # scheduled once the previous launch's have all started, and end after it: `indexer_logits_triton(chain=...)`)
     chunk_indexer_tiles: int | None = 1  # prefetch in chunks, the Triton indexer: tiles a program in the launches
     # of the chunks after the first (those beside an earlier chunk's claim and copy on the side stream), None: the
-    # kernel's default (`kernels.indexer.TILES`, 8); the logits do not depend on it. 1 measured fastest at batch 64,
-    # hit 0.95, 3 position segments launched chained (benchmarks/RESULTS.md): 32K 488-522 us a layer (4 processes)
-    # against 542-568 with 8 (2) and 525-529 with 2 (2); 128K, one process: 1,387-1,397 against 1,405-1,413 with 8,
-    # 1,482 with 2. It applies to chunks by rows and on the lead stream too, where it was not measured
+    # kernel's default (`kernels.indexer.TILES`: 1 since the twenty-third session, 8 before); the logits do not
+    # depend on it. 1 measured fastest at batch 64, hit 0.95, 3 position segments launched chained
+    # (benchmarks/RESULTS.md): 32K 488-522 us a layer (4 processes) against 542-568 with 8 (2) and 525-529 with 2 (2);
+    # 128K, one process: 1,387-1,397 against 1,405-1,413 with 8, 1,482 with 2. It applies to chunks by rows and on
+    # the lead stream too, where it was not measured
     threshold_update: str = "side"  # prefetch: where the EMA of the k-th best score is folded in: "side" (on the
     # side stream beside attention, after the layer's settle: it only has to follow the layer's candidate reads, which
     # are on that stream) or "main" (one launch on the main stream at the layer's end; with the resolve's PDL, 5-7 us a

@@ -134,9 +134,9 @@ check(kf._copy_rows_masked_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P
 for dot, q_type, q_fp8, chained, tiles, stages in ((ki.DOT_BF16, "*u8", True, False, ki.TILES, ki.STAGES),
                                                    (ki.DOT_BF16, "*bf16", False, False, ki.TILES, ki.STAGES),
                                                    (ki.DOT_BF16, "*u8", True, True, ki.TILES, ki.STAGES),
-                                                   (ki.DOT_BF16, "*u8", True, True, 1, ki.STAGES),  # a link segment
+                                                   (ki.DOT_BF16, "*bf16", False, True, ki.TILES, ki.STAGES),  # stacks'
                                                    (ki.DOT_BF16, "*bf16", False, False, 1, 1),
-                                                   (ki.DOT_BF16, "*bf16", False, False, 1, ki.STAGES),  # indexer.py's
+                                                   (ki.DOT_BF16, "*bf16", False, False, 8, ki.STAGES),  # EIGHT_TILES
                                                    (ki.DOT_BF16, "*bf16", False, False, 8, 3)):
     check(ki._indexer_logits_kernel, dict(q_ptr=q_type, w_ptr=PF, cache_ptr=P32, r2t_ptr=P32, rpi_ptr=P64,
                                           seq_ptr=P64, out_ptr=PF, q_sb=I64, q_sq=I64, q_sh=I64, w_sb=I64, w_sq=I64,
