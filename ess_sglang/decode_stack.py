@@ -178,7 +178,8 @@ class StackOptions:
     # instead of taking every free one first; measured no faster: 1,394.4 / 1,411.5 us a layer against 1,380.7 /
     # 1,406.2 at 128K / 64, within the repeats at 32K / 64: benchmarks/RESULTS.md, twenty-second session)
     prefetch_claim: str = "one_launch"  # prefetch with spare slots on the fused path: "one_launch" (each chunk's
-    # candidates found and their spare slots claimed in one kernel, `HotPoolCacheManager.prefetch_above`) or
+    # candidates found and their spare slots claimed in one kernel, then a one-program close,
+    # `HotPoolCacheManager.prefetch_above`) or
     # "separate" (the candidate kernels, then the spare-only claim: six launches); the same state under the
     # interpreter, on a GPU the same entries wherever no cap binds
     sync_copy: str = "inline"  # sync mode: "inline" (in the resolve's own kernels: measured faster) or "counted"

@@ -212,9 +212,8 @@ CLAIM_ROWS = 32  # kept candidates a claiming program takes at a time (a tile ke
 def _claim_above_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr_ptr, margin, rpi_ptr, seq_ptr,
                         r2t_ptr, r2t_stride, r2t_rows, r2t_width, num_locations, cap_fraction_ptr, cap_min, width,
                         l2s_ptr, s2l_ptr, stamp_ptr, clock_ptr, num_slots, spare_ptr, taken_ptr, num_spare,
-                        src_ptr, dst_ptr, count_ptr, cnt_ptr, ctr_ptr, kept_ptr, B, tiles,
-                        C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr, TILE: tl.constexpr, KEEP: tl.constexpr,
-                        ROWS: tl.constexpr, ZERO: tl.constexpr):
+                        src_ptr, dst_ptr, ctr_ptr, kept_ptr, B, tiles, TILE: tl.constexpr, KEEP: tl.constexpr,
+                        ROWS: tl.constexpr):
     # one dimension, request-major: programs are dispatched (and run under the interpreter) in this order, so that
     # the shared rank mostly follows it: each request's candidates come out together in the fetch list, which keeps
     # the copy's host reads near each other (a request's entries are near each other in the host pool); x-fastest
@@ -244,7 +243,6 @@ def _claim_above_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr
         taken = tl.load(taken_ptr)
         avail = num_spare - taken
         stamp = tl.load(clock_ptr) - 1  # the newest entries, yet evictable in this step (a prefetch protects nothing)
-        n_got = tl.zeros((), tl.int64)
         # (no spare slot left: every claim would be given back, so none is made)
         for j0 in range(0, tl.where(avail > 0, n_keep, 0), ROWS):
             j = j0 + tl.arange(0, ROWS)
@@ -268,36 +266,38 @@ def _claim_above_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr
                 tl.store(l2s_ptr + lj, tl.where(spare, v, -1).to(tl.int32), mask=win)  # no slot: the claim goes back
                 tl.store(src_ptr + r, lj, mask=spare)
                 tl.store(dst_ptr + r, v, mask=spare)
-                n_got += tl.sum(spare.to(tl.int64))
-        if n_got > 0:
-            if C_FETCH_A >= 0:
-                tl.atomic_add(cnt_ptr + C_FETCH_A, n_got, sem="relaxed")
-            if C_FETCH_B >= 0:
-                tl.atomic_add(cnt_ptr + C_FETCH_B, n_got, sem="relaxed")
-    # the last program to finish (every other one has released its counts) closes: the list's count, the spare slots
-    # taken, and the counters back to zero for the next launch
-    done = tl.atomic_add(ctr_ptr + B + 1, 1, sem="acq_rel")
-    if done == tl.num_programs(0) - 1:
-        total = tl.atomic_xchg(ctr_ptr + B, 0, sem="acq_rel").to(tl.int64)
-        taken = tl.load(taken_ptr)
-        listed = tl.minimum(total, tl.maximum(num_spare - taken, 0))
-        tl.store(count_ptr, listed)
-        tl.store(taken_ptr, taken + listed)
-        for z0 in range(0, B, ZERO):
-            z = z0 + tl.arange(0, ZERO)
-            tl.store(ctr_ptr + z, tl.zeros((ZERO,), tl.int32), mask=z < B)
-        tl.atomic_xchg(ctr_ptr + B + 1, 0, sem="relaxed")
+
+
+@triton.jit
+def _claim_close_kernel(ctr_ptr, B, taken_ptr, num_spare, count_ptr, cnt_ptr, C_FETCH_A: tl.constexpr,
+                        C_FETCH_B: tl.constexpr, ZERO: tl.constexpr):
+    # one program after the claim launch: the list's count (its spare-slot winners), the spare slots taken, the fetch
+    # counters, and the claim counters back to zero for the next launch. (The claim's last program did this before,
+    # found by a counter every program incremented with acq_rel: the claim ran 13-14% longer, benchmarks/NOTES.md,
+    # twenty-third session)
+    total = tl.load(ctr_ptr + B).to(tl.int64)
+    taken = tl.load(taken_ptr)
+    listed = tl.minimum(total, tl.maximum(num_spare - taken, 0))
+    tl.store(count_ptr, listed)
+    tl.store(taken_ptr, taken + listed)
+    if C_FETCH_A >= 0:
+        tl.atomic_add(cnt_ptr + C_FETCH_A, listed, sem="relaxed")
+    if C_FETCH_B >= 0:
+        tl.atomic_add(cnt_ptr + C_FETCH_B, listed, sem="relaxed")
+    for z0 in range(0, B + 1, ZERO):
+        z = z0 + tl.arange(0, ZERO)
+        tl.store(ctr_ptr + z, tl.zeros((ZERO,), tl.int32), mask=z < B + 1)
 
 
 def new_claim_counters(max_batch: int, device: torch.device | str) -> torch.Tensor:
     """The zeroed counters `claim_above_triton` needs for batches of up to `max_batch` requests (each launch leaves
     them zero again). Launches that may run at once (on two streams) need counters of their own."""
-    return torch.zeros(max_batch + 2, dtype=torch.int32, device=device)
+    return torch.zeros(max_batch + 1, dtype=torch.int32, device=device)
 
 
 def check_claim_counters(claim_counters: torch.Tensor, batch: int) -> None:
     """`claim_counters` fit a launch over `batch` requests (`new_claim_counters`), or a ValueError that says why."""
-    if claim_counters.dtype != torch.int32 or claim_counters.dim() != 1 or claim_counters.numel() < batch + 2:
+    if claim_counters.dtype != torch.int32 or claim_counters.dim() != 1 or claim_counters.numel() < batch + 1:
         raise ValueError(f"claim_above_triton wants int32 claim counters for {batch} requests (new_claim_counters), "
                          f"got {claim_counters.dtype} x {tuple(claim_counters.shape)}")
 
@@ -310,8 +310,9 @@ def claim_above_triton(logits: torch.Tensor, thresholds: torch.Tensor, margin: f
                        num_spare: int, fetch_src: torch.Tensor, fetch_dst: torch.Tensor, fetch_count: torch.Tensor,
                        counters: torch.Tensor, fetch_counter_ids: tuple[int, int],
                        claim_counters: torch.Tensor) -> None:
-    """ECHO candidates and their spare-slot claims in one launch: what `prefetch_candidates_triton` followed by a
-    spare-only prefetch claim (`HotPoolCacheManager.prefetch` with spare slots: lookup, finish, close) does in six.
+    """ECHO candidates and their spare-slot claims in one launch (and a one-program close): what
+    `prefetch_candidates_triton` followed by a spare-only prefetch claim (`HotPoolCacheManager.prefetch` with spare
+    slots: lookup, finish, close) does in six.
 
     One program per (request, tile of TILE positions) of logits [B, Q, T] (positions [first_pos, first_pos + T)),
     request-major. Each finds its candidates (as `_count_kernel` does), ranks them most recent first within the
@@ -319,9 +320,9 @@ def claim_above_triton(logits: torch.Tensor, thresholds: torch.Tensor, margin: f
     each kept one claims its location (compare-and-swap), and the winners take the layer's free spare slots (from
     spare_taken[0]) in the order of one shared counter: slot -> location, location -> slot, stamp clock - 1, and the
     pair (location, slot) into the fetch list at its rank; winners past the spare slots give their claim back (with
-    none left, nothing is claimed). The last program to finish writes fetch_count[0] (the pairs listed: only those are
-    real, the rest of the list is left as it was), moves spare_taken and zeroes `claim_counters`
-    (`new_claim_counters`) for the next launch.
+    none left, nothing is claimed). A one-program launch after it closes: fetch_count[0] (the pairs listed: only those
+    are real, the rest of the list is left as it was), the fetch counters (`fetch_counter_ids` of `counters`, by the
+    pairs listed), spare_taken, and `claim_counters` (`new_claim_counters`) zeroed for the next launch.
 
     Under TRITON_INTERPRET (programs in order) the state equals the six launches' where no two candidates share a
     location. On a GPU, where the cap binds, which candidates it keeps follows the order programs reach its counter
@@ -354,9 +355,10 @@ def claim_above_triton(logits: torch.Tensor, thresholds: torch.Tensor, margin: f
         logits, logits.stride(0), logits.stride(1), Q, T, int(first_pos), thresholds, float(margin), req_pool_indices,
         seq_lens, req_to_token, req_to_token.stride(0), req_to_token.shape[0], req_to_token.shape[1], num_locations,
         cap_fraction, int(cap_min_tokens), int(width), loc_to_slot, slot_to_loc, slot_stamp, clock, int(num_slots),
-        spare, spare_taken, int(num_spare), fetch_src, fetch_dst, fetch_count, counters,
-        claim_counters, kept, B, tiles, C_FETCH_A=int(fetch_counter_ids[0]), C_FETCH_B=int(fetch_counter_ids[1]),
-        TILE=TILE, KEEP=keep, ROWS=CLAIM_ROWS, ZERO=128)
+        spare, spare_taken, int(num_spare), fetch_src, fetch_dst, claim_counters, kept, B, tiles, TILE=TILE,
+        KEEP=keep, ROWS=CLAIM_ROWS)
+    _claim_close_kernel[(1,)](claim_counters, B, spare_taken, int(num_spare), fetch_count, counters,
+                              C_FETCH_A=int(fetch_counter_ids[0]), C_FETCH_B=int(fetch_counter_ids[1]), ZERO=128)
 
 
 @triton.jit

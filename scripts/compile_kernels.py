@@ -104,10 +104,11 @@ for pdl in (False, True):  # (the prefetch's candidate kernels, with and without
 for keep in (kp.CLAIM_ROWS, kp.TILE):  # (the one-launch claim: a narrow and a full kept row per program)
     check(kp._claim_above_kernel, dict(common, margin="fp32", cap_fraction_ptr="*fp64", cap_min=I64, width=I64,
                                        s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64, num_slots=I64, spare_ptr=P32,
-                                       taken_ptr=P64, num_spare=I64, src_ptr=P64, dst_ptr=P64, count_ptr=P64,
-                                       cnt_ptr=P64, ctr_ptr=P32, kept_ptr=P32, B=I32),
-          dict(C_FETCH_A=int(Counter.PREFETCHED), C_FETCH_B=int(Counter.H2D_ENTRIES), TILE=kp.TILE, KEEP=keep,
-               ROWS=kp.CLAIM_ROWS, ZERO=128))
+                                       taken_ptr=P64, num_spare=I64, src_ptr=P64, dst_ptr=P64, ctr_ptr=P32,
+                                       kept_ptr=P32, B=I32),
+          dict(TILE=kp.TILE, KEEP=keep, ROWS=kp.CLAIM_ROWS))
+check(kp._claim_close_kernel, dict(ctr_ptr=P32, B=I32, taken_ptr=P64, num_spare=I64, count_ptr=P64, cnt_ptr=P64),
+      dict(C_FETCH_A=int(Counter.PREFETCHED), C_FETCH_B=int(Counter.H2D_ENTRIES), ZERO=128))
 check(kp._ema_kernel, dict(kth_ptr=PF, kth_stride=I64, Q=I32, rpi_ptr=P64, thr_ptr=PF, num_rows=I64, B=I32,
                            alpha="fp32", keep="fp32"), dict(BLOCK=128))
 check(kp._settle_kernel, dict(src_ptr=P64, dst_ptr=P64, count_ptr=P64, n=I64, s2l_ptr=P32, stamp_ptr=P64,

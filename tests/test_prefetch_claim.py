@@ -237,3 +237,4 @@ def test_one_launch_claim_counters_serve_any_batch_up_to_their_size(launches):
         for name in want:
             assert torch.equal(got[name], want[name]), (lo, name)
     assert len(launches) == 3 and int(got_m.counters[0, Counter.PREFETCHED]) > 0
+
