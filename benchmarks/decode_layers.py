@@ -692,8 +692,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-indexer-tiles", type=_tiles_arg, default=StackOptions.chunk_indexer_tiles,
                    metavar="N|kernel",
                    help="prefetchN and layerwise: the Triton indexer's tiles a program in the chunks' launches after "
-                   "the first (beside an earlier chunk's claim and copy), or 'kernel' for the kernel's own (8, which "
-                   "the whole-logits launch keeps)")
+                   "the first (beside an earlier chunk's claim and copy), or 'kernel' for the kernel's own (1 since "
+                   "the twenty-third session, 8 before; the whole-logits launch always runs it)")
     p.add_argument("--threshold-update", default="side", choices=["main", "side"],
                    help="prefetch: the EMA threshold update at the layer's end on the main stream, or on the side "
                    "stream beside attention")
@@ -715,7 +715,8 @@ def main(argv=None) -> int:
                    "stream's priority")
     p.add_argument("--prefetch-claim", default="one_launch", choices=["one_launch", "separate"],
                    help="prefetch with spare slots: each chunk's candidates found and their spare slots claimed in "
-                   "one kernel, or the candidate kernels then the spare-only claim (six launches)")
+                   "one kernel (then a one-program close), or the candidate kernels then the spare-only claim (six "
+                   "launches)")
     p.add_argument("--resolve-pdl", default="auto", choices=["auto", "on", "off"],
                    help="the fused resolve's kernels after its lookup with programmatic dependent launch (auto: on "
                    "sm_90+)")

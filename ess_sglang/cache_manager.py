@@ -422,10 +422,11 @@ class HotPoolCacheManager:
         where a cap binds which candidates it keeps, follow the order programs reach the counters).
 
         With spare slots on the fused path, and the prefetcher's Triton candidates, finding and claiming them is one
-        launch (`kernels/prefetch.claim_above_triton`, with `claim_counters` from `new_claim_counters`, its own for
-        every launch that may run beside another) instead of six; the fetch list then holds its real pairs in the
-        first count[0] only (every reader of this manager reads no further). Elsewhere it is candidates, then
-        `prefetch` (`chained` passed on). Returns nothing: a caller that wants each candidate's slot uses those two.
+        launch and a one-program close (`kernels/prefetch.claim_above_triton`, with `claim_counters` from
+        `new_claim_counters`, its own for every launch that may run beside another) instead of six; the fetch list then
+        holds its real pairs in the first count[0] only (every reader of this manager reads no further). Elsewhere it is
+        candidates, then `prefetch` (`chained` passed on). Returns nothing: a caller that wants each candidate's slot
+        uses those two.
         """
         pf = scored.prefetcher
         if scored.layer != layer:

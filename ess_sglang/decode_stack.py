@@ -16,9 +16,9 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
        serial, each launch after the first with programmatic dependent launch on sm_90+, so that its blocks fill the
        previous launch's last wave before the side stream's claim kernel for that launch's segment takes the SMs);
        the launches after the first score `chunk_indexer_tiles` tiles a program (default 1, the first launch the
-       kernel's 8), so that their short programs free SM slots for the side stream's claim and copy; on sm_90+ a
-       chunk's candidate kernels after the first (and, with spare slots and the resolve's PDL, its three claim
-       launches) use programmatic dependent launch
+       kernel's own, also 1 since the twenty-third session), so that their short programs free SM slots for the
+       side stream's claim and copy; on sm_90+ a chunk's candidate kernels after the first (and, with spare slots
+       and the resolve's PDL, its three claim launches) use programmatic dependent launch
        (`EchoPrefetcher(pdl=...)`); `last_chunk_priority="normal"`
        queues the last chunk's launches at the main stream's priority instead of the side stream's high one; with
        `prefetch_split="positions"` the chunks are segments of the positions instead (every request, positions

@@ -19,12 +19,12 @@ Three launches, every count kept on the device:
 The torch definition is `ess_sglang.prefetch.EchoPrefetcher.candidates` (impl="torch"); the tests check both ways
 equal it under TRITON_INTERPRET.
 
-With spare slots, the prefetch can instead find a segment's candidates and claim their spare slots in one launch
-(`claim_above_triton`, below: the same state as K1-K3 followed by the spare-only claim of `kernels/resolve.py`, under
-the interpreter). Two more launches of the prefetch path live here, each beside its torch definition: the threshold's
-EMA update (`EchoPrefetcher.update`) and the settle that counts a prefetch's useful and wasted entries
-(`HotPoolCacheManager.settle_prefetch`). Each replaces a chain of ~10 small torch kernels on the decode step's
-critical path (a kernel timeline at batch 64: ~30 and ~70 us a layer).
+With spare slots, the prefetch can instead find a segment's candidates and claim their spare slots in one launch and a
+one-program close (`claim_above_triton`, below: the same state as K1-K3 followed by the spare-only claim of
+`kernels/resolve.py`, under the interpreter). Two more launches of the prefetch path live here, each beside its torch
+definition: the threshold's EMA update (`EchoPrefetcher.update`) and the settle that counts a prefetch's useful and
+wasted entries (`HotPoolCacheManager.settle_prefetch`). Each replaces a chain of ~10 small torch kernels on the decode
+step's critical path (a kernel timeline at batch 64: ~30 and ~70 us a layer).
 """
 
 from __future__ import annotations
@@ -273,17 +273,15 @@ def _claim_close_kernel(ctr_ptr, B, taken_ptr, num_spare, count_ptr, cnt_ptr, C_
                         C_FETCH_B: tl.constexpr, ZERO: tl.constexpr):
     # one program after the claim launch: the list's count (its spare-slot winners), the spare slots taken, the fetch
     # counters, and the claim counters back to zero for the next launch. (The claim's last program did this before,
-    # found by a counter every program incremented with acq_rel: the claim ran 13-14% longer, benchmarks/NOTES.md,
-    # twenty-third session)
+    # found by a counter every program incremented with acq_rel: at 128K / 64 the claim kernel is now 13-14% shorter,
+    # 8-9% counting this launch: benchmarks/NOTES.md, twenty-third session)
     total = tl.load(ctr_ptr + B).to(tl.int64)
     taken = tl.load(taken_ptr)
     listed = tl.minimum(total, tl.maximum(num_spare - taken, 0))
     tl.store(count_ptr, listed)
     tl.store(taken_ptr, taken + listed)
-    if C_FETCH_A >= 0:
-        tl.atomic_add(cnt_ptr + C_FETCH_A, listed, sem="relaxed")
-    if C_FETCH_B >= 0:
-        tl.atomic_add(cnt_ptr + C_FETCH_B, listed, sem="relaxed")
+    tl.atomic_add(cnt_ptr + C_FETCH_A, listed, sem="relaxed")  # (atomic: the main stream's resolve adds to the row)
+    tl.atomic_add(cnt_ptr + C_FETCH_B, listed, sem="relaxed")
     for z0 in range(0, B + 1, ZERO):
         z = z0 + tl.arange(0, ZERO)
         tl.store(ctr_ptr + z, tl.zeros((ZERO,), tl.int32), mask=z < B + 1)
@@ -298,8 +296,8 @@ def new_claim_counters(max_batch: int, device: torch.device | str) -> torch.Tens
 def check_claim_counters(claim_counters: torch.Tensor, batch: int) -> None:
     """`claim_counters` fit a launch over `batch` requests (`new_claim_counters`), or a ValueError that says why."""
     if claim_counters.dtype != torch.int32 or claim_counters.dim() != 1 or claim_counters.numel() < batch + 1:
-        raise ValueError(f"claim_above_triton wants int32 claim counters for {batch} requests (new_claim_counters), "
-                         f"got {claim_counters.dtype} x {tuple(claim_counters.shape)}")
+        raise ValueError(f"claim_above_triton wants int32 claim counters for {batch} requests (new_claim_counters: "
+                         f"{batch + 1} words), got {claim_counters.dtype} x {tuple(claim_counters.shape)}")
 
 
 def claim_above_triton(logits: torch.Tensor, thresholds: torch.Tensor, margin: float, req_to_token: torch.Tensor,

@@ -148,7 +148,7 @@ def test_one_launch_claim_refuses_bad_scratch_and_short_lists_before_reading_any
     with pytest.raises(ValueError, match="claim counters for 3 requests"):
         m.prefetch_above(0, scored, m.new_fetch_list(B * pf.width), new_claim_counters(B - 1, "cpu"))
     with pytest.raises(ValueError, match="claim counters"):
-        m.prefetch_above(0, scored, m.new_fetch_list(B * pf.width), torch.zeros(B + 2, dtype=torch.int64))
+        m.prefetch_above(0, scored, m.new_fetch_list(B * pf.width), torch.zeros(B + 1, dtype=torch.int64))
     with pytest.raises(ValueError, match="prefetch_above: the fetch list holds"):
         m.prefetch_above(0, scored, m.new_fetch_list(B * pf.width - 1), new_claim_counters(B, "cpu"))
     with pytest.raises(ValueError, match="must lie within"):
@@ -237,4 +237,3 @@ def test_one_launch_claim_counters_serve_any_batch_up_to_their_size(launches):
         for name in want:
             assert torch.equal(got[name], want[name]), (lo, name)
     assert len(launches) == 3 and int(got_m.counters[0, Counter.PREFETCHED]) > 0
-

@@ -7,8 +7,8 @@ graph, and everything below is fixed-shape device work):
      [tap, before ``metadata.topk_transform``] where the layer prefetches, on the side stream: the positions
      scoring above the layer's EMA threshold whose entries are not resident (``EchoPrefetcher.candidates``, most
      recent first, capped per request) are fetched into spare slots (``HotPoolCacheManager.prefetch_above``: with
-     spare slots on the GPU, candidates and claims in one launch) while the main stream runs the top-k. This
-     step's own token is a candidate too, though its host row is not written yet (SGLang stores the token in the
+     spare slots on the GPU, candidates and claims in one launch and a close) while the main stream runs the top-k.
+     This step's own token is a candidate too, though its host row is not written yet (SGLang stores the token in the
      attention backend, after the indexer): the prefetch copies a stale row, and the write-back in 3c writes the
      token's entry into the slot the prefetch gave it (``write_new_tokens`` also writes the hot slot of a resident
      entry), so the exact resolve finds it resident instead of fetching it
@@ -187,7 +187,8 @@ class DecodeOverlap:
         self.m.settle_pending_prefetch()  # a step cut short before its settle (an exception) leaves nothing behind
         self._pending.pop(layer, None)  # (nor a k-th score noted in it)
         with self.streams.on_side():
-            # (with spare slots on the GPU, candidates and claims in one launch: HotPoolCacheManager.prefetch_above)
+            # (with spare slots on the GPU, candidates and claims in one launch and a close:
+            # HotPoolCacheManager.prefetch_above)
             scored = pf.scored(layer, scores, req_to_host_pool, req_pool_indices[:B], visible_lens[:B])
             record = FetchList(self.fetch_list.src[:B * W], self.fetch_list.dst[:B * W], self.fetch_list.count)
             self.m.prefetch_above(layer, scored, record, self._claim_counters, programs=PREFETCH_PROGRAMS,
