@@ -222,6 +222,13 @@ def _claim_above_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr
     me = tl.program_id(0).to(tl.int64)
     b = me // tiles
     p = me % tiles
+    # the words a program with candidates reads after its scan, loaded before it (no program of the launch changes
+    # them; the close launch moves the spare slots taken): their latency overlaps the logits' instead of adding to
+    # the program's chain of dependent loads and atomics (128K / 64: 3-11 us a layer less, 32K / 64: 2-4; H200,
+    # benchmarks/NOTES.md, twenty-fourth session)
+    taken = tl.load(taken_ptr)
+    stamp = tl.load(clock_ptr) - 1  # the newest entries, yet evictable in this step (a prefetch protects nothing)
+    cap = _segment_cap(seq_ptr, b, cap_fraction_ptr, cap_min, width, first_pos, T)
     # the request's most recent tile first: in program order (the interpreter's, and roughly a GPU's) each request's
     # candidates are then ranked most recent first, which is the order the cap keeps
     loc, cand = _tile_candidates(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr_ptr, margin, rpi_ptr,
@@ -231,7 +238,6 @@ def _claim_above_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr
     n_cand = tl.sum(c)
     if n_cand > 0:
         # the cap: the request's candidates ranked before this tile's are those of the programs that counted first
-        cap = _segment_cap(seq_ptr, b, cap_fraction_ptr, cap_min, width, first_pos, T)
         before = tl.atomic_add(ctr_ptr + b, n_cand, sem="relaxed").to(tl.int64)
         rank = (n_cand - tl.cumsum(c, 0)).to(tl.int64)  # 0: the tile's most recent candidate
         keep = cand & (before + rank < cap)
@@ -240,9 +246,7 @@ def _claim_above_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr
         # of the program) once every thread has stored its own
         tl.store(kept_ptr + me * KEEP + rank, loc.to(tl.int32), mask=keep)
         tl.debug_barrier()
-        taken = tl.load(taken_ptr)
         avail = num_spare - taken
-        stamp = tl.load(clock_ptr) - 1  # the newest entries, yet evictable in this step (a prefetch protects nothing)
         # (no spare slot left: every claim would be given back, so none is made)
         for j0 in range(0, tl.where(avail > 0, n_keep, 0), ROWS):
             j = j0 + tl.arange(0, ROWS)
