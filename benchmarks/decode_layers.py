@@ -58,6 +58,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -222,9 +223,9 @@ def stack_topk(topk, ordered: bool = False):
 
 def build_ess(pools: Pools, cfg: Config, slots: int, modes, prefetch: bool, spare: int = 0, margin: float = 0.0,
               resolve_pdl: bool | None = None, prefetch_pdl: bool | None = None, topk="torch", ordered: bool = False,
-              **options) -> EssDecodeStack:
+              refill_interval: int = 1, **options) -> EssDecodeStack:
     m = HotPoolCacheManager(pools.host, slots, max_selected=cfg.batch * TOP_K, spare_slots=spare,
-                            resolve_pdl=resolve_pdl)
+                            resolve_pdl=resolve_pdl, refill_interval=refill_interval)
     per_layer = options.get("prefetch_layers")
     pf = EchoPrefetcher(cfg.layers, cfg.batch, cfg.width, device="cuda", margin=margin, pdl=prefetch_pdl) \
         if prefetch or any(per_layer or ()) else None
@@ -281,7 +282,10 @@ def run_variant(stack, cfg: Config, queries, warm: int, is_ess: bool, all_reside
     for s in range(warm, cfg.steps):
         cfg.load_step(s, queries)
         times.append(replay_us(graph))
-    out = {"step_us": statistics.median(times), "layer_us": statistics.median(times) / cfg.layers}
+    # the median, and the mean, which counts the share of work that runs in some steps only (a refill interval's);
+    # without the graph's first replay, which ran 200-300 us longer than the others at 128K / 64 (H200)
+    out = {"step_us": statistics.median(times), "layer_us": statistics.median(times) / cfg.layers,
+           "step_us_mean": statistics.fmean(times[1:] or times), "steps_us": [round(t, 1) for t in times]}
     if is_ess:
         c = stack.m.counters.cpu()
         look = int(c[:, Counter.LOOKUPS].sum())
@@ -345,6 +349,12 @@ def stack_knobs(args) -> dict:
                 last_chunk_priority=args.last_chunk_priority, last_chunk_prefetch=args.last_chunk_prefetch == "on",
                 prefetch_claim=args.prefetch_claim, chunk_indexer_tiles=args.chunk_indexer_tiles,
                 refill_priority=args.refill_priority)
+
+
+def ess_knobs(args) -> dict:
+    """`build_ess`'s keywords every ESS variant of a run takes from the command line: `stack_knobs`, and the cache
+    manager's refill interval (the run's meta records both)."""
+    return dict(stack_knobs(args), refill_interval=args.refill_interval)
 
 
 class SelectionLog:
@@ -440,7 +450,7 @@ def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 
                       prefetch_pdl: bool | None = None, topk="torch", **knobs) -> dict:
     """Eager steps from the same state: ESS modes against the all-HBM stack (whole-batch and split attention), every
     stack with the run's top-k, each stack's selections recorded (`SelectionLog`) and compared with the all-HBM
-    stack's. `knobs`: `stack_knobs` of the run."""
+    stack's. `knobs`: `ess_knobs` of the run."""
     res = {}
     hbm_log = SelectionLog(stack_topk(topk, True))
     hbm = HbmDecodeStack(pools.latents, pools.index_cache, cfg.width,
@@ -534,7 +544,7 @@ def run_config(pools, layers, context, batch, hit, args, timings, timings_spare)
     rows.append(dict(base, variant="hbm", **t_hbm, ratio=1.0))
     sync_misses = None
     options = dict(dba_split=args.dba_split, overlap_programs=args.overlap_programs, topk=args.topk_impl,
-                   **stack_knobs(args))
+                   **ess_knobs(args))
     for spare_size, mode in [(f, m) for f in args.spare for m in args.modes]:
         variant = f"{mode}+spare" if spare_size else mode
         if spare_size == "auto" and sync_misses is None:
@@ -713,6 +723,9 @@ def main(argv=None) -> int:
     p.add_argument("--refill-priority", default="high", choices=["high", "normal"],
                    help="spare slots: the refill's launches on the high-priority side stream, or at the main "
                    "stream's priority")
+    p.add_argument("--refill-interval", type=int, default=1,
+                   help="spare slots: refill each layer's in every step (1), or in every K-th step of the layer (the "
+                   "layers in turn) and whenever fewer than 1/K of them are left; size --spare to K steps' misses")
     p.add_argument("--prefetch-claim", default="one_launch", choices=["one_launch", "separate"],
                    help="prefetch with spare slots: each chunk's candidates found and their spare slots claimed in "
                    "one kernel (then a one-program close), or the candidate kernels then the spare-only claim (six "
@@ -740,6 +753,8 @@ def main(argv=None) -> int:
             args.spare[0] != 0 and ("layerwise" in args.modes or "auto" in args.spare):
         p.error("--spare: distinct fractions in [0, 1) or 'auto'; with layerwise or auto, the first must be 0 (the "
                 "profile and the auto size need the sync run without spare slots)")
+    if args.refill_interval < 1:
+        p.error(f"--refill-interval: must be >= 1, got {args.refill_interval}")
 
     def known(mode: str) -> bool:
         try:
@@ -803,6 +818,11 @@ def main(argv=None) -> int:
             timings = timings.model_copy(update={"measured": load_calibration(runs, **same_as_this_run)})
         except CalibrationError as exc:
             p.error(f"--calibration: {exc}")
+        if any(args.spare):  # layerwise+spare: the calibration's spare slots must have been refilled as this run's
+            theirs = (json.loads(Path(runs[0]).read_text()).get("meta") or {}).get("refill_interval", 1)
+            if theirs != args.refill_interval:
+                p.error(f"--calibration: {runs[0]} refilled its spare slots every {theirs} steps "
+                        f"(meta.refill_interval), this run every {args.refill_interval}: its times do not apply")
         timings_spare = timings  # layerwise+spare: the calibration's runs with spare slots, where it has them
         if any(args.spare):
             try:
@@ -834,7 +854,7 @@ def main(argv=None) -> int:
         pools, cfg0, slots0, cfg0.queries(rho0), args.warm,
         spare_fraction=fixed[0] if fixed else 0.08 if "auto" in args.spare else 0.0, margin=args.prefetch_margin,
         prefetch_fractions=args.prefetch_fractions, resolve_pdl=args.resolve_pdl, prefetch_pdl=args.prefetch_pdl,
-        topk=args.topk_impl, **stack_knobs(args)))
+        topk=args.topk_impl, **ess_knobs(args)))
     print("correctness:", json.dumps(correctness), flush=True)
     rows = []
     os.makedirs(args.out, exist_ok=True)
@@ -846,7 +866,7 @@ def main(argv=None) -> int:
                 spare=args.spare,
                 prefetch_margin=args.prefetch_margin, prefetch_fractions=args.prefetch_fractions,
                 new_tokens_per_step=True,  # each step's new tokens its own (before: one new key and latent every step)
-                resolve_pdl=args.resolve_pdl, prefetch_pdl=args.prefetch_pdl, **stack_knobs(args),
+                resolve_pdl=args.resolve_pdl, prefetch_pdl=args.prefetch_pdl, **ess_knobs(args),
                 calibration=timings.measured.source if timings.measured is not None else None,
                 calibration_prefetch_margin=timings.measured.prefetch_margin if timings.measured is not None else None,
                 calibration_spare=timings_spare.measured.source if timings_spare.measured is not None else None)

@@ -170,7 +170,7 @@ class HotPoolCacheManager:
     def __init__(self, host_pool: HostTotalPool, slots_per_layer: int, device: torch.device | str | None = None,
                  max_selected: int = 0, copy_impl: str = "auto", resolve_impl: str = "auto",
                  hot_entries: torch.Tensor | Sequence[torch.Tensor] | None = None, spare_slots: int = 0,
-                 resolve_pdl: bool | None = None):
+                 resolve_pdl: bool | None = None, refill_interval: int = 1):
         """`max_selected` sizes scratch tensors for the largest selection (batch x q_tokens x top_k) one call sees.
 
         `resolve_impl`: "triton" (the fused kernels of ess_sglang.kernels.resolve), "torch" (plain torch ops, the
@@ -183,6 +183,10 @@ class HotPoolCacheManager:
         `spare_slots`: free slots per layer that `refill_spares` keeps set aside for the resolves (0: none, every
         miss evicts at its resolve). Size it to the misses of one step of a layer: more holds fewer entries resident,
         fewer leaves the excess to an LRU scan at resolve time.
+        `refill_interval`: `refill_spares` refills a layer's spare slots in every step (1), or in every K-th step of
+        the layer, the layers in turn (layer l where clock + l is a multiple of K), and in any step where fewer than
+        1/K of them are left: the two pool scans of a refill then run in 1/K of the steps. Size the spare slots to K
+        steps' misses.
         `resolve_pdl`: the fused resolve's kernels after its lookup use programmatic dependent launch (sm_90+, the
         Triton path only; 5-7 us a layer less at batch 64-128 / 32K together with the side-stream threshold update,
         benchmarks/RESULTS.md). None: wherever it can (the Triton resolve on a GPU of compute capability 9.0+).
@@ -192,6 +196,8 @@ class HotPoolCacheManager:
         if isinstance(spare_slots, bool) or not isinstance(spare_slots, int) or not 0 <= spare_slots < slots_per_layer:
             raise ValueError(f"spare_slots must be an integer in [0, slots_per_layer = {slots_per_layer}), "
                              f"got {spare_slots!r}")
+        if isinstance(refill_interval, bool) or not isinstance(refill_interval, int) or refill_interval < 1:
+            raise ValueError(f"refill_interval must be an integer >= 1, got {refill_interval!r}")
         dev = torch.device(device) if device is not None else host_pool.device
         resolve_impl, resolve_pdl = resolve_settings(resolve_impl, resolve_pdl, dev)
         self.host = host_pool
@@ -211,6 +217,7 @@ class HotPoolCacheManager:
         self.clock = torch.zeros((), dtype=torch.int64, device=dev)
         self.counters = torch.zeros((L, len(Counter)), dtype=torch.int64, device=dev)
         self.num_spare = spare_slots
+        self.refill_interval = refill_interval
         # spare[layer, spare_taken[layer]:num_spare] are free slots to take (all taken, i.e. none, until a refill);
         # one sink element at the end, like the maps
         self.spare = torch.full((L, spare_slots + 1), -1, dtype=torch.int32, device=dev)
@@ -721,21 +728,25 @@ class HotPoolCacheManager:
 
     def refill_spares(self, layer: int) -> None:
         """Replace the layer's spare slots taken since the last refill with its least-recently-used unprotected
-        slots, evicted (fewer when fewer are evictable; the next refill tries again). Nothing is copied; no host
-        synchronisation. Entries selected in this step (and new tokens' reserved slots) are protected, so it may run
-        while attention reads this step's slots. On the fused path it shares its scratch with every resolve and
-        prefetch: order it with them (the decode stack queues it on its side stream, behind which the next layer's
-        prefetches queue, and joins that stream before the next exact resolve)."""
+        slots, evicted (fewer when fewer are evictable; the next refill tries again), when the refill is due
+        (`refill_due`; otherwise nothing changes). Nothing is copied; no host synchronisation. Entries selected in
+        this step (and new tokens' reserved slots) are protected, so it may run while attention reads this step's
+        slots. On the fused path it shares its scratch with every resolve and prefetch: order it with them (the
+        decode stack queues it on its side stream, behind which the next layer's prefetches queue, and joins that
+        stream before the next exact resolve)."""
         if self.num_spare == 0:
             return
+        K, phase = self.refill_interval, layer % self.refill_interval
         if self._fused is not None:
             self._fused.refill(l2s=self.loc_to_slot[layer], s2l=self.slot_to_loc[layer], stamp=self.slot_stamp[layer],
                                clock=self.clock, counters=self.counters[layer], counter_ids=_COUNTER_IDS,
-                               spare=self.spare[layer], spare_taken=self.spare_taken[layer:layer + 1])
+                               spare=self.spare[layer], spare_taken=self.spare_taken[layer:layer + 1], phase=phase,
+                               interval=K)
             return
         R = self.num_spare
         taken = self.spare_taken[layer]
-        victims = self._take_victims(layer, taken, R)  # in the order the resolve's scan would take them
+        need = torch.where(self.refill_due(layer), taken, 0)
+        victims = self._take_victims(layer, need, R)  # in the order the resolve's scan would take them (none: -1)
         got = victims >= 0
         found = got.sum()
         at = self._evict_owners(layer, victims, got)
@@ -745,6 +756,14 @@ class HotPoolCacheManager:
         place = torch.where(got, taken - found + torch.arange(R, device=self.device), R)
         self.spare[layer].scatter_(0, place, victims.to(torch.int32))
         self.spare_taken[layer] = taken - found
+
+    def refill_due(self, layer: int) -> torch.Tensor:
+        """Whether the layer's refill runs in this step (a 0-dim bool on the device): with refill interval K, in the
+        steps where clock + layer is a multiple of K, and in any step where fewer than num_spare / K spare slots are
+        left (taken x K > num_spare x (K - 1)); with K = 1 in every step."""
+        K = self.refill_interval
+        taken = self.spare_taken[layer]
+        return ((self.clock + layer % K) % K == 0) | (taken * K > self.num_spare * (K - 1))
 
     def _take_victims(self, layer: int, n_need: torch.Tensor, max_need: int) -> torch.Tensor:
         """The `n_need` least-recently-used unprotected slots, as a list of `max_need` (int64, -1 padded).

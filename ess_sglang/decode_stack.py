@@ -47,9 +47,11 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
              hides more, but FlashMLA's split-KV schedule depends on the batch size, so half-batch attention can
              differ from whole-batch attention by rounding; the all-HBM stack given the same split is
              bit-identical).
-    6. [spare slots] the layer's spare slots taken in this step are refilled (`HotPoolCacheManager.refill_spares`:
-       the LRU scans a resolve would otherwise run, evicting ahead), queued last on the side stream, beside
-       attention (`refill_priority="normal"`: at the main stream's priority, joined into the side stream);
+    6. [spare slots] the layer's spare slots taken since its last refill are refilled when it is due: every step, or
+       with the manager's `refill_interval` K every K-th step of the layer and whenever fewer than 1/K are left
+       (`HotPoolCacheManager.refill_spares`: the LRU scans a resolve would otherwise run, evicting ahead; when not
+       due its launches return at once), queued last on the side stream, beside attention
+       (`refill_priority="normal"`: at the main stream's priority, joined into the side stream);
     7. the main stream waits for the side stream before the layer ends (for all of it but the refill, which nothing
        before the layer's next step reads; the step's end waits for everything).
 

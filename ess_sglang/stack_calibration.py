@@ -267,14 +267,14 @@ COMPARABLE_META = ("layers", "warm", "steps", "ratio", "pool_batch", "dba_split"
                    "device", "prefetch_indexer", "prefetch_fractions", "prefetch_split", "new_tokens_per_step",
                    "threshold_update", "resolve_pdl", "prefetch_pdl", "last_chunk_programs", "last_chunk_margin",
                    "last_chunk_priority", "last_chunk_prefetch", "overlap_copy_rows", "prefetch_claim",
-                   "chunk_indexer_tiles", "refill_priority")
+                   "chunk_indexer_tiles", "refill_priority", "refill_interval")
 """`meta` keys of a decode-stack run that the two runs of a margin calibration must share (what else they measure
 with), besides the margin itself."""
 
 
 META_DEFAULTS = {"prefetch_split": "rows", "new_tokens_per_step": False, "last_chunk_prefetch": True,
                  "overlap_copy_rows": 8, "prefetch_claim": "separate", "prefetch_indexer": "serial",
-                 "chunk_indexer_tiles": None, "refill_priority": "high"}
+                 "chunk_indexer_tiles": None, "refill_priority": "high", "refill_interval": 1}
 """What a run's meta key meant before the key was recorded (older runs lack it; chunk_indexer_tiles None: every
 chunk's launch had the indexer kernel's own tiles a program)."""
 

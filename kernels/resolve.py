@@ -39,8 +39,10 @@ resolve fetches them if selected) and clears the rest of the fetch list; a one-p
 Three launches instead of five beside the indexer and the top-k, none of them over the pool.
 
 With no spare slots (the default) every winner overflows and the resolve is the plain LRU one. With enough of them,
-K2-K4 find nothing to do and return at once: the two pool scans run instead in `refill`, once per layer and step,
-off the critical path (the decode stack queues it beside attention):
+K2-K4 find nothing to do and return at once: the two pool scans run instead in `refill`, off the critical path
+(the decode stack queues it beside attention), in every step or, with a refill interval K, in every K-th step of a
+layer (the layers in turn) and whenever fewer than 1/K of its spare slots are left; a refill that is not due returns
+at once:
 
     R2 ages, R3 victims (as K2, K3, for the number of spare slots taken since the last refill), R4: evict each victim
     (its token's map entry cleared, the eviction counted), mark it spare, put it back in the spare list; R5 the
@@ -92,12 +94,13 @@ def _pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
-def _victims_needed(scr_ptr, taken_ptr, num_spare, REFILL: tl.constexpr):
-    """Victims the LRU scan must find: a refill replaces the spare slots taken; a resolve needs one per winner the
-    spare slots left did not cover."""
+def _victims_needed(scr_ptr, taken_ptr, num_spare, clock_ptr, phase, interval, REFILL: tl.constexpr):
+    """Victims the LRU scan must find: a refill replaces the spare slots taken, when it is due (`refill_due`); a
+    resolve needs one per winner the spare slots left did not cover."""
     taken = tl.load(taken_ptr)
     if REFILL:
-        return taken
+        due = ((tl.load(clock_ptr) + phase) % interval == 0) | (taken * interval > num_spare * (interval - 1))
+        return tl.where(due, taken, 0)
     return tl.maximum(tl.load(scr_ptr + SCR_MISS).to(tl.int64) - (num_spare - taken), 0)
 
 
@@ -189,11 +192,12 @@ def _age(stamp_ptr, s, ms, clock, A: tl.constexpr):
 
 
 @triton.jit
-def _ages_kernel(stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, num_slots, per, REFILL: tl.constexpr,
-                 A: tl.constexpr, SBLOCK: tl.constexpr, PDL: tl.constexpr):
+def _ages_kernel(stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, num_slots, per, phase, interval,
+                 REFILL: tl.constexpr, A: tl.constexpr, SBLOCK: tl.constexpr, PDL: tl.constexpr):
     # each program scans `per` consecutive blocks of SBLOCK slots (one, or a few over a short grid)
     _pdl_enter(PDL)
-    if _victims_needed(scr_ptr, taken_ptr, num_spare, REFILL) > 0:  # else every program returns at once
+    need = _victims_needed(scr_ptr, taken_ptr, num_spare, clock_ptr, phase, interval, REFILL)
+    if need > 0:  # else every program returns at once
         clock = tl.load(clock_ptr)
         hist = tl.zeros((A,), tl.int32)
         for k in range(0, per):
@@ -205,12 +209,12 @@ def _ages_kernel(stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, num_slots,
 
 
 @triton.jit
-def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, taken_ptr, num_spare, num_slots, per,
-                    REFILL: tl.constexpr, A: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, taken_ptr, num_spare, num_slots, per, phase,
+                    interval, REFILL: tl.constexpr, A: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # each program scans `per` consecutive blocks of BLOCK slots, in order (so that under the interpreter the victim
     # list comes out in slot order whatever the grid)
     _pdl_enter(PDL)
-    need = _victims_needed(scr_ptr, taken_ptr, num_spare, REFILL)
+    need = _victims_needed(scr_ptr, taken_ptr, num_spare, clock_ptr, phase, interval, REFILL)
     if need > 0:  # none needed: no victims, and no stamp is read
         a = tl.arange(0, A)
         hist = tl.load(scr_ptr + SCR_HIST + a)
@@ -472,8 +476,10 @@ class FusedResolver:
         """Launch arguments of a resolve kernel: `pdl_launch`, where the resolver uses PDL."""
         return pdl_launch(on and self.pdl)
 
-    def _scans(self, stamp: torch.Tensor, clock: torch.Tensor, spare_taken: torch.Tensor, refill: bool) -> None:
-        """K2 + K3 (R2 + R3): the LRU victims, when any are needed (otherwise both launches return at once).
+    def _scans(self, stamp: torch.Tensor, clock: torch.Tensor, spare_taken: torch.Tensor, refill: bool,
+               phase: int = 0, interval: int = 1) -> None:
+        """K2 + K3 (R2 + R3): the LRU victims, when any are needed (otherwise both launches return at once; a refill
+        needs them when it is due: `phase` and `interval` as `refill`'s).
 
         A refill, and a resolve without spare slots (every miss overflows), scan the pool in one program per block
         (a refill: unless `refill_age_programs` / `refill_victim_programs` give a grid). A resolve with spare slots
@@ -491,12 +497,12 @@ class FusedResolver:
             return per, triton.cdiv(blocks, per)
 
         per, programs = per_program(self.age_block, self.refill_age_programs if refill else resolve_grid)
-        _ages_kernel[(programs,)](stamp, clock, self.scratch, spare_taken, self.num_spare, S, per, REFILL=refill,
-                                  A=AGE_BUCKETS, SBLOCK=self.age_block, num_warps=self.age_warps,
+        _ages_kernel[(programs,)](stamp, clock, self.scratch, spare_taken, self.num_spare, S, per, phase, interval,
+                                  REFILL=refill, A=AGE_BUCKETS, SBLOCK=self.age_block, num_warps=self.age_warps,
                                   **self._pdl(not refill))
         per, programs = per_program(self.victim_block, self.refill_victim_programs if refill else resolve_grid)
         _victims_kernel[(programs,)](stamp, clock, self.scratch, self.victims, spare_taken, self.num_spare, S, per,
-                                     REFILL=refill, A=AGE_BUCKETS, BLOCK=self.victim_block,
+                                     phase, interval, REFILL=refill, A=AGE_BUCKETS, BLOCK=self.victim_block,
                                      num_warps=self.victim_warps, **self._pdl(not refill))
 
     def run(self, *, src: torch.Tensor, mode: int, l2s: torch.Tensor, s2l: torch.Tensor, stamp: torch.Tensor,
@@ -581,12 +587,14 @@ class FusedResolver:
 
     def refill(self, *, l2s: torch.Tensor, s2l: torch.Tensor, stamp: torch.Tensor, clock: torch.Tensor,
                counters: torch.Tensor, counter_ids: dict[str, int], spare: torch.Tensor,
-               spare_taken: torch.Tensor) -> None:
+               spare_taken: torch.Tensor, phase: int = 0, interval: int = 1) -> None:
         """Replace the spare slots taken since the last refill with the least-recently-used unprotected slots
-        (evicted; fewer when fewer are evictable). Four launches, no host synchronisation."""
+        (evicted; fewer when fewer are evictable), when the refill is due: in the steps whose clock + `phase` is a
+        multiple of `interval`, or when fewer than num_spare / interval spare slots are left (with interval 1: every
+        step). Otherwise every launch returns at once. Four launches, no host synchronisation."""
         if self.num_spare == 0:
             return
-        self._scans(stamp, clock, spare_taken, refill=True)
+        self._scans(stamp, clock, spare_taken, refill=True, phase=phase, interval=interval)
         _refill_kernel[(self.refill_programs,)](self.scratch, self.victims, l2s, s2l, stamp, spare, spare_taken,
                                                 counters, C_EVICT=counter_ids["EVICTIONS"], ROWS=ROWS * 8,
                                                 num_warps=NUM_WARPS)

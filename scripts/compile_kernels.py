@@ -115,10 +115,11 @@ check(kp._settle_kernel, dict(src_ptr=P64, dst_ptr=P64, count_ptr=P64, n=I64, s2
                               clock_ptr=P64, cnt_ptr=P64), dict(C_USEFUL=11, C_WASTED=12, BLOCK=1024))
 for refill in (False, True):
     check(kr._ages_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, taken_ptr=P64, num_spare=I64,
-                                num_slots=I64, per=I32), dict(REFILL=refill, A=256, SBLOCK=1024, PDL=not refill))
+                                num_slots=I64, per=I32, phase=I32, interval=I32),
+          dict(REFILL=refill, A=256, SBLOCK=1024, PDL=not refill))
     check(kr._victims_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, victims_ptr=P32, taken_ptr=P64,
-                                   num_spare=I64, num_slots=I64, per=I32), dict(REFILL=refill, A=256, BLOCK=512,
-                                                                                PDL=not refill))
+                                   num_spare=I64, num_slots=I64, per=I32, phase=I32, interval=I32),
+          dict(REFILL=refill, A=256, BLOCK=512, PDL=not refill))
     for spare_only, pend, close in ((False, False, True), (False, True, True), (True, True, False), (True, True, True)):
         if refill and (spare_only or pend):
             continue

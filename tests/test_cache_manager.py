@@ -16,12 +16,13 @@ def impl(request):
     return request.param
 
 
-def make(layers=2, tokens=2048, slots=256, lengths=(300, 500), seed=0, copy_impl="auto", impl="torch", spare=0):
+def make(layers=2, tokens=2048, slots=256, lengths=(300, 500), seed=0, copy_impl="auto", impl="torch", spare=0,
+         refill_interval=1):
     host = HostTotalPool(layers, tokens, device="cpu")
     host.entries.copy_(torch.randint(0, 256, host.entries.shape, dtype=torch.uint8,
                                      generator=torch.Generator().manual_seed(seed)))
     m = HotPoolCacheManager(host, slots, device="cpu", max_selected=1024, copy_impl=copy_impl, resolve_impl=impl,
-                            spare_slots=spare)
+                            spare_slots=spare, refill_interval=refill_interval)
     table = RequestTable(8, 1024)
     rows = []
     for n in lengths:
@@ -217,8 +218,9 @@ def test_shapes_are_checked(impl):
         m.resolve(0, torch.zeros(2, 1, 8, dtype=torch.int32), table.req_to_token, rpi, sl[:1])
 
 
-@pytest.mark.parametrize("small_blocks,spare", [(False, 0), (True, 0), (False, 24), (True, 24), (True, 120)])
-def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, spare):
+@pytest.mark.parametrize("small_blocks,spare,interval", [(False, 0, 1), (True, 0, 1), (False, 24, 1), (True, 24, 1),
+                                                         (True, 120, 1), (True, 24, 3), (False, 120, 4)])
+def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, spare, interval):
     """A random mix of every operation on both paths: every map, stamp, counter and hot entry equal, every step.
 
     (Triton's interpreter runs programs in order, so even the order of the miss and victim lists matches.)
@@ -226,10 +228,12 @@ def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, 
     ages or victims of their own skip the shared atomics; with spare slots a resolve's scans, and with 24 a refill's
     victim scan, in a short grid whose programs walk several blocks), and the lookup copying only the first 8 misses
     (the assign kernel copies the spare-slot winners after those). `spare`: spare slots per layer, refilled after each
-    layer's resolve (24: fewer than the misses of most resolves, so the rest take LRU victims; 120: most covered).
+    layer's resolve (24: fewer than the misses of most resolves, so the rest take LRU victims; 120: most covered),
+    when due (`interval`: a refill interval, so that most refills are not due, and some are for want of spare slots).
     """
     g = torch.Generator().manual_seed(7)
-    pair = [make(slots=320, lengths=(300, 500, 250), seed=5, impl=impl, spare=spare) for impl in ("torch", "triton")]
+    pair = [make(slots=320, lengths=(300, 500, 250), seed=5, impl=impl, spare=spare, refill_interval=interval)
+            for impl in ("torch", "triton")]
     if small_blocks:
         f = pair[1][0]._fused
         f.age_block, f.victim_block, f.lookup_block = 64, 32, 16
@@ -631,6 +635,45 @@ def test_spare_slots_run_out_and_the_resolve_scans_for_the_rest(impl):
     c = m.counters[0]
     assert int(c[Counter.MISSES]) == 120 + 40 and int(c[Counter.EVICTIONS]) == 40 - 8 and int(c[Counter.OVERFLOW]) == 0
     m.check_invariants()
+
+
+def test_a_refill_interval_refills_each_layer_in_its_turn_or_when_few_spare_slots_are_left(impl):
+    """With refill interval 3, layer l refills in the steps where clock + l is a multiple of 3 (nothing changes in
+    the others), and in any step where fewer than a third of its spare slots are left."""
+    m, host, table, rpi, sl = make(layers=2, slots=128, impl=impl, spare=12, refill_interval=3)
+    assert bool((m.spare_taken == 12).all())  # none until a refill: every layer is short of spare slots, so due
+    first = 0
+    for clock in range(1, 8):
+        m.begin_step()
+        for layer in range(2):
+            m.resolve(layer, _positions(range(first, first + 2)), table.req_to_token, rpi, sl)  # 2 misses a step
+        first += 2
+        before = m.spare_taken.clone()
+        due = [bool(m.refill_due(layer)) for layer in range(2)]
+        for layer in range(2):
+            m.refill_spares(layer)
+        for layer in range(2):
+            in_turn = (clock + layer) % 3 == 0
+            assert due[layer] == (in_turn or int(before[layer]) * 3 > 12 * 2), (clock, layer)
+            assert int(m.spare_taken[layer]) == (0 if due[layer] else int(before[layer])), (clock, layer)
+        m.check_invariants()
+    # layer 0: refilled at clock 1 (none left), 3 and 6; layer 1: at clock 1, 2 and 5 (in turn, 2 taken a step)
+    assert [int(t) for t in m.spare_taken] == [2, 4]
+    m.begin_step()  # clock 8: layer 0 is not in turn
+    m.resolve(0, _positions(range(first, first + 6)), table.req_to_token, rpi, sl)  # 6 misses: 8 taken, 4 left
+    assert int(m.spare_taken[0]) == 8 and not bool(m.refill_due(0))  # 4 left: not fewer than a third
+    m.resolve(0, _positions(range(first + 6, first + 7)), table.req_to_token, rpi, sl)  # one more: 3 left
+    assert bool(m.refill_due(0))
+    m.refill_spares(0)
+    assert int(m.spare_taken[0]) == 0
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 1.5, "2"])
+def test_bad_refill_interval_fails_before_any_allocation(bad):
+    host = HostTotalPool(1, 64, device="cpu")
+    with pytest.raises(ValueError, match="refill_interval must be an integer >= 1"):
+        HotPoolCacheManager(host, 256, device="cpu", spare_slots=8, refill_interval=bad)
 
 
 @pytest.mark.parametrize("bad", [-1, 256, 300, True, 2.5, "8"])

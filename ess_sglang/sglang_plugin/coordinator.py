@@ -125,13 +125,13 @@ class LayerViews:
 
 def build_cache_manager(host: HostPoolView, slots: int, hot_views: LayerViews, device: torch.device,
                         max_selected: int, copy_impl: str = "auto", resolve_impl: str = "auto",
-                        spare_slots: int = 0, resolve_pdl: bool | None = None):
+                        spare_slots: int = 0, resolve_pdl: bool | None = None, refill_interval: int = 1):
     """A HotPoolCacheManager whose hot pools are `hot_views` (regions of SGLang's device pool)."""
     from ess_sglang.cache_manager import HotPoolCacheManager
 
     return HotPoolCacheManager(host, slots, device=device, max_selected=max_selected, copy_impl=copy_impl,
                                resolve_impl=resolve_impl, hot_entries=hot_views, spare_slots=spare_slots,
-                               resolve_pdl=resolve_pdl)
+                               resolve_pdl=resolve_pdl, refill_interval=refill_interval)
 
 
 def _contiguous(indices: torch.Tensor) -> int | None:
@@ -217,7 +217,8 @@ class EssCoordinator:
         self.overlap_plan = echo.plan(config, L, top_k, self.max_running_requests, hot_slots_per_layer, page)
         self.manager = build_cache_manager(self.host, hot_slots_per_layer, views, dev, max_selected=rows * top_k,
                                            copy_impl=copy_impl, resolve_impl=resolve_impl,
-                                           spare_slots=self.overlap_plan.spare_slots, resolve_pdl=self.resolve_pdl)
+                                           spare_slots=self.overlap_plan.spare_slots, resolve_pdl=self.resolve_pdl,
+                                           refill_interval=config.spare_refill_interval)
         self.max_selected = rows * top_k
         self.overlap = echo.DecodeOverlap(self.manager, self.overlap_plan, rows, width, rows, config)
 

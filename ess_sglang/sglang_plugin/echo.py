@@ -82,7 +82,8 @@ class OverlapPlan:
 def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: int, hot_slots_per_layer: int,
          page_size: int) -> OverlapPlan:
     """Prefetching layers, their threshold margins and spare slots per layer, from ``prefetch_overlap_level``,
-    ``overlap_profile``, ``prefetch_threshold_margin`` and ``spare_slot_fraction``. Without a profile, level
+    ``overlap_profile``, ``prefetch_threshold_margin``, ``spare_slot_fraction`` and ``spare_refill_interval`` (the
+    automatic spare size covers that many steps). Without a profile, level
     ``auto`` (the default) prefetches in no layer and ``full`` in every one: in the decode harness's last three tables,
     this one-chunk prefetch with spare slots was slower than no prefetch without them in 13, 14 and 14 of 18
     configurations at batch 16-128 (benchmarks/RESULTS.md, eighteenth to twentieth sessions), and a profile
@@ -124,7 +125,7 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
         layers, why = [True] * num_layers, "prefetch_overlap_level full without an overlap_profile"
     fraction = config.spare_slot_fraction
     if fraction is None:
-        fraction = AUTO_SPARE_FRACTION if any(layers) else 0.0
+        fraction = AUTO_SPARE_FRACTION * config.spare_refill_interval if any(layers) else 0.0
     wanted = math.ceil(fraction * top_k * max_running_requests / page_size) * page_size
     cap = int(hot_slots_per_layer * MAX_SPARE_SHARE) // page_size * page_size
     spare = min(wanted, cap)
@@ -132,6 +133,8 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
     note = (f"ECHO prefetch in {sum(layers)} of {num_layers} layers ({why})"
             + (f", threshold margin {' / '.join(f'{m:g}' for m in with_margin)}" if with_margin else "")
             + f"; {spare} spare slots per layer"
+            + (f", refilled every {config.spare_refill_interval} steps" if spare and config.spare_refill_interval > 1
+               else "")
             + (f" (asked {wanted}, capped at 1/8 of the hot pool)" if spare < wanted else ""))
     return OverlapPlan(tuple(layers), spare, note, tuple(float(m) for m in margins))
 

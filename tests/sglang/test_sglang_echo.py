@@ -50,6 +50,11 @@ def test_plan_levels_and_spare_slots():
     assert _plan(prefetch_overlap_level="full", spare_slot_fraction=0.1).spare_slots == 13120  # 0.1 x 2048 x 64
     assert _plan(prefetch_overlap_level="none", spare_slot_fraction=0.05).spare_slots == 6592  # spares without prefetch
     assert _plan(spare_slot_fraction=0.05).spare_slots == 6592
+    # refilled every 4th step: the automatic size covers 4 steps (1/4 of top_k x requests), the note says so
+    every4 = _plan(prefetch_overlap_level="full", spare_refill_interval=4)
+    assert every4.spare_slots == 32768 and "refilled every 4 steps" in every4.note
+    with pytest.raises(ValueError, match="spare_refill_interval"):
+        _plan(spare_refill_interval=0)
     capped = _plan(prefetch_overlap_level="full", hot=20_000)  # at most 1/8 of the hot pool, in whole pages
     assert capped.spare_slots == 2496 and "capped" in capped.note
     with pytest.raises(ValueError, match="prefetch_overlap_level: da needs dual attention"):
