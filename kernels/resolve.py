@@ -438,8 +438,12 @@ class FusedResolver:
         # persistent programs of the assign kernel (without, with the inline copy): 4 and 1 per SM, the best measured
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
         self.assign_programs = assign_programs or (4 * sms, sms)
-        # programs of the refill's evictions: few, since it runs beside attention (which wants the SMs)
+        # programs of the refill's evictions per step of its interval: few, since it runs beside attention and the
+        # next indexer (which want the SMs); a refill every K-th step evicts K steps' victims, over K times as many
+        # (16 a step: at 128K / 64 with K = 4, 64 programs took 2.2-2.3 us a layer less than 16, whose evictions
+        # ran 31 us, after attention in the last layer: H200, benchmarks/NOTES.md, twenty-fourth session)
         self.refill_programs = 16 if device.type == "cuda" else 2
+        self.max_refill_programs = sms
         # Slots per block and warps of the two launches over the pool (age histogram, victim scan), the best of a
         # sweep over pools of 164K-3.4M slots at batch 64 (benchmarks/NOTES.md): small blocks, now that blocks
         # without ages or victims of their own skip the shared atomics
@@ -595,9 +599,9 @@ class FusedResolver:
         if self.num_spare == 0:
             return
         self._scans(stamp, clock, spare_taken, refill=True, phase=phase, interval=interval)
-        _refill_kernel[(self.refill_programs,)](self.scratch, self.victims, l2s, s2l, stamp, spare, spare_taken,
-                                                counters, C_EVICT=counter_ids["EVICTIONS"], ROWS=ROWS * 8,
-                                                num_warps=NUM_WARPS)
+        programs = min(self.refill_programs * interval, self.max_refill_programs)
+        _refill_kernel[(programs,)](self.scratch, self.victims, l2s, s2l, stamp, spare, spare_taken, counters,
+                                    C_EVICT=counter_ids["EVICTIONS"], ROWS=ROWS * 8, num_warps=NUM_WARPS)
         _finish_kernel[(1,)](self.locs, self.took_slot, l2s, stamp, clock, self.scratch, spare_taken, self.num_spare,
                              0, self.num_slots, self.over_loc, self.over_loc, self.over_loc, REFILL=True,
                              SPARE_ONLY=False, PEND=False, CLOSE=True, STAMP_BACK=0, SCR=SCR_SIZE, BLOCK=16,
