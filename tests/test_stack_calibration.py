@@ -489,7 +489,7 @@ def test_committed_sglang_topk_profile_records_its_chunks_and_is_reproducible(tm
     name = "smollm2-135m_ratio0.2_h200-sglang-topk.yaml"
     prof = load_profile(ROOT / "configs" / "overlap" / name, num_layers=30)
     m = prof.device.measured
-    assert m.topk == "sglang" and m.prefetch_margin == 0.01 and "session31" in m.source
+    assert m.topk == "sglang" and m.prefetch_margin == 0.01 and "session32" in m.source
     assert m.prefetch_chunking == PrefetchChunking(fractions=(0.5, 0.3, 0.2), split="positions", indexer="chained",
                                                    last_chunk_prefetch=False, indexer_tiles=1)
     assert set(prof.modes()) <= {"prefetch2", "prefetch3", "prefetch2_margin", "prefetch3_margin"}
