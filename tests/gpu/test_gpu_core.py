@@ -43,13 +43,14 @@ def test_flashtrans_full_size_both_directions():
     assert torch.equal(host.entries[0][rows.cpu()], payload.cpu())
 
 
-def _setup(layers=3, lengths=(3000, 5000, 4000, 2000), slots=4096, top_k=512, impl="triton", spare=0):
+def _setup(layers=3, lengths=(3000, 5000, 4000, 2000), slots=4096, top_k=512, impl="triton", spare=0,
+           refill_interval=1):
     dev = torch.device("cuda")
     T = sum(lengths) + 64 * len(lengths)
     host = HostTotalPool(layers, T, device=dev)
     host.entries.copy_(torch.randint(0, 256, host.entries.shape, dtype=torch.uint8))
     m = HotPoolCacheManager(host, slots, device=dev, max_selected=len(lengths) * top_k, resolve_impl=impl,
-                            spare_slots=spare)
+                            spare_slots=spare, refill_interval=refill_interval)
     table = RequestTable(len(lengths), max(lengths) + 64, device=dev)
     rows = []
     for n in lengths:
@@ -94,18 +95,21 @@ def _check_tables(m, host, table, rpi, seq, topk, tables):
         assert torch.equal(m.slot_to_loc[layer][slots[ok].long()].long(), locs[ok])
 
 
-@pytest.mark.parametrize("spare", [0, 6000])
-def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact(spare):
+@pytest.mark.parametrize("spare,interval", [(0, 1), (6000, 1), (12000, 4)])
+def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact(spare, interval):
     """The fused resolve at a size where many programs of every launch run at once (94 victim-scan blocks, 128-175
     programs in the lookup, age and finish launches, 132 persistent assign programs copying concurrently); two query
     tokens and two requests on one prefix make entries that name a location another entry claimed and must read the
     winner's slot. Every step: each selected entry's slot holds its host entry and the maps are inverse; a release
     mid-run leaves none of the request's entries resident, and the ones it selects next are fetched again.
     `spare`: spare slots per layer, refilled after each layer's resolve; fewer than most steps' misses, so the lookup
-    kernel's spare path and the LRU scan both run in one resolve."""
+    kernel's spare path and the LRU scan both run in one resolve. `interval`: the refill runs only when due (every 4th
+    step of a layer, or when fewer than a quarter of its spare slots are left): otherwise the spare slots taken stay
+    as they are."""
     dev = torch.device("cuda")
     lengths, top_k, layers = (16000,) * 8, 2048, 2
-    m, host, table, rpi, seq = _setup(layers, lengths=lengths, slots=48_000, top_k=2 * top_k, spare=spare)
+    m, host, table, rpi, seq = _setup(layers, lengths=lengths, slots=48_000, top_k=2 * top_k, spare=spare,
+                                      refill_interval=interval)
     table.set(int(rpi[1]), 0, table.req_to_token[int(rpi[0]), :8000].clone())  # request 1 shares 0's prefix
     B = len(lengths)
     g = torch.Generator(device=dev).manual_seed(5)
@@ -124,7 +128,11 @@ def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact(s
             entries = torch.randint(0, 256, (B, 656), dtype=torch.uint8, device=dev, generator=g)
             m.write_new_tokens(layer, new_locs, entries, insert=False)
             tables.append(m.resolve(layer, topk, table.req_to_token, rpi, seq))
+            due, before = bool(m.refill_due(layer)), int(m.spare_taken[layer]) if spare else 0
             m.refill_spares(layer)
+            if spare:
+                after = int(m.spare_taken[layer])
+                assert after <= before if due else after == before, (step, layer, due, before, after)
         torch.cuda.synchronize()
         _check_tables(m, host, table, rpi, seq, torch.stack([topk] * layers), torch.stack(tables))
         if step == 7:
