@@ -64,7 +64,7 @@ import numpy as np
 import torch
 from timing import replay_us  # benchmarks/timing.py (run these files as scripts)
 
-from ess_sglang.cache_manager import Counter, HotPoolCacheManager
+from ess_sglang.cache_manager import MAX_REFILL_INTERVAL, Counter, HotPoolCacheManager
 from ess_sglang.decode_stack import (
     PREFETCH_INDEXER_LAUNCHES,
     DecodeBatch,
@@ -90,7 +90,7 @@ from ess_sglang.overlap_policy import (
     spare_slots_for,
 )
 from ess_sglang.prefetch import EchoPrefetcher
-from ess_sglang.stack_calibration import CalibrationError, load_calibration
+from ess_sglang.stack_calibration import META_DEFAULTS, CalibrationError, load_calibration
 
 HEADS, IHEADS, TOP_K = 128, 64, 2048
 MODES = ["sync", "prefetch", "da", "dba", "layerwise"]
@@ -207,10 +207,11 @@ class Config:
             self.new_key[layer].copy_(self.step_key[s][layer])
 
 
-def spare_slots(size: float | str, batch: int, slots: int, sync_misses=None) -> int:
+def spare_slots(size: float | str, batch: int, slots: int, sync_misses=None, refill_interval: int = 1) -> int:
     """Spare slots per layer, in whole pages, below the pool: a fraction of one step's selections (batch x top-k), or
-    "auto": 1.25 x the most misses per step of any layer in the sync run."""
-    want = spare_slots_for(sync_misses) if size == "auto" else math.ceil(size * batch * TOP_K / 64) * 64
+    "auto": 1.25 x the most misses per step of any layer in the sync run, for each step between refills."""
+    want = spare_slots_for(sync_misses) * refill_interval if size == "auto" else \
+        math.ceil(size * batch * TOP_K / 64) * 64
     return min(want, slots - 64)
 
 
@@ -549,7 +550,7 @@ def run_config(pools, layers, context, batch, hit, args, timings, timings_spare)
         variant = f"{mode}+spare" if spare_size else mode
         if spare_size == "auto" and sync_misses is None:
             raise SystemExit("--spare auto needs the sync mode without spare slots first (its misses size them)")
-        spare = spare_slots(spare_size, batch, slots, sync_misses)
+        spare = spare_slots(spare_size, batch, slots, sync_misses, args.refill_interval)
         resident = False
         layer_prefetch = None
         margin = args.prefetch_margin
@@ -725,7 +726,8 @@ def main(argv=None) -> int:
                    "stream's priority")
     p.add_argument("--refill-interval", type=int, default=1,
                    help="spare slots: refill each layer's in every step (1), or in every K-th step of the layer (the "
-                   "layers in turn) and whenever fewer than 1/K of them are left; size --spare to K steps' misses")
+                   "layers in turn) and whenever fewer than 1/K of them are left; size --spare to K steps' misses "
+                   "(auto does)")
     p.add_argument("--prefetch-claim", default="one_launch", choices=["one_launch", "separate"],
                    help="prefetch with spare slots: each chunk's candidates found and their spare slots claimed in "
                    "one kernel (then a one-program close), or the candidate kernels then the spare-only claim (six "
@@ -753,8 +755,8 @@ def main(argv=None) -> int:
             args.spare[0] != 0 and ("layerwise" in args.modes or "auto" in args.spare):
         p.error("--spare: distinct fractions in [0, 1) or 'auto'; with layerwise or auto, the first must be 0 (the "
                 "profile and the auto size need the sync run without spare slots)")
-    if args.refill_interval < 1:
-        p.error(f"--refill-interval: must be >= 1, got {args.refill_interval}")
+    if not 1 <= args.refill_interval <= MAX_REFILL_INTERVAL:
+        p.error(f"--refill-interval: must be in [1, {MAX_REFILL_INTERVAL}], got {args.refill_interval}")
 
     def known(mode: str) -> bool:
         try:
@@ -819,7 +821,8 @@ def main(argv=None) -> int:
         except CalibrationError as exc:
             p.error(f"--calibration: {exc}")
         if any(args.spare):  # layerwise+spare: the calibration's spare slots must have been refilled as this run's
-            theirs = (json.loads(Path(runs[0]).read_text()).get("meta") or {}).get("refill_interval", 1)
+            theirs = (json.loads(Path(runs[0]).read_text()).get("meta") or {}).get(
+                "refill_interval", META_DEFAULTS["refill_interval"])
             if theirs != args.refill_interval:
                 p.error(f"--calibration: {runs[0]} refilled its spare slots every {theirs} steps "
                         f"(meta.refill_interval), this run every {args.refill_interval}: its times do not apply")

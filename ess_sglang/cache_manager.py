@@ -30,8 +30,9 @@ Spare slots move step 4's pool scans off the critical path: `refill_spares(layer
 where nothing waits for it (the decode stack queues it beside attention), evicts the least-recently-used slots ahead
 of time, as many as the resolves took since the last refill, and keeps them free (stamped in the future:
 `SPARE_STAMP`, so no LRU scan takes them). A resolve whose misses the spare slots cover then needs no scan at all.
-The pool keeps `spare_slots` fewer entries resident in exchange, and the least-recently-used entries are evicted up
-to a step earlier than they would be otherwise.
+With `refill_interval` K it does so only in every K-th step of the layer (or when few spare slots are left) and
+returns at once otherwise. The pool keeps up to `spare_slots` fewer entries resident in exchange, and the
+least-recently-used entries are evicted up to K steps earlier than they would be otherwise.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from ess_sglang.kernels.new_tokens import store_reserved_triton
 from ess_sglang.kernels.resolve import MODE_LOCATIONS, MODE_POSITIONS, SPARE_STAMP, FusedResolver, pdl_setting
 
 FREE_STAMP = -(1 << 40)
+MAX_REFILL_INTERVAL = 1024  # steps between a layer's spare-slot refills, at most (`refill_interval`)
 AGE_BUCKETS = 256  # LRU order is exact per step for the last 255 steps; older slots tie (evicted first, by slot index)
 
 
@@ -196,8 +198,10 @@ class HotPoolCacheManager:
         if isinstance(spare_slots, bool) or not isinstance(spare_slots, int) or not 0 <= spare_slots < slots_per_layer:
             raise ValueError(f"spare_slots must be an integer in [0, slots_per_layer = {slots_per_layer}), "
                              f"got {spare_slots!r}")
-        if isinstance(refill_interval, bool) or not isinstance(refill_interval, int) or refill_interval < 1:
-            raise ValueError(f"refill_interval must be an integer >= 1, got {refill_interval!r}")
+        if isinstance(refill_interval, bool) or not isinstance(refill_interval, int) or \
+                not 1 <= refill_interval <= MAX_REFILL_INTERVAL:
+            raise ValueError(f"refill_interval must be an integer in [1, {MAX_REFILL_INTERVAL}], got "
+                             f"{refill_interval!r}")
         dev = torch.device(device) if device is not None else host_pool.device
         resolve_impl, resolve_pdl = resolve_settings(resolve_impl, resolve_pdl, dev)
         self.host = host_pool
@@ -760,10 +764,11 @@ class HotPoolCacheManager:
     def refill_due(self, layer: int) -> torch.Tensor:
         """Whether the layer's refill runs in this step (a 0-dim bool on the device): with refill interval K, in the
         steps where clock + layer is a multiple of K, and in any step where fewer than num_spare / K spare slots are
-        left (taken x K > num_spare x (K - 1)); with K = 1 in every step."""
+        left ((num_spare - taken) x K < num_spare); with K = 1 in every step. (Without spare slots `refill_spares`
+        does nothing, due or not.)"""
         K = self.refill_interval
         taken = self.spare_taken[layer]
-        return ((self.clock + layer % K) % K == 0) | (taken * K > self.num_spare * (K - 1))
+        return ((self.clock + layer % K) % K == 0) | ((self.num_spare - taken) * K < self.num_spare)
 
     def _take_victims(self, layer: int, n_need: torch.Tensor, max_need: int) -> torch.Tensor:
         """The `n_need` least-recently-used unprotected slots, as a list of `max_need` (int64, -1 padded).

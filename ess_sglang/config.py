@@ -209,7 +209,7 @@ class EssConfig(BaseModel):
     prefetch takes no LRU scan), as a fraction of top_k x max_running_requests, in whole pages, at most 1/8 of the
     hot pool. None: 1/16 x spare_refill_interval where the instance prefetches (about 1.25 x a step's misses at 95%
     hits, per step between refills), else 0."""
-    spare_refill_interval: PositiveInt = 1
+    spare_refill_interval: Annotated[StrictInt, _rule(lambda v: 1 <= v <= 1024, "in [1, 1024]")] = 1
     """SGLang plugin: a layer's spare slots are refilled in every decode step (1), or in every K-th step of the layer
     (the layers in turn) and in any step where fewer than 1/K of them are left. Size spare_slot_fraction to K steps'
     misses. In the decode harness on the H200 (prefetch in three segments, hit 0.95, batch 64), K = 4 with twice the

@@ -98,8 +98,8 @@ def _victims_needed(scr_ptr, taken_ptr, num_spare, clock_ptr, phase, interval, R
     """Victims the LRU scan must find: a refill replaces the spare slots taken, when it is due (`refill_due`); a
     resolve needs one per winner the spare slots left did not cover."""
     taken = tl.load(taken_ptr)
-    if REFILL:
-        due = ((tl.load(clock_ptr) + phase) % interval == 0) | (taken * interval > num_spare * (interval - 1))
+    if REFILL:  # (fewer than num_spare / interval left, in int64: taken is; no product of two Python ints)
+        due = ((tl.load(clock_ptr) + phase) % interval == 0) | ((num_spare - taken) * interval < num_spare)
         return tl.where(due, taken, 0)
     return tl.maximum(tl.load(scr_ptr + SCR_MISS).to(tl.int64) - (num_spare - taken), 0)
 
@@ -328,7 +328,9 @@ def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_pt
 def _refill_kernel(scr_ptr, victims_ptr, l2s_ptr, s2l_ptr, stamp_ptr, spare_ptr, taken_ptr, cnt_ptr,
                    C_EVICT: tl.constexpr, ROWS: tl.constexpr):
     # Persistent, like K4: victim j is evicted and becomes spare slot (taken - found + j), so that the spare list
-    # stays one contiguous run [taken, num_spare)
+    # stays one contiguous run [taken, num_spare). A refill that is not due found no victims: R3 listed none and the
+    # scratch counters are zero (every resolve, prefetch and refill closes by clearing them), so found is 0 here and
+    # in R5
     pid, programs = tl.program_id(0), tl.num_programs(0)
     need = tl.load(taken_ptr)
     found = tl.minimum(need, tl.load(scr_ptr + SCR_ABOVE) + tl.load(scr_ptr + SCR_AT))
@@ -440,10 +442,10 @@ class FusedResolver:
         self.assign_programs = assign_programs or (4 * sms, sms)
         # programs of the refill's evictions per step of its interval: few, since it runs beside attention and the
         # next indexer (which want the SMs); a refill every K-th step evicts K steps' victims, over K times as many
-        # (16 a step: at 128K / 64 with K = 4, 64 programs took 2.2-2.3 us a layer less than 16, whose evictions
+        # (16 a step: at 128K / 64 with K = 4, 64 programs took 2.1-2.3 us a layer less than 16, whose evictions
         # ran 31 us, after attention in the last layer: H200, benchmarks/NOTES.md, twenty-fourth session)
         self.refill_programs = 16 if device.type == "cuda" else 2
-        self.max_refill_programs = sms
+        self.max_refill_programs = max(self.refill_programs, sms)
         # Slots per block and warps of the two launches over the pool (age histogram, victim scan), the best of a
         # sweep over pools of 164K-3.4M slots at batch 64 (benchmarks/NOTES.md): small blocks, now that blocks
         # without ages or victims of their own skip the shared atomics

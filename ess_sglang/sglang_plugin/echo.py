@@ -26,8 +26,8 @@ graph, and everything below is fixed-shape device work):
           fetch of whatever is still missing (exact backfill: attention reads exactly the selected entries);
        d. on the side stream, beside attention: the prefetched entries counted useful or wasted
           (``settle_prefetch``), the pending k-th scores folded into the layer's thresholds (after the prefetch's
-          candidate reads, which are on that stream), the spare slots taken in this step refilled
-          (``refill_spares``);
+          candidate reads, which are on that stream), the spare slots taken since the layer's last refill
+          refilled when due (``refill_spares``: every step, or every ``spare_refill_interval``-th);
        e. in the last layer the main stream waits for the side stream: nothing stays queued past the step (the
           graph ends there, and warm-up and release run between steps).
   4. FlashMLA over the returned device-pool rows.

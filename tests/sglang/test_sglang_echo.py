@@ -53,8 +53,9 @@ def test_plan_levels_and_spare_slots():
     # refilled every 4th step: the automatic size covers 4 steps (1/4 of top_k x requests), the note says so
     every4 = _plan(prefetch_overlap_level="full", spare_refill_interval=4)
     assert every4.spare_slots == 32768 and "refilled every 4 steps" in every4.note
-    with pytest.raises(ValueError, match="spare_refill_interval"):
-        _plan(spare_refill_interval=0)
+    for bad in (0, 1025, True):
+        with pytest.raises(ValueError, match="spare_refill_interval"):
+            _plan(spare_refill_interval=bad)
     capped = _plan(prefetch_overlap_level="full", hot=20_000)  # at most 1/8 of the hot pool, in whole pages
     assert capped.spare_slots == 2496 and "capped" in capped.note
     with pytest.raises(ValueError, match="prefetch_overlap_level: da needs dual attention"):
