@@ -284,7 +284,7 @@ def run_variant(stack, cfg: Config, queries, warm: int, is_ess: bool, all_reside
         cfg.load_step(s, queries)
         times.append(replay_us(graph))
     # the median, and the mean, which counts the share of work that runs in some steps only (a refill interval's);
-    # without the graph's first replay, which ran 200-300 us longer than the others at 128K / 64 (H200)
+    # without the graph's first replay, which ran ~100-340 us longer than the others at 128K (H200)
     out = {"step_us": statistics.median(times), "layer_us": statistics.median(times) / cfg.layers,
            "step_us_mean": statistics.fmean(times[1:] or times), "steps_us": [round(t, 1) for t in times]}
     if is_ess:
