@@ -342,7 +342,8 @@ def print_table(profile: OverlapProfile, stderr: bool = False) -> None:
     console.print("modes: " + ", ".join(f"{n} {m}" for m, n in counts.items() if n or m in ("sync", "da", "dba")),
                   highlight=False)
     console.print(f"spare slots, for a runtime that keeps them (HotPoolCacheManager(spare_slots=...)): "
-                  f"{profile.spare_slots():,} per layer ({SPARE_HEADROOM:g} x the busiest layer's misses per step)",
+                  f"{profile.spare_slots():,} per layer ({SPARE_HEADROOM:g} x the busiest layer's misses per step; K "
+                  f"times as many when refilled every K-th step: HotPoolCacheManager(refill_interval=K))",
                   highlight=False)
     plugin = Counter(profile.modes_within(ONE_CALL_MODES))
     console.print("the SGLang plugin (one indexer call and one attention call a layer) runs: "
