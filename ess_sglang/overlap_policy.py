@@ -602,7 +602,7 @@ def dump_profile(profile: OverlapProfile) -> str:
             if lp["exposed_us"].get(key, 0) is None:
                 del lp["exposed_us"][key]
     measured = data["device"].get("measured")
-    for key in ("topk", "prefetch_chunking"):
+    for key in ("topk", "prefetch_chunking", "spare_refill_interval"):
         if measured is not None and measured.get(key) is None:
             del measured[key]
     if measured is not None and measured.get("prefetch_chunking") is not None:

@@ -343,7 +343,9 @@ def print_table(profile: OverlapProfile, stderr: bool = False) -> None:
                   highlight=False)
     console.print(f"spare slots, for a runtime that keeps them (HotPoolCacheManager(spare_slots=...)): "
                   f"{profile.spare_slots():,} per layer ({SPARE_HEADROOM:g} x the busiest layer's misses per step; K "
-                  f"times as many when refilled every K-th step: HotPoolCacheManager(refill_interval=K))",
+                  f"times as many when refilled every K-th step: HotPoolCacheManager(refill_interval=K))"
+                  + (f"; the calibration's runs with spare slots refilled every {refill} steps"
+                     if (refill := getattr(profile.device.measured, "spare_refill_interval", None)) else ""),
                   highlight=False)
     plugin = Counter(profile.modes_within(ONE_CALL_MODES))
     console.print("the SGLang plugin (one indexer call and one attention call a layer) runs: "

@@ -143,6 +143,10 @@ class StackCalibration(BaseModel):
     prefetch_chunking: PrefetchChunking | None = None
     """How the runs' prefetch2 / prefetch3 modes split the indexer; None in a profile written before the key (what its
     runs measured is not known here: the decode stack's defaults run its layers)."""
+    spare_refill_interval: PosInt | None = None
+    """Where the times are the runs' with spare slots (`spare_slots=True`): every how many steps those runs refilled a
+    layer's spare slots (`decode_layers.py --refill-interval`, `meta.refill_interval`; 1 where not recorded). None
+    for times without spare slots, and in a profile written before the key."""
 
     @model_validator(mode="after")
     def _full_grid(self) -> StackCalibration:
@@ -448,7 +452,8 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
     try:
         return StackCalibration(source=source, points=[MeasuredPoint(**p) for p in raw.values()],
                                 prefetch_margin=margin, topk=meta.get("topk", "torch"),
-                                prefetch_chunking=chunkings[0])
+                                prefetch_chunking=chunkings[0],
+                                spare_refill_interval=_setting(meta, "refill_interval") if spare_slots else None)
     except ValueError as exc:
         raise CalibrationError(f"{where}: {exc}") from None
 

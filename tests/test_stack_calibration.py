@@ -347,6 +347,8 @@ def test_the_runs_with_spare_slots_make_a_calibration_of_their_own():
     plain = calibration_from_decode_layers(data, "run")
     spare = calibration_from_decode_layers(data, "run", spare_slots=True)
     assert "spare slots" in spare.source and "spare slots" not in plain.source
+    # a run from before the refill interval refilled every step; times without spare slots record none
+    assert spare.spare_refill_interval == 1 and plain.spare_refill_interval is None
     assert len(spare.points) == len(plain.points) == 18 and spare.modes == plain.modes == ONE_RUN_MODES
     rows = {(r["context"], r["batch"], r["target_hit"], r["variant"]): r for r in data["rows"]}
     d = DeviceTimings(measured=spare)
@@ -490,6 +492,7 @@ def test_committed_sglang_topk_profile_records_its_chunks_and_is_reproducible(tm
     prof = load_profile(ROOT / "configs" / "overlap" / name, num_layers=30)
     m = prof.device.measured
     assert m.topk == "sglang" and m.prefetch_margin == 0.01 and "session32" in m.source
+    assert m.spare_refill_interval == 4  # (its runs with spare slots refilled every 4th step)
     assert m.prefetch_chunking == PrefetchChunking(fractions=(0.5, 0.3, 0.2), split="positions", indexer="chained",
                                                    last_chunk_prefetch=False, indexer_tiles=1)
     assert set(prof.modes()) <= {"prefetch2", "prefetch3", "prefetch2_margin", "prefetch3_margin"}

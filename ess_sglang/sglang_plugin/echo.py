@@ -99,6 +99,7 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
     if level == "da":
         raise ValueError(DA_REFUSED)
     margins = [config.prefetch_threshold_margin] * num_layers
+    measured = None  # the overlap profile's calibration, if it has one
     if level == "none":
         layers, why = [False] * num_layers, "prefetch_overlap_level none"
     elif level == "auto" and config.overlap_profile is None:
@@ -129,6 +130,11 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
     wanted = math.ceil(fraction * top_k * max_running_requests / page_size) * page_size
     cap = int(hot_slots_per_layer * MAX_SPARE_SHARE) // page_size * page_size
     spare = min(wanted, cap)
+    theirs = measured.spare_refill_interval if measured is not None else None
+    if spare and theirs is not None and theirs != config.spare_refill_interval:
+        logger.warning("ESS: overlap profile %s chose its modes from runs whose spare slots were refilled every %d "
+                       "steps; this instance refills every %d (spare_refill_interval): the times it chose by may not "
+                       "apply", config.overlap_profile, theirs, config.spare_refill_interval)
     with_margin = sorted({m for m, on in zip(margins, layers, strict=True) if on and m > 0})
     note = (f"ECHO prefetch in {sum(layers)} of {num_layers} layers ({why})"
             + (f", threshold margin {' / '.join(f'{m:g}' for m in with_margin)}" if with_margin else "")

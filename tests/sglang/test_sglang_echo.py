@@ -62,6 +62,18 @@ def test_plan_levels_and_spare_slots():
         _plan(prefetch_overlap_level="da")
 
 
+def test_plan_warns_when_the_profiles_spare_slots_were_refilled_otherwise(caplog):
+    """The shipped SGLang-top-k profile was calibrated with spare slots refilled every 4th step: an instance with
+    spare slots refilled at another interval is told that the profile's times may not apply; at 4 it is not."""
+    sglang_topk = str(Path(PROFILE).with_name("smollm2-135m_ratio0.2_h200-sglang-topk.yaml"))
+    for interval, warned in ((1, True), (4, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ess_sglang.sglang_plugin"):
+            p = _plan(overlap_profile=sglang_topk, spare_slot_fraction=0.05, spare_refill_interval=interval)
+        assert p.spare_slots > 0
+        assert ("refilled every 4 steps; this instance refills every 1" in caplog.text) == warned, caplog.text
+
+
 def test_plan_runs_what_the_plugin_can_of_the_overlap_profile(tmp_path):
     """The profile's sync and prefetch layers run as profiled; a layer it gives DA, DBA or prefetch in chunks (the
     decode harness's, which need SGLang's indexer or attention call split) runs whichever of sync and one-chunk
