@@ -58,7 +58,6 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -90,7 +89,7 @@ from ess_sglang.overlap_policy import (
     spare_slots_for,
 )
 from ess_sglang.prefetch import EchoPrefetcher
-from ess_sglang.stack_calibration import META_DEFAULTS, CalibrationError, load_calibration
+from ess_sglang.stack_calibration import CalibrationError, load_calibration
 
 HEADS, IHEADS, TOP_K = 128, 64, 2048
 MODES = ["sync", "prefetch", "da", "dba", "layerwise"]
@@ -815,17 +814,13 @@ def main(argv=None) -> int:
         same_as_this_run = dict(topk=args.topk, prefetch_split=args.prefetch_split,
                                 prefetch_fractions=args.prefetch_fractions, prefetch_indexer=args.prefetch_indexer,
                                 last_chunk_prefetch=args.last_chunk_prefetch == "on",
-                                chunk_indexer_tiles=args.chunk_indexer_tiles)
+                                chunk_indexer_tiles=args.chunk_indexer_tiles,
+                                # (layerwise+spare: its spare slots must have been refilled as this run's)
+                                refill_interval=args.refill_interval if any(args.spare) else None)
         try:
             timings = timings.model_copy(update={"measured": load_calibration(runs, **same_as_this_run)})
         except CalibrationError as exc:
             p.error(f"--calibration: {exc}")
-        if any(args.spare):  # layerwise+spare: the calibration's spare slots must have been refilled as this run's
-            theirs = (json.loads(Path(runs[0]).read_text()).get("meta") or {}).get(
-                "refill_interval", META_DEFAULTS["refill_interval"])
-            if theirs != args.refill_interval:
-                p.error(f"--calibration: {runs[0]} refilled its spare slots every {theirs} steps "
-                        f"(meta.refill_interval), this run every {args.refill_interval}: its times do not apply")
         timings_spare = timings  # layerwise+spare: the calibration's runs with spare slots, where it has them
         if any(args.spare):
             try:

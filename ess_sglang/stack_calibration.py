@@ -241,7 +241,7 @@ def load_calibration(path: str | Path | Sequence[str | Path], where: str | None 
                      prefetch_split: str | None = None, prefetch_fractions: Any = UNCHECKED,
                      prefetch_indexer: str | None = None,
                      last_chunk_prefetch: bool | None = None,
-                     chunk_indexer_tiles: Any = UNCHECKED) -> StackCalibration:
+                     chunk_indexer_tiles: Any = UNCHECKED, refill_interval: int | None = None) -> StackCalibration:
     """`calibration_from_decode_layers` of a JSON file, or of two: a run at margin 0 and a run at a threshold margin
     (`--prefetch-margin`), whose prefetch modes join as the *_margin modes. Every error is a CalibrationError
     starting with `where` (default: the path or paths)."""
@@ -264,7 +264,7 @@ def load_calibration(path: str | Path | Sequence[str | Path], where: str | None 
                                           topk=topk, prefetch_split=prefetch_split,
                                           prefetch_fractions=prefetch_fractions, prefetch_indexer=prefetch_indexer,
                                           last_chunk_prefetch=last_chunk_prefetch,
-                                          chunk_indexer_tiles=chunk_indexer_tiles)
+                                          chunk_indexer_tiles=chunk_indexer_tiles, refill_interval=refill_interval)
 
 
 COMPARABLE_META = ("layers", "warm", "steps", "ratio", "pool_batch", "dba_split", "overlap_programs", "topk", "spare",
@@ -345,7 +345,8 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
                                    prefetch_fractions: Any = UNCHECKED,
                                    prefetch_indexer: str | None = None,
                                    last_chunk_prefetch: bool | None = None,
-                                   chunk_indexer_tiles: Any = UNCHECKED) -> StackCalibration:
+                                   chunk_indexer_tiles: Any = UNCHECKED,
+                                   refill_interval: int | None = None) -> StackCalibration:
     """A calibration from the parsed JSON of `benchmarks/decode_layers.py` (`{"meta": ..., "rows": [...]}`).
 
     Every configuration (context, batch, hit) with an all-HBM row and a sync row with misses becomes a point; the
@@ -366,7 +367,9 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
     `last_chunk_prefetch`: whether the caller's last chunk prefetches; a run measured otherwise
     (`meta.last_chunk_prefetch`, True where absent) is refused. `chunk_indexer_tiles`: the tiles a program of the
     caller's chunk launches after the first (None: the kernel's own); a run measured with others
-    (`meta.chunk_indexer_tiles`, None where absent) is refused. What is not named is not checked: the calibration
+    (`meta.chunk_indexer_tiles`, None where absent) is refused. `refill_interval`: every how many steps the caller
+    refills its spare slots; a run that refilled at another interval (`meta.refill_interval`, 1 where absent) is
+    refused. What is not named is not checked: the calibration
     records the runs' chunking (`StackCalibration.prefetch_chunking`), and a profile's layers run it
     (`overlap_policy.profile_stack_options`)."""
     meta = _meta(data, where)
@@ -393,6 +396,10 @@ def calibration_from_decode_layers(data: Any, where: str = "decode-stack results
             raise CalibrationError(f"{w}: its last prefetch chunk prefetched: {ch.last_chunk_prefetch} "
                                    f"(meta.last_chunk_prefetch), this caller's: {last_chunk_prefetch}: its exposed "
                                    f"times do not apply")
+        theirs = _setting(m, "refill_interval")
+        if refill_interval is not None and theirs != refill_interval:
+            raise CalibrationError(f"{w}: its spare slots were refilled every {theirs} steps (meta.refill_interval), "
+                                   f"this run's every {refill_interval}: its times do not apply")
         if chunk_indexer_tiles is not UNCHECKED and ch.indexer_tiles != chunk_indexer_tiles:
             raise CalibrationError(f"{w}: its later prefetch chunks' indexer launches ran {ch.indexer_tiles} tiles a "
                                    f"program (meta.chunk_indexer_tiles; None: the kernel's own), this run's "

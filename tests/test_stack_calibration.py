@@ -642,3 +642,18 @@ def test_a_profile_from_a_margin_calibration_runs_the_margin_in_its_layers(tmp_p
         profile_from_mapping(data, "p.yaml")
     assert main(["profile", "--synthetic", "--calibration-margin", str(RUN_M001)]) == 2
     assert "--calibration-margin: needs --calibration" in capsys.readouterr().err
+
+
+def test_a_calibration_refilled_at_another_interval_is_refused():
+    """A caller that refills its spare slots every K steps refuses runs that refilled at another interval
+    (`meta.refill_interval`, 1 where absent); without `refill_interval` nothing is checked."""
+    from ess_sglang.stack_calibration import load_calibration
+
+    every4 = ROOT / "benchmarks" / "results" / "session32" / "call_E" / "m0" / "decode_layers.json"
+    assert load_calibration(every4, spare_slots=True, refill_interval=4).spare_refill_interval == 4
+    assert load_calibration(RUN_M0, spare_slots=True, refill_interval=1).spare_refill_interval == 1
+    with pytest.raises(CalibrationError, match=r"refilled every 1 steps \(meta.refill_interval\), this run's every 4"):
+        load_calibration(RUN_M0, spare_slots=True, refill_interval=4)
+    with pytest.raises(CalibrationError, match=r"refilled every 4 steps \(meta.refill_interval\), this run's every 1"):
+        load_calibration(every4, refill_interval=1)
+    assert load_calibration(every4).spare_refill_interval is None  # (times without spare slots, nothing checked)
