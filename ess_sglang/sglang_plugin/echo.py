@@ -16,7 +16,8 @@ graph, and everything below is fixed-shape device work):
      3d even in the rare step whose top-k does not select it, at most one entry per request and layer.)
   2. ``metadata.topk_transform``: the top-k positions [rows, k], with the kernel and plan SGLang runs without ESS
      (``decode_topk.select``: HiSparse would force SGLang's unfused top-k, which can select other entries).
-     [tap, after] each row's k-th best score (the lowest logit among its selected positions), kept until 3d.
+     [tap, after] the logits and the positions are kept for 3d (no launch here: the k-th best score is found
+     beside attention, off the main stream).
   3. ``DeepseekSparseAttnBackend.forward_decode``: SGLang writes the token into its new-token slot, then
      ``EssCoordinator.swap_in_selected_pages``:
        a. the main stream waits for the side stream: the prefetch has landed, and the previous layer's refill is
@@ -25,9 +26,12 @@ graph, and everything below is fixed-shape device work):
        c. the token is written back to the host pool; the exact resolve: lookup, spare slots then LRU victims,
           fetch of whatever is still missing (exact backfill: attention reads exactly the selected entries);
        d. on the side stream, beside attention: the prefetched entries counted useful or wasted
-          (``settle_prefetch``), the pending k-th scores folded into the layer's thresholds (after the prefetch's
-          candidate reads, which are on that stream), the spare slots taken since the layer's last refill
-          refilled when due (``refill_spares``: every step, or every ``spare_refill_interval``-th);
+          (``settle_prefetch``), each row's k-th best score (the lowest logit among its selected positions, from
+          the logits and positions kept in 2) folded into the layer's thresholds (after the prefetch's candidate
+          reads, which are on that stream), the spare slots taken since the layer's last refill refilled when due
+          (``refill_spares``: every step, or every ``spare_refill_interval``-th). The logits stay alive until the
+          main stream next waits for the side stream (SGLang's indexer backends allocate them per call, DeepGEMM's
+          ``fp8_paged_mqa_logits`` included: a reference keeps their memory from reuse);
        e. in the last layer the main stream waits for the side stream: nothing stays queued past the step (the
           graph ends there, and warm-up and release run between steps).
   4. FlashMLA over the returned device-pool rows.
@@ -169,9 +173,10 @@ class DecodeOverlap:
             self.fetch_list = manager.new_fetch_list(n)
             self._claim_counters = new_claim_counters(max_batch, manager.device)  # (zero between launches)
             manager.reserve_scratch(n)
-        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (k-th scores, request rows)
+        # layer -> (logits, top-k positions, request rows) of its selection, for its k-th best scores
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._side_reads: list[torch.Tensor] = []  # what the side stream reads: alive until the main stream waits
-        self._folding: tuple[torch.Tensor, torch.Tensor] | None = None  # the layer's note, between 3a and 3d
+        self._folding: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the layer's note, 3a to 3d
 
     def prefetches(self, layer: int, batch: int | None = None) -> bool:
         """Whether the layer prefetches (in a decode batch of `batch` requests: not below `prefetch_min_batch`).
@@ -206,12 +211,13 @@ class DecodeOverlap:
     # ------------------------------------------------------------------------------------------ 2. after the top-k
     def note_selection(self, layer: int, logits: torch.Tensor, positions: torch.Tensor,
                        req_pool_indices: torch.Tensor) -> None:
-        """Each row's k-th best score: the lowest logit among its selected positions (-1: none; a row with nothing
-        selected gives +inf, which leaves a threshold at +inf). Folded into the thresholds beside attention."""
+        """Keep the layer's logits and top-k positions: each row's k-th best score, the lowest logit among its
+        selected positions (-1: none; a row with nothing selected gives +inf, which leaves a threshold at +inf), is
+        found and folded into the thresholds beside attention (3d), not here on the main stream between the top-k
+        and the resolve (in the decode harness on the H200 that placement cost 2-7 us a layer: benchmarks/RESULTS.md,
+        twenty-fifth session)."""
         B = min(logits.shape[0], positions.shape[0], req_pool_indices.shape[0])
-        # (one launch for what SGLang's decode top-k gives: float32 logits, int32 positions)
-        kth = kth_of_selection_any(logits[:B], positions[:B], short_rows="lowest")
-        self._pending[layer] = (kth, req_pool_indices[:B])
+        self._pending[layer] = (logits[:B], positions[:B], req_pool_indices[:B])
 
     # ------------------------------------------------------------------------------------------ 3. swap-in
     def before_resolve(self, layer: int) -> None:
@@ -228,8 +234,10 @@ class DecodeOverlap:
             with self.streams.on_side():
                 self.m.settle_prefetch(layer)  # (nothing to count where the tap did not prefetch)
                 if pending is not None:  # after this layer's candidate reads, queued before on this stream
+                    logits, positions, rows = pending
                     self._side_reads.extend(pending)
-                    self.prefetcher.update(layer, *pending)
+                    # (one launch for what SGLang's decode top-k gives: float32 logits, int32 positions)
+                    self.prefetcher.update(layer, kth_of_selection_any(logits, positions, short_rows="lowest"), rows)
                 if self.m.num_spare:
                     self.m.refill_spares(layer)
         if layer == self.num_layers - 1:

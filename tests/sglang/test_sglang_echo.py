@@ -282,9 +282,10 @@ def test_a_step_cut_short_between_prefetch_and_settle_leaves_nothing_behind():
     assert int(c[Counter.PREFETCH_USEFUL] + c[Counter.PREFETCH_WASTED]) == int(c[Counter.PREFETCHED])
 
 
-def test_the_thresholds_move_beside_attention_after_the_resolve():
-    """The k-th best scores noted after the top-k move the layer's thresholds in after_resolve (on the side stream,
-    behind the layer's candidate reads), not before the resolve; a layer's note is used once."""
+def test_the_thresholds_move_beside_attention_after_the_resolve(monkeypatch):
+    """The selection noted after the top-k moves the layer's thresholds in after_resolve (on the side stream, behind
+    the layer's candidate reads), not before the resolve; its k-th best scores are found there too, not on the main
+    stream between the top-k and the resolve; a layer's note is used once."""
     import torch
 
     from ess_sglang.cache_manager import HotPoolCacheManager
@@ -300,13 +301,18 @@ def test_the_thresholds_move_beside_attention_after_the_resolve():
     rpi, lens = torch.tensor([1, 0]), torch.tensor([T, 300])
     logits = torch.arange(rows * T, dtype=torch.float32).view(rows, T)
     positions = torch.tensor([[5, 9, -1], [7, 3, 2]])
+    found = []  # where the k-th scores are found: in after_resolve only
+    kth = echo.kth_of_selection_any
+    monkeypatch.setattr(echo, "kth_of_selection_any", lambda *a, **k: found.append(a[1]) or kth(*a, **k))
     m.begin_step()
     overlap.prefetch(0, logits, rpi, lens, table)
     overlap.note_selection(0, logits, positions, rpi)
     overlap.before_resolve(0)
     assert bool(torch.isinf(overlap.prefetcher.threshold).all())  # not moved before the resolve
     m.resolve(0, torch.zeros((rows, 1, 64), dtype=torch.int32), table, rpi, lens)
+    assert not found  # nothing found between the top-k and the resolve
     overlap.after_resolve(0)
+    assert len(found) == 1 and found[0] is not None and torch.equal(found[0], positions)
     # row 1 (batch entry 0): the lowest selected logit 5; row 0 (batch entry 1): T + 2
     assert overlap.prefetcher.threshold[0].tolist() == [T + 2.0, 5.0]
     assert bool(torch.isinf(overlap.prefetcher.threshold[1]).all())
