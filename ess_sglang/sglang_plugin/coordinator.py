@@ -218,7 +218,7 @@ class EssCoordinator:
         self.manager = build_cache_manager(self.host, hot_slots_per_layer, views, dev, max_selected=rows * top_k,
                                            copy_impl=copy_impl, resolve_impl=resolve_impl,
                                            spare_slots=self.overlap_plan.spare_slots, resolve_pdl=self.resolve_pdl,
-                                           refill_interval=config.spare_refill_interval)
+                                           refill_interval=self.overlap_plan.refill_interval)
         self.max_selected = rows * top_k
         self.overlap = echo.DecodeOverlap(self.manager, self.overlap_plan, rows, width, rows, config)
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ess_sglang.cache_manager import FetchList, HotPoolCacheManager
+from ess_sglang.cache_manager import MAX_REFILL_INTERVAL, FetchList, HotPoolCacheManager
 from ess_sglang.config import EssConfig
 from ess_sglang.kernels.prefetch import new_claim_counters
 from ess_sglang.kernels.topk import kth_of_selection_any
@@ -81,13 +81,15 @@ class OverlapPlan:
     note: str  # one line for the start-up log
     prefetch_margins: tuple[float, ...] = ()  # per layer: its ECHO threshold margin (empty: DecodeOverlap gives every
     # layer ess_config.prefetch_threshold_margin)
+    refill_interval: int = 1  # a layer's spare slots are refilled every this many steps (and when few are left)
 
 
 def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: int, hot_slots_per_layer: int,
          page_size: int) -> OverlapPlan:
     """Prefetching layers, their threshold margins and spare slots per layer, from ``prefetch_overlap_level``,
-    ``overlap_profile``, ``prefetch_threshold_margin``, ``spare_slot_fraction`` and ``spare_refill_interval`` (the
-    automatic spare size covers that many steps). Without a profile, level
+    ``overlap_profile``, ``prefetch_threshold_margin``, ``spare_slot_fraction`` and ``spare_refill_interval`` (unset:
+    the interval the profile's spare-slot runs were measured with, else 1; the automatic spare size covers that many
+    steps). Without a profile, level
     ``auto`` (the default) prefetches in no layer and ``full`` in every one: in the decode harness's last three tables,
     this one-chunk prefetch with spare slots was slower than no prefetch without them in 13, 14 and 14 of 18
     configurations at batch 16-128 (benchmarks/RESULTS.md, eighteenth to twentieth sessions), and a profile
@@ -128,25 +130,29 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
             f"{', '.join(f'{n} {p} -> {m}' for (p, m), n in sorted(moved.items()))})" if moved else "")
     else:
         layers, why = [True] * num_layers, "prefetch_overlap_level full without an overlap_profile"
+    # the refill interval: as set, else the one the profile's spare-slot runs were measured with, else every step
+    theirs = measured.spare_refill_interval if measured is not None else None
+    interval = config.spare_refill_interval or theirs or 1
+    if not 1 <= interval <= MAX_REFILL_INTERVAL:
+        raise ValueError(f"overlap profile {config.overlap_profile}: its spare_refill_interval {interval} is outside "
+                         f"[1, {MAX_REFILL_INTERVAL}]; set ess_config.spare_refill_interval")
     fraction = config.spare_slot_fraction
     if fraction is None:
-        fraction = AUTO_SPARE_FRACTION * config.spare_refill_interval if any(layers) else 0.0
+        fraction = AUTO_SPARE_FRACTION * interval if any(layers) else 0.0
     wanted = math.ceil(fraction * top_k * max_running_requests / page_size) * page_size
     cap = int(hot_slots_per_layer * MAX_SPARE_SHARE) // page_size * page_size
     spare = min(wanted, cap)
-    theirs = measured.spare_refill_interval if measured is not None else None
-    if spare and theirs is not None and theirs != config.spare_refill_interval:
+    if spare and theirs is not None and theirs != interval:
         logger.warning("ESS: overlap profile %s chose its modes from runs whose spare slots were refilled every %d "
                        "steps; this instance refills every %d (spare_refill_interval): the times it chose by may not "
-                       "apply", config.overlap_profile, theirs, config.spare_refill_interval)
+                       "apply", config.overlap_profile, theirs, interval)
     with_margin = sorted({m for m, on in zip(margins, layers, strict=True) if on and m > 0})
     note = (f"ECHO prefetch in {sum(layers)} of {num_layers} layers ({why})"
             + (f", threshold margin {' / '.join(f'{m:g}' for m in with_margin)}" if with_margin else "")
             + f"; {spare} spare slots per layer"
-            + (f", refilled every {config.spare_refill_interval} steps" if spare and config.spare_refill_interval > 1
-               else "")
+            + (f", refilled every {interval} steps" if spare and interval > 1 else "")
             + (f" (asked {wanted}, capped at 1/8 of the hot pool)" if spare < wanted else ""))
-    return OverlapPlan(tuple(layers), spare, note, tuple(float(m) for m in margins))
+    return OverlapPlan(tuple(layers), spare, note, tuple(float(m) for m in margins), interval)
 
 
 class DecodeOverlap:

@@ -56,22 +56,34 @@ def test_plan_levels_and_spare_slots():
     for bad in (0, 1025, True):
         with pytest.raises(ValueError, match="spare_refill_interval"):
             _plan(spare_refill_interval=bad)
+    assert full.refill_interval == 1 and every4.refill_interval == 4
     capped = _plan(prefetch_overlap_level="full", hot=20_000)  # at most 1/8 of the hot pool, in whole pages
     assert capped.spare_slots == 2496 and "capped" in capped.note
     with pytest.raises(ValueError, match="prefetch_overlap_level: da needs dual attention"):
         _plan(prefetch_overlap_level="da")
 
 
-def test_plan_warns_when_the_profiles_spare_slots_were_refilled_otherwise(caplog):
+def test_plan_warns_when_the_profiles_spare_slots_were_refilled_otherwise(caplog, tmp_path):
     """The shipped SGLang-top-k profile was calibrated with spare slots refilled every 4th step: an instance with
-    spare slots refilled at another interval is told that the profile's times may not apply; at 4 it is not."""
+    spare slots refilled at another interval is told that the profile's times may not apply; at 4 it is not. Unset,
+    the interval is the profile's (and the automatic spare size covers its steps); without a profile, every step."""
     sglang_topk = str(Path(PROFILE).with_name("smollm2-135m_ratio0.2_h200-sglang-topk.yaml"))
-    for interval, warned in ((1, True), (4, False)):
+    for interval, warned, used in ((1, True, 1), (4, False, 4), (None, False, 4)):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="ess_sglang.sglang_plugin"):
             p = _plan(overlap_profile=sglang_topk, spare_slot_fraction=0.05, spare_refill_interval=interval)
-        assert p.spare_slots > 0
+        assert p.spare_slots > 0 and p.refill_interval == used
         assert ("refilled every 4 steps; this instance refills every 1" in caplog.text) == warned, caplog.text
+        assert ("refilled every 4 steps" in p.note) == (used == 4)
+    assert _plan(overlap_profile=PROFILE).refill_interval == 1  # a profile that recorded none: every step
+    data = yaml.safe_load(Path(sglang_topk).read_text())
+    data["device"]["measured"]["spare_refill_interval"] = 5000
+    odd = tmp_path / "odd.yaml"
+    odd.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=r"odd.yaml: its spare_refill_interval 5000 is outside \[1, 1024\]"):
+        _plan(overlap_profile=str(odd))
+    assert _plan(overlap_profile=str(odd), spare_refill_interval=2).refill_interval == 2  # a set one is used
+    assert _plan(prefetch_overlap_level="full").refill_interval == 1  # no profile: every step
 
 
 def test_plan_runs_what_the_plugin_can_of_the_overlap_profile(tmp_path):
