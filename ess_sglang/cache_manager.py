@@ -128,12 +128,13 @@ def positions_to_locations(topk_pos: torch.Tensor, req_to_token: torch.Tensor, r
 
     A position is read from the request table only when 0 <= pos < seq_len of its own request (and the request's
     row is one of the table's), so a selection can name nothing outside its own request; a table entry outside
-    [0, num_locations) is treated as bad too.
+    [0, num_locations) is treated as bad too. A batch entry whose request row is -1 is padding (e.g. a CUDA graph's
+    unused row): its positions count as -1 (not read, not bad).
     """
     B = topk_pos.shape[0]
-    pos = topk_pos.long()
     R, width = req_to_token.shape
-    rows = req_pool_indices.long().view(B, 1, 1).expand_as(pos)
+    rows = req_pool_indices.long().view(B, 1, 1).expand_as(topk_pos)
+    pos = torch.where(rows == -1, -1, topk_pos.long())
     valid = (pos >= 0) & (pos < seq_lens.long().view(B, 1, 1)) & (pos < width) & (rows >= 0) & (rows < R)
     loc = req_to_token[torch.where(valid, rows, 0), torch.where(valid, pos, 0)].long()
     loc_ok = valid & (loc >= 0) & (loc < num_locations)
@@ -271,18 +272,25 @@ class HotPoolCacheManager:
 
     def resolve(self, layer: int, topk_pos: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                 seq_lens: torch.Tensor, fetch_list: FetchList | None = None,
-                settle_prefetch: bool = False) -> torch.Tensor:
+                settle_prefetch: bool = False, slot_offset: int | None = None) -> torch.Tensor:
         """Make every selected entry resident and return its slot.
 
         topk_pos: [batch, q_tokens, k] int32, positions within each request, -1 as padding.
         req_to_token: [rows, max_context] int32, the KV location of each position of each request row.
-        req_pool_indices: [batch], the request row of each batch entry. seq_lens: [batch], tokens of each request.
+        req_pool_indices: [batch], the request row of each batch entry (-1: a padding entry, whose positions are
+        ignored: not read, not counted bad). seq_lens: [batch], tokens of each request.
         fetch_list: when given, the misses get their slots but are not copied: their (location, slot) pairs are written
         to it, and `fetch(layer, fetch_list)` copies them later (dual attention overlaps that copy with attention).
         settle_prefetch: count the layer's prefetches of this step as useful (selected) or wasted entries, after the
         resolve (`settle_prefetch(layer)` does it alone: the decode stack runs it beside attention).
+        slot_offset: return slot + slot_offset instead (an engine's row numbers, where the hot pool is a region of its
+        KV pool), with no launch of its own on the fused path.
         Returns int32 [batch, q_tokens, k]: hot-pool slot of each selected entry, -1 where the input was padding or bad.
         """
+        if slot_offset is not None and (not isinstance(slot_offset, int) or isinstance(slot_offset, bool)
+                                        or not 0 <= slot_offset < 2**31 - self.slots_per_layer):
+            raise ValueError(f"resolve: slot_offset must be an int in [0, 2**31 - slots_per_layer), got "
+                             f"{slot_offset!r}")
         if topk_pos.dim() != 3:
             raise ValueError(f"resolve: topk_pos must be [batch, q_tokens, k], got {tuple(topk_pos.shape)}")
         B = topk_pos.shape[0]
@@ -300,7 +308,8 @@ class HotPoolCacheManager:
             slots = self._fused_run(layer, pos, MODE_POSITIONS, count=True, fetch=(Counter.MISSES, Counter.H2D_ENTRIES),
                                     copy_from=None if fetch_list is not None else self.host.layer(layer),
                                     seq_lens=seq_lens, req_pool_indices=req_pool_indices, req_to_token=req_to_token,
-                                    per_batch=topk_pos.shape[1] * topk_pos.shape[2], fetch_list=fetch_list)
+                                    per_batch=topk_pos.shape[1] * topk_pos.shape[2], fetch_list=fetch_list,
+                                    table_offset=slot_offset)
         else:
             locs, bad = self.translate(topk_pos, req_to_token, req_pool_indices, seq_lens)
             flat = locs.reshape(-1)
@@ -312,6 +321,8 @@ class HotPoolCacheManager:
             cnt[Counter.MISSES] += fetched
             cnt[Counter.H2D_ENTRIES] += fetched
             slots = slots.to(torch.int32)
+            if slot_offset is not None:
+                slots = torch.where(slots >= 0, slots + slot_offset, -1).to(torch.int32)
         if settle_prefetch:
             self.settle_prefetch(layer)
         return slots.view(topk_pos.shape)
@@ -533,10 +544,14 @@ class HotPoolCacheManager:
         return positions_to_locations(topk_pos, req_to_token, req_pool_indices, seq_lens, self.num_locations)
 
     def write_new_tokens(self, layer: int, locs: torch.Tensor, entries: torch.Tensor,
-                         reserved: bool = False, insert: bool = True) -> torch.Tensor:
+                         reserved: bool = False, insert: bool = True,
+                         entry_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Store this step's new entries: D2H into the host pool, and into hot slots (protected this step).
 
         locs: [n] KV locations (-1 to skip), distinct; entries: [n, entry_bytes] uint8 on the device.
+        entry_rows: [n] ints: entry j is row entry_rows[j] of `entries`, then any [rows, entry_bytes] uint8 table on
+        the device (e.g. an engine's KV pool), read in place where the write-back is one launch (a row outside the
+        table skips entry j: nothing is read or written for it).
         reserved: every location already has a slot (`reserve`): write into it, with no lookup-and-evict pass (an
         entry without one is skipped in the hot pool and counted NOT_RESIDENT; the host copy is always written).
         insert: give entries without a slot one (a lookup-and-evict pass over the pool). False: only the write-back,
@@ -544,7 +559,13 @@ class HotPoolCacheManager:
         fetched from the host copy just written (lossless; one resolve fewer per layer).
         Returns the slot of each entry (int64, -1 where skipped).
         """
-        if locs.dim() != 1 or entries.shape != (locs.shape[0], self.entry_bytes):
+        if entry_rows is not None:
+            if locs.dim() != 1 or entry_rows.shape != locs.shape or entry_rows.dtype.is_floating_point \
+                    or entries.dim() != 2 or entries.shape[1] != self.entry_bytes:
+                raise ValueError(f"write_new_tokens wants locs [n], entry_rows [n] ints and entries [rows, "
+                                 f"{self.entry_bytes}], got {tuple(locs.shape)}, {tuple(entry_rows.shape)} "
+                                 f"{entry_rows.dtype} and {tuple(entries.shape)}")
+        elif locs.dim() != 1 or entries.shape != (locs.shape[0], self.entry_bytes):
             raise ValueError(f"write_new_tokens wants locs [n] and entries [n, {self.entry_bytes}], got "
                              f"{tuple(locs.shape)} and {tuple(entries.shape)}")
         no_insert = reserved or not insert
@@ -554,7 +575,12 @@ class HotPoolCacheManager:
             return store_reserved_triton(entries, self.host.layer(layer), self.hot_entries[layer], locs,
                                          self.loc_to_slot[layer], self.slot_stamp[layer], self.clock,
                                          self.counters[layer], (int(Counter.D2H_ENTRIES), not_resident),
-                                         self.num_locations)
+                                         self.num_locations, entry_rows=entry_rows)
+        if entry_rows is not None:  # the rows, gathered (a row outside the table: its entry is skipped)
+            inside = (entry_rows >= 0) & (entry_rows < entries.shape[0])
+            locs = torch.where(inside, locs.to(entry_rows.device), -1)
+            entries = entries[torch.where(inside, entry_rows, 0).long()] if entries.shape[0] else \
+                entries.new_zeros((locs.shape[0], self.entry_bytes))
         flat = self._valid_locations(locs)
         n = flat.shape[0]
         rows = torch.arange(n, device=self.device)

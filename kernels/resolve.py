@@ -350,9 +350,9 @@ def _refill_kernel(scr_ptr, victims_ptr, l2s_ptr, s2l_ptr, stamp_ptr, spare_ptr,
 
 @triton.jit
 def _finish_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, n, num_slots,
-                   pend_src_ptr, pend_dst_ptr, pend_count_ptr, REFILL: tl.constexpr, SPARE_ONLY: tl.constexpr,
-                   PEND: tl.constexpr, CLOSE: tl.constexpr, STAMP_BACK: tl.constexpr, SCR: tl.constexpr,
-                   BLOCK: tl.constexpr, PDL: tl.constexpr):
+                   pend_src_ptr, pend_dst_ptr, pend_count_ptr, table_ptr, table_offset, REFILL: tl.constexpr,
+                   SPARE_ONLY: tl.constexpr, PEND: tl.constexpr, CLOSE: tl.constexpr, STAMP_BACK: tl.constexpr,
+                   SCR: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr = False):
     _pdl_enter(PDL)
     # CLOSE: program 0 moves the counts and clears the scratch (read for the last time in K4 / R4). A spare-only
     # resolve closes in a second, one-program launch: here every program reads the counts, to clear its part of the
@@ -394,6 +394,10 @@ def _finish_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr_ptr, tak
     w = tl.where(w <= -2, -2 - w, w)
     slot = tl.where((cur >= 0) & (cur < num_slots), cur, tl.where(claimed, w, -1))
     tl.store(out_ptr + i, slot, mask=lost)
+    if TABLE:  # every entry's slot + table_offset (-1 where none), in a table of its own: `out` stays the slots,
+        # which other programs of this launch read for the entries they lost to these
+        final = tl.where(won, v, tl.where(lost, slot.to(tl.int64), out.to(tl.int64)))
+        tl.store(table_ptr + i, tl.where(final >= 0, final + table_offset, -1).to(tl.int32), mask=m)
 
 
 def pdl_launch(on: bool) -> dict:
@@ -518,7 +522,8 @@ class FusedResolver:
             seq_lens: torch.Tensor | None = None, req_pool_indices: torch.Tensor | None = None,
             req_to_token: torch.Tensor | None = None, per_batch: int = 1,
             fetch_list: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-            protect: bool = True, spare_only: bool = False, chained: bool = False) -> torch.Tensor:
+            protect: bool = True, spare_only: bool = False, chained: bool = False,
+            table_offset: int | None = None) -> torch.Tensor:
         """Resolve the flat list `src` (positions in MODE_POSITIONS, KV locations in MODE_LOCATIONS); returns the
         int32 slot of each entry (-1 where padding, bad, or overflowed).
 
@@ -529,7 +534,9 @@ class FusedResolver:
         `spare_only` (a prefetch): misses take spare slots only; the rest get -1 (never a scan or an eviction; with
         no spare slots, nothing gets a slot, as in the torch definition). `chained` (a spare-only run that follows
         another kernel on its stream, e.g. the prefetch candidates' last kernel): its three launches use programmatic
-        dependent launch too, where the resolver does (`pdl`)."""
+        dependent launch too, where the resolver does (`pdl`). `table_offset` (not with `spare_only`): return each
+        entry's slot + table_offset instead (-1 where none), written by the last launch into a table of its own (an
+        engine's row numbers, where the hot pool is a region of its KV pool), with no launch of its own."""
         n = src.numel()
         self._grow(n)
         S = self.num_slots
@@ -551,6 +558,9 @@ class FusedResolver:
         fa, fb = fetch_counters
         if spare_only and copy:
             raise ValueError("a spare-only resolve (a prefetch) copies through its fetch list, not inline")
+        if spare_only and table_offset is not None:
+            raise ValueError("a spare-only resolve (a prefetch) returns its slots, not a table with an offset")
+        table = torch.empty(n, dtype=torch.int32, device=src.device) if table_offset is not None else out
         # spare only: K1 writes the fetch list itself (and only where one is given)
         took_loc, took_slot = (pend_src, pend_dst) if spare_only else (self.took_loc, self.took_slot)
         _lookup_kernel[(triton.cdiv(n, self.lookup_block),)](
@@ -569,7 +579,7 @@ class FusedResolver:
             for close in (False, True):  # (see _finish_kernel: the close is a one-program launch here)
                 _finish_kernel[(1 if close else triton.cdiv(n, block),)](
                     self.locs, out, l2s, stamp, clock, self.scratch, spare_taken, self.num_spare, 0 if close else n,
-                    S, pend_src, pend_dst, pend_count, REFILL=False, SPARE_ONLY=True, PEND=pend, CLOSE=close,
+                    S, pend_src, pend_dst, pend_count, out, 0, REFILL=False, SPARE_ONLY=True, PEND=pend, CLOSE=close,
                     STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block, **self._pdl(chained))
             return out
         self._scans(stamp, clock, spare_taken, refill=False)
@@ -585,11 +595,11 @@ class FusedResolver:
             C_EVICT=counter_ids["EVICTIONS"], C_OVERFLOW=counter_ids["OVERFLOW"], STAMP_BACK=0 if protect else 1,
             ROWS=ROWS, CLEAR=block, num_warps=NUM_WARPS, **self._pdl(True))
         _finish_kernel[(triton.cdiv(n, block),)](self.locs, out, l2s, stamp, clock, self.scratch, spare_taken,
-                                                 self.num_spare, n, S, pend_src, pend_dst, pend_count, REFILL=False,
-                                                 SPARE_ONLY=False, PEND=pend, CLOSE=True,
-                                                 STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block,
-                                                 **self._pdl(True))
-        return out
+                                                 self.num_spare, n, S, pend_src, pend_dst, pend_count, table,
+                                                 table_offset or 0, REFILL=False, SPARE_ONLY=False, PEND=pend,
+                                                 CLOSE=True, STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE,
+                                                 BLOCK=block, TABLE=table_offset is not None, **self._pdl(True))
+        return table
 
     def refill(self, *, l2s: torch.Tensor, s2l: torch.Tensor, stamp: torch.Tensor, clock: torch.Tensor,
                counters: torch.Tensor, counter_ids: dict[str, int], spare: torch.Tensor,
@@ -605,6 +615,7 @@ class FusedResolver:
         _refill_kernel[(programs,)](self.scratch, self.victims, l2s, s2l, stamp, spare, spare_taken, counters,
                                     C_EVICT=counter_ids["EVICTIONS"], ROWS=ROWS * 8, num_warps=NUM_WARPS)
         _finish_kernel[(1,)](self.locs, self.took_slot, l2s, stamp, clock, self.scratch, spare_taken, self.num_spare,
-                             0, self.num_slots, self.over_loc, self.over_loc, self.over_loc, REFILL=True,
+                             0, self.num_slots, self.over_loc, self.over_loc, self.over_loc, self.took_slot, 0,
+                             REFILL=True,
                              SPARE_ONLY=False, PEND=False, CLOSE=True, STAMP_BACK=0, SCR=SCR_SIZE, BLOCK=16,
                              PDL=False)

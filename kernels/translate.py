@@ -4,7 +4,8 @@ SGLang's DSA backend turns the indexer's positions into rows of the device KV ca
 (`transform_index_page_table_decode`); the decode-stack benchmark's all-HBM baseline must be as lean, so this is
 one Triton kernel beside its torch definition, `ess_sglang.cache_manager.positions_to_locations` (the same
 bounds rules: a position is read from its own request's row only when 0 <= pos < seq_len and pos < the table
-width; a table entry outside [0, num_locations) gives -1, as padding does).
+width; a table entry outside [0, num_locations) gives -1, as padding does; a batch entry whose request row is -1 is
+padding, whatever its positions).
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ def locate(pos, b, m, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, num_rows, width, nu
 @triton.jit
 def position_to_location(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, num_rows, width, per_batch, num_locations,
                          i, m):
-    """Entries i (mask m) of a flat [B, Q, K] selection: (position, location, position visible, location valid)."""
+    """Entries i (mask m) of a flat [B, Q, K] selection: (position, location, position visible, location valid).
+    A batch entry whose request row is -1 is padding (e.g. a CUDA graph's unused row): its positions read as -1."""
+    b = i // per_batch
     pos = tl.load(pos_ptr + i, mask=m, other=-1).to(tl.int64)
-    loc, valid, ok = locate(pos, i // per_batch, m, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, num_rows, width,
-                            num_locations)
+    pos = tl.where(tl.load(rpi_ptr + b, mask=m, other=-1) == -1, -1, pos)
+    loc, valid, ok = locate(pos, b, m, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, num_rows, width, num_locations)
     return pos, loc, valid, ok
 
 

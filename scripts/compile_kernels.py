@@ -124,11 +124,14 @@ for refill in (False, True):
         if refill and (spare_only or pend):
             continue
         for pdl in ((False, True) if spare_only else (not refill,)):  # (a prefetch's finishes: chained or not)
-            check(kr._finish_kernel, dict(loc_ptr=P64, out_ptr=P64 if refill else P32, l2s_ptr=P32, stamp_ptr=P64,
-                                          clock_ptr=P64, scr_ptr=P32, taken_ptr=P64, num_spare=I64, n=I64,
-                                          num_slots=I64, pend_src_ptr=P64, pend_dst_ptr=P64, pend_count_ptr=P64),
-                  dict(REFILL=refill, SPARE_ONLY=spare_only, PEND=pend, CLOSE=close, STAMP_BACK=0, SCR=512,
-                       BLOCK=16 if refill else 1024, PDL=pdl))
+            # (the exact resolve's also with a table of slots + an offset: the SGLang plugin's)
+            for table in ((False, True) if not (refill or spare_only) else (False,)):
+                check(kr._finish_kernel, dict(loc_ptr=P64, out_ptr=P64 if refill else P32, l2s_ptr=P32,
+                                              stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, taken_ptr=P64, num_spare=I64,
+                                              n=I64, num_slots=I64, pend_src_ptr=P64, pend_dst_ptr=P64,
+                                              pend_count_ptr=P64, table_ptr=P64 if refill else P32, table_offset=I64),
+                      dict(REFILL=refill, SPARE_ONLY=spare_only, PEND=pend, CLOSE=close, STAMP_BACK=0, SCR=512,
+                           BLOCK=16 if refill else 1024, PDL=pdl, TABLE=table))
 check(kr._refill_kernel, dict(scr_ptr=P32, victims_ptr=P32, l2s_ptr=P32, s2l_ptr=P32, stamp_ptr=P64, spare_ptr=P32,
                               taken_ptr=P64, cnt_ptr=P64), dict(C_EVICT=8, ROWS=32))
 check(kf._copy_rows_masked_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64, n_rows=I64),
@@ -145,11 +148,12 @@ for dot, q_type, q_fp8, chained, tiles, stages in ((ki.DOT_BF16, "*u8", True, Fa
                                           w_sh=I64, r2t_stride=I64, out_sb=I64, out_sq=I64, num_locations=I64,
                                           table_width=I64, table_rows=I64, first_pos=I64, max_len=I64, H=I32, Q=I32),
           dict(HP=64, BLOCK_T=ki.BLOCK_T, TILES=tiles, STAGES=stages, DOT=dot, Q_FP8=q_fp8, CHAINED=chained))
-for not_resident in (13, -1):
-    check(kn._store_reserved_kernel, dict(entries_ptr=P32, host_ptr=P32, hot_ptr=P32, locs_ptr=P32, l2s_ptr=P32,
+for not_resident, gather in ((13, False), (-1, False), (-1, True)):  # (gather: the SGLang plugin's write-back)
+    check(kn._store_reserved_kernel, dict(entries_ptr=P32, host_ptr=P32, hot_ptr=P32, locs_ptr=P64, l2s_ptr=P32,
                                          stamp_ptr=P64, clock_ptr=P64, cnt_ptr=P64, slots_out_ptr=P64, n=I64,
-                                         num_locations=I64, num_slots=I64),
+                                         num_locations=I64, num_slots=I64, rows_ptr=P64, entry_stride=I64,
+                                         entry_rows=I64),
           dict(WORDS=164, HOST_STRIDE=164, HOT_STRIDE=164, BLOCK_WORDS=256, C_D2H=4, C_NOT_RESIDENT=not_resident,
-               ROWS=4))
+               ROWS=4, GATHER=gather))
 
 sys.exit(1 if FAILED else 0)

@@ -282,6 +282,91 @@ def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, 
     assert (not_due > 0) == (interval > 1 and spare > 0), not_due
 
 
+def test_padding_entries_are_ignored(impl):
+    """A batch entry whose request row is -1 (a CUDA graph's padding row) selects nothing: its positions, however
+    plausible, are neither read nor counted bad, and the real entries resolve as they would alone."""
+    pair = [make(tokens=1024, slots=256, lengths=(100, 200), impl=impl) for _ in range(2)]
+    pos = torch.randint(0, 100, (3, 1, 16), generator=torch.Generator().manual_seed(3)).int()
+    (m, host, table, rpi, sl), (alone, *_) = pair
+    m.begin_step()
+    alone.begin_step()
+    slots = m.resolve(0, pos, table.req_to_token, torch.cat([rpi, torch.tensor([-1])]),
+                      torch.cat([sl, torch.tensor([1])]))
+    want = alone.resolve(0, pos[:2], table.req_to_token, rpi, sl)
+    assert bool((slots[2] == -1).all()) and torch.equal(slots[:2], want)
+    assert int(m.counters[0, Counter.BAD_INDICES]) == 0 and int(m.counters[0, Counter.LOOKUPS]) == 32
+    assert torch.equal(m.counters, alone.counters)
+    m.check_invariants()
+
+
+def test_translate_ignores_padding_entries():
+    """The Triton translate and its torch definition agree on padding entries (request row -1: every location -1)
+    and on rows outside the table."""
+    from ess_sglang.kernels.translate import translate_positions_triton
+
+    from ess_sglang.cache_manager import positions_to_locations
+
+    g = torch.Generator().manual_seed(11)
+    req_to_token = torch.randint(0, 3000, (6, 400), generator=g).int()
+    pos = torch.randint(0, 300, (4, 2, 32), generator=g).int()
+    rpi, seq = torch.tensor([5, -1, 7, 2]), torch.tensor([400, 400, 300, 200])
+    want, bad = positions_to_locations(pos, req_to_token, rpi, seq, 2500)
+    assert bool((want[1] == -1).all()) and not bool(bad[1].any())  # padding: nothing read, nothing bad
+    assert bool((want[2] == -1).all()) and bool(bad[2].all())  # a row outside the table: every position is bad
+    assert torch.equal(translate_positions_triton(pos, req_to_token, rpi, seq, 2500), want.int())
+
+
+@pytest.mark.parametrize("spare", [0, 40])
+def test_slot_offset_gives_the_slots_plus_the_offset(impl, spare):
+    """resolve(slot_offset=o) returns slot + o where an entry has a slot and -1 elsewhere, and changes nothing else:
+    two managers fed the same steps (duplicates across query tokens, a pool small enough to evict, padding and bad
+    positions) keep equal state."""
+    g = torch.Generator().manual_seed(4)
+    pair = [make(slots=192, lengths=(300, 500, 250), seed=5, impl=impl, spare=spare) for _ in range(2)]
+    for step in range(6):
+        pos = torch.randint(-2, 520, (3, 2, 40), generator=g).int()
+        got = []
+        for i, (m, _, table, rpi, sl) in enumerate(pair):
+            m.begin_step()
+            got.append(m.resolve(0, pos, table.req_to_token, rpi, sl, slot_offset=1000 if i else None))
+            if spare:
+                m.refill_spares(0)
+        assert torch.equal(got[1], torch.where(got[0] >= 0, got[0] + 1000, -1)), f"step {step}"
+        assert got[1].dtype == torch.int32
+        for name in ("hot_entries", "loc_to_slot", "slot_to_loc", "slot_stamp", "counters", "spare_taken"):
+            assert torch.equal(getattr(pair[0][0], name), getattr(pair[1][0], name)), name
+    m = pair[0][0]
+    for bad in (-1, 2**31, 1.5, True):
+        with pytest.raises(ValueError, match="slot_offset"):
+            m.resolve(0, pos, pair[0][2].req_to_token, pair[0][3], pair[0][4], slot_offset=bad)
+
+
+def test_write_new_tokens_reads_rows_of_a_table_in_place(impl):
+    """write_new_tokens(entry_rows=...) stores row entry_rows[j] of a larger table for location j, as if those rows
+    had been gathered first; a row outside the table skips its entry (nothing read, written or counted)."""
+    g = torch.Generator().manual_seed(8)
+    pair = [make(slots=256, impl=impl) for _ in range(2)]
+    big = torch.randint(0, 256, (10, 656), dtype=torch.uint8, generator=g)
+    rows = torch.tensor([3, 9, -1, 10, 0])
+    for m, _, table, *_ in pair:
+        m.begin_step()
+        m.warm_up(0, table.req_to_token[0, :4])  # two locations resident: their hot slots are written too
+    locs = torch.cat([pair[0][2].req_to_token[0, :2], pair[0][1].alloc(3)]).long()
+    inside = (rows >= 0) & (rows < 10)
+    got = pair[0][0].write_new_tokens(0, locs, big, insert=False, entry_rows=rows)
+    want = pair[1][0].write_new_tokens(0, torch.where(inside, locs, -1), big[torch.where(inside, rows, 0)],
+                                       insert=False)
+    assert torch.equal(got, want) and bool((got[:2] >= 0).all()) and bool((got[2:] == -1).all())
+    for name in ("hot_entries", "slot_stamp", "counters"):
+        assert torch.equal(getattr(pair[0][0], name), getattr(pair[1][0], name)), name
+    assert torch.equal(pair[0][1].entries, pair[1][1].entries)
+    assert torch.equal(pair[0][1].entries[0][locs[1]], big[9])
+    assert torch.equal(pair[0][0].hot_entries[0][got[1]], big[9])
+    assert int(pair[0][0].counters[0, Counter.D2H_ENTRIES]) == 3
+    with pytest.raises(ValueError, match="entry_rows"):
+        pair[0][0].write_new_tokens(0, locs, big, insert=False, entry_rows=rows[:2])
+
+
 def test_engine_provided_hot_pool_storage(impl):
     host = HostTotalPool(2, 512, device="cpu")
     host.entries.random_(0, 256)

@@ -3,6 +3,8 @@
 - FlashTrans at full size between a pinned host pool of over 1 GiB (UVA) and device memory, both directions.
 - The fused resolve with about a hundred programs per launch at once (duplicates, a shared prefix, a release
   mid-run): entries and maps exact at every step.
+- What the SGLang plugin's decode seam asks of the kernels at scale: the write-back from rows of a larger table,
+  padding entries as request row -1, the slot table with an offset.
 - A multi-layer decode step (write-back + resolve for every layer) captured in one CUDA graph, replayed with new
   inputs, against the same steps run eagerly with torch's sync debug mode set to "error".
 - Lossless decode with FlashMLA: 256 steps, batch 8, context >= 8K, ratio 0.2, bit-identical to all-in-device.
@@ -148,6 +150,46 @@ def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact(s
     assert int(c[:, Counter.EVICTIONS].sum()) > 100_000 and int(c[:, Counter.OVERFLOW].sum()) == 0
     print(f"many programs: {int(c[:, Counter.MISSES].sum())} misses, {int(c[:, Counter.EVICTIONS].sum())} evictions, "
           f"hit rate {1 - c[:, Counter.MISSES].sum().item() / c[:, Counter.LOOKUPS].sum().item():.3f}")
+
+
+@pytest.mark.parametrize("spare", [0, 6000])
+def test_plugin_seam_kernels_at_scale(spare):
+    """What the SGLang plugin's decode seam asks of the kernels, at scale (coordinator.swap_in_selected_pages): the
+    write-back reads each token's entry in place from rows of a larger table; CUDA-graph padding entries arrive as
+    request row -1 with positions that would be valid; the resolve returns slot + an offset from its last launch.
+    Every real entry's row - offset holds its host entry, every padding entry is -1 and counts nothing, and each real
+    token's entry is written back from its row."""
+    dev = torch.device("cuda")
+    lengths, top_k, layers, pad, offset = (16000,) * 8, 2048, 2, 2, 123_456
+    m, host, table, rpi, seq = _setup(layers, lengths=lengths, slots=48_000, top_k=top_k, spare=spare)
+    B = len(lengths)
+    live = torch.arange(B, device=dev) < B - pad
+    live_rpi = torch.where(live, rpi, -1)
+    g = torch.Generator(device=dev).manual_seed(9)
+    big = torch.randint(0, 256, (4 * B, 656), dtype=torch.uint8, device=dev, generator=g)
+    rows = torch.arange(B, device=dev) * 3 + 1
+    for _ in range(6):
+        seq = seq + 1
+        topk = torch.randint(0, 16000, (B, 1, top_k), device=dev, generator=g).int()
+        m.begin_step()
+        new_locs = torch.where(live, table.req_to_token[rpi.long(), (seq - 1).long()].long(), -1)
+        before = m.counters.clone()
+        tables = []
+        for layer in range(layers):
+            m.write_new_tokens(layer, new_locs, big, insert=False, entry_rows=rows)
+            out = m.resolve(layer, topk, table.req_to_token, live_rpi, seq, slot_offset=offset)
+            assert out.dtype == torch.int32 and bool((out[~live] == -1).all())
+            tables.append(torch.where(out >= 0, out - offset, -1)[live])
+            m.refill_spares(layer)
+        torch.cuda.synchronize()
+        _check_tables(m, host, table, rpi[live], seq[live], torch.stack([topk[live]] * layers), torch.stack(tables))
+        delta = (m.counters - before).cpu()
+        assert int(delta[:, Counter.BAD_INDICES].sum()) == 0
+        assert int(delta[:, Counter.LOOKUPS].sum()) == layers * (B - pad) * top_k
+        assert int(delta[:, Counter.D2H_ENTRIES].sum()) == layers * (B - pad)
+        for layer in range(layers):
+            assert torch.equal(host.entries[layer][new_locs[live].cpu()].cuda(), big[rows[live]])
+        m.check_invariants()
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
