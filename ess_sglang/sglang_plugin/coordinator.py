@@ -51,6 +51,18 @@ logger = logging.getLogger("ess_sglang.sglang_plugin")
 _ACTIVE: weakref.ref | None = None
 
 
+class StepRows(NamedTuple):
+    """What a decode step's layers share about its batch (``EssCoordinator.rows_of_step``), [bs] each."""
+
+    key: tuple  # the request-row and length tensors they were computed from (identity, shape, dtype, device)
+    rpi: torch.Tensor  # request rows (int64)
+    lens: torch.Tensor  # tokens of each request, the one being decoded included (int64)
+    live_rpi: torch.Tensor  # request rows, -1 for CUDA-graph padding rows (the resolve ignores their positions)
+    visible_lens: torch.Tensor  # lens, 0 for padding rows (positions a prefetch candidate may come from)
+    new_host_loc: torch.Tensor  # host location of the token being decoded, -1 for padding rows
+    new_token_rows: torch.Tensor  # device-pool row of each request's new-token slot
+
+
 def active_coordinator() -> EssCoordinator | None:
     """The ESS coordinator of this process (one per scheduler process), or None when ESS is off here."""
     return _ACTIVE() if _ACTIVE is not None else None
@@ -235,6 +247,7 @@ class EssCoordinator:
 
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=dev)
         self._row_ids = torch.arange(rows, dtype=torch.int64, device=dev)
+        self._step_rows: StepRows | None = None  # the decode step's per-request tensors (layer 0 computes them)
         self.spec_swap = _NoSpeculation()
         self.padded_buffer_size = 1  # SGLang's PD queue divides free physical slots by this per request
         self.device_buffer_size = hot_slots_per_layer
@@ -302,41 +315,63 @@ class EssCoordinator:
     # ------------------------------------------------------------------------------------------ decode seam
     def swap_in_selected_pages(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                                top_k_result: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """Make every selected entry resident in the layer's hot pool; return device-pool rows for FlashMLA."""
+        """Make every selected entry resident in the layer's hot pool; return device-pool rows for FlashMLA.
+
+        Two launches of its own on the main stream in a layer (the write-back and the resolve's five): what depends
+        only on the batch is computed once a step (`rows_of_step`), the write-back reads the token's entry from its
+        new-token slot in place, padding rows reach the resolve as request row -1 (ignored there) and the resolve
+        writes device-pool rows itself (`slot_offset`). In the decode harness on the H200 the per-layer torch ops
+        this replaced (about a dozen small launches) cost 24-29 us a layer at batch 64, 32K and 128K
+        (benchmarks/RESULTS.md, twenty-fifth session)."""
         if top_k_result.dim() != 2:
             raise NotImplementedError("ESS: multi-token (speculative) decode steps are not supported")
         layer = layer_id - self.start_layer
         if layer == 0:
             self._start_step(from_tap=False)
         B, K = top_k_result.shape
-        rpi = req_pool_indices.long()
-        lens = seq_lens.long()
-        live = self.live_rows(lens)
+        rows = self.rows_of_step(req_pool_indices, seq_lens)
         # the layer's prefetch has landed and the previous layer's refill is done (echo.py, 3a-b)
         self.overlap.before_resolve(layer)
         # 1. this step's token: from its new-token slot (set_mla_kv_buffer wrote it there) to the host pool (and a
         # hot slot with new_tokens="insert")
-        new_pos = (lens - 1).clamp(min=0)
-        host_loc = torch.where(live, self.req_to_host_pool[rpi, new_pos], -1)
-        entries = self.device_kv[layer][self.new_token_base + rpi]
-        self.manager.write_new_tokens(layer, host_loc, entries, insert=self.config.new_tokens == "insert")
-        # 2. the selection: positions -> host locations -> hot slots (misses fetched from the host pool)
-        topk = torch.where(live.view(B, 1), top_k_result, -1).view(B, 1, K)
-        slots = self.manager.resolve(layer, topk, self.req_to_host_pool, rpi, lens).view(B, K)
+        self.manager.write_new_tokens(layer, rows.new_host_loc, self.device_kv[layer],
+                                      insert=self.config.new_tokens == "insert", entry_rows=rows.new_token_rows)
+        # 2. the selection: positions -> host locations -> hot slots (misses fetched from the host pool) -> rows of
+        # the device pool
+        slots = self.manager.resolve(layer, top_k_result.reshape(B, 1, K), self.req_to_host_pool, rows.live_rpi,
+                                     rows.lens, slot_offset=self.hot_base)
         self.overlap.after_resolve(layer)  # settle the prefetch, refill spare slots: beside attention (3d-e)
-        return torch.where(slots >= 0, slots + self.hot_base, -1).to(torch.int32)
+        return slots.view(B, K)
 
     def _start_step(self, from_tap: bool) -> None:
         """Advance the LRU clock once per decode step, before the step's first hot-pool work: at layer 0's prefetch
         (indexer tap) when it prefetches, so that the side stream's prefetch reads the new clock, else at layer 0's
-        swap-in. The flag only bridges a layer-0 tap to its swap-in."""
+        swap-in. The flag only bridges a layer-0 tap to its swap-in. The step's per-request tensors are computed
+        again by the step's first hook."""
         if from_tap:
             self.manager.begin_step()
             self._step_started = True
+            self._step_rows = None
         elif self._step_started:
             self._step_started = False
         else:
             self.manager.begin_step()
+            self._step_rows = None
+
+    def rows_of_step(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> StepRows:
+        """The decode step's per-request tensors (`StepRows`), computed by the step's first hook call (layer 0) and
+        reused by every later layer of the step, on the same tensors (other tensors compute them again). In a CUDA
+        graph, layer 0's launches are captured once and recompute them in every replay."""
+        rpi, lens = req_pool_indices, seq_lens
+        key = tuple((t.data_ptr(), tuple(t.shape), t.dtype, t.device) for t in (rpi, lens))
+        if self._step_rows is not None and self._step_rows.key == key:
+            return self._step_rows
+        rpi, lens = rpi.long(), lens.long()
+        live = self.live_rows(lens)
+        new_host_loc = torch.where(live, self.req_to_host_pool[rpi, (lens - 1).clamp(min=0)], -1)
+        self._step_rows = StepRows(key, rpi, lens, torch.where(live, rpi, -1), torch.where(live, lens, 0),
+                                   new_host_loc, self.new_token_base + rpi)
+        return self._step_rows
 
     def live_rows(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """[B] bool: the batch's real requests (CUDA-graph padding rows excluded)."""
@@ -347,12 +382,11 @@ class EssCoordinator:
                              seq_lens: torch.Tensor) -> None:
         """The indexer's logits of a decode layer exist (indexer_tap.py): queue the layer's ECHO prefetch (real
         requests only; this step's token included, see echo.py step 1)."""
-        lens = seq_lens.long()
-        visible = torch.where(self.live_rows(lens), lens, 0)
         layer = layer_id - self.start_layer
         if layer == 0:
             self._start_step(from_tap=True)
-        self.overlap.prefetch(layer, logits, req_pool_indices.long(), visible, self.req_to_host_pool)
+        rows = self.rows_of_step(req_pool_indices, seq_lens)
+        self.overlap.prefetch(layer, logits, rows.rpi, rows.visible_lens, self.req_to_host_pool)
 
     def note_selection(self, layer_id: int, logits: torch.Tensor, positions: torch.Tensor,
                        req_pool_indices: torch.Tensor) -> None:

@@ -224,6 +224,7 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
     rpi = torch.tensor(rows, dtype=torch.int64)
     seq = torch.tensor(lens, dtype=torch.int64)
     identical = 0
+    previous_rows = None
     for step in range(steps):
         if step == replace_at:  # request 1 finishes; a new one takes its row, on the host slots it freed
             old = reqs[1]
@@ -252,6 +253,7 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
         fb = types.SimpleNamespace(req_pool_indices=rpi, seq_lens=seq, out_cache_loc=out_loc, batch_size=B,
                                    forward_mode=types.SimpleNamespace(is_decode=lambda: True))
         step_ok = True
+        shared = []  # the step's per-request tensors each layer saw: computed once a step, by its first hook
         for layer in range(LAYERS):
             lyr = _layer(layer)
             k_nope = torch.randn((B, 1, 512), generator=g).to(torch.bfloat16)
@@ -267,6 +269,9 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
                 lse_ref[-1].view(torch.int32), lse_ess[-1].view(torch.int32))
             assert same, f"{mode}: step {step} layer {layer} differs"
             step_ok &= same
+            shared.append(coord._step_rows)
+        assert all(r is shared[0] for r in shared) and shared[0] is not previous_rows, f"step {step}"
+        previous_rows = shared[0]
         identical += step_ok
     m = coord.manager
     assert int(m.clock) == steps  # one clock step per decode step (at layer 0's tap when it prefetches, else swap-in)
