@@ -220,7 +220,7 @@ class DecodeOverlap:
         """Keep the layer's logits and top-k positions: each row's k-th best score, the lowest logit among its
         selected positions (-1: none; a row with nothing selected gives +inf, which leaves a threshold at +inf), is
         found and folded into the thresholds beside attention (3d), not here on the main stream between the top-k
-        and the resolve (in the decode harness on the H200 that placement cost 1.6-7.3 us a layer:
+        and the resolve (in the decode harness on the H200 that placement cost 1.5-7.4 us a layer:
         benchmarks/RESULTS.md, twenty-fifth session)."""
         B = min(logits.shape[0], positions.shape[0], req_pool_indices.shape[0])
         self._pending[layer] = (logits[:B], positions[:B], req_pool_indices[:B])
