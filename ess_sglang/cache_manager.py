@@ -561,6 +561,7 @@ class HotPoolCacheManager:
         """
         if entry_rows is not None:
             if locs.dim() != 1 or entry_rows.shape != locs.shape or entry_rows.dtype.is_floating_point \
+                    or entry_rows.dtype == torch.bool \
                     or entries.dim() != 2 or entries.shape[1] != self.entry_bytes:
                 raise ValueError(f"write_new_tokens wants locs [n], entry_rows [n] ints and entries [rows, "
                                  f"{self.entry_bytes}], got {tuple(locs.shape)}, {tuple(entry_rows.shape)} "

@@ -213,9 +213,10 @@ class EssConfig(BaseModel):
     """SGLang plugin: a layer's spare slots are refilled in every decode step (1), or in every K-th step of the layer
     (the layers in turn) and in any step where fewer than 1/K of them are left. Size spare_slot_fraction to K steps'
     misses. None: the interval the overlap profile's spare-slot runs were measured with (4 in the shipped
-    SGLang-top-k profile), else 1. In the decode harness on the H200 (prefetch in three segments, hit 0.95, batch
-    64), K = 4 with twice the spare slots took 9.4-11.3 us a layer less than refilling every step at 128K, 1.9-4.1 at
-    32K (benchmarks/RESULTS.md, twenty-fourth session); not measured inside SGLang."""
+    SGLang-top-k profile) where a profile is loaded (not with prefetch_overlap_level none), else 1. In the decode
+    harness on the H200 (prefetch in three segments, hit 0.95, batch 64), K = 4 with twice the spare slots took
+    9.4-11.3 us a layer less than refilling every step at 128K, 1.9-4.1 at 32K (benchmarks/RESULTS.md, twenty-fourth
+    session); not measured inside SGLang."""
     new_tokens: Literal[NEW_TOKEN_MODES] = DEFAULT_NEW_TOKENS
     """Each decoded token's latent entry is written back to the host pool; "on_demand": fetched like any miss when
     a later selection names it (no resolve of its own: measured faster); "insert": also given a protected hot slot."""

@@ -8,7 +8,9 @@ count, writes new tokens back that are fetched on demand when selected: `write_n
     hot[slot]  = entry, stamp[slot] = clock  where slot = loc_to_slot[loc] is a slot (protected this step)
     counters:  D2H_ENTRIES += 1;  NOT_RESIDENT += 1 where the location has no slot after all
 
-for every location with 0 <= loc < num_locations (others are skipped, as in the torch path). The plain-torch
+for every location with 0 <= loc < num_locations (others are skipped, as in the torch path). With `entry_rows`
+the entries are read in place from rows of a larger table (e.g. the new-token slots of an engine's KV pool; a row
+outside the table skips its entry), instead of from a gathered [n, entry_bytes] tensor. The plain-torch
 definition is `HotPoolCacheManager.write_new_tokens(..., reserved=True)` with `resolve_impl="torch"`; before this
 kernel that path was ~15 small launches on the decode stack's side stream, which small batches could not hide.
 """

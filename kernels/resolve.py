@@ -4,7 +4,8 @@ The plain-torch definition is `HotPoolCacheManager` with `resolve_impl="torch"` 
 kernels compute the same maps, counters and slot table. A resolve is five launches over the selection (n entries)
 or the layer's slots (S), with every count kept on the device:
 
-    K1 lookup     entry -> KV location (bounds-checked through the request's own row), slot = loc_to_slot[loc];
+    K1 lookup     entry -> KV location (bounds-checked through the request's own row; a padding entry, request
+                  row -1, is ignored), slot = loc_to_slot[loc];
                   a hit stamps its slot with the clock (protected this step); a miss claims its absent location
                   (compare-and-swap -1 -> num_slots + its index: the first entry naming a location wins, the others
                   read the winner's slot in K5); the winners are ranked (one atomic per block); the first `avail`
@@ -25,7 +26,8 @@ or the layer's slots (S), with every count kept on the device:
                   a fixed grid of persistent programs walks the winners only (their count is on the device)
     K5 finish     spare-slot winners: token -> slot, stamp, slot table; entries that named a location another entry
                   won read the winner's slot (from the map, or through the claim from the winner's table entry);
-                  the spare count moves
+                  the spare count moves; with a table offset (`run(table_offset=)`), every entry's slot + offset
+                  into a table of its own (an engine's row numbers)
 
 With `pdl` (programmatic dependent launch, sm_90+: `HotPoolCacheManager(resolve_pdl=...)`, on by default there) K2-K5
 are launched with the PDL attribute and begin with `griddepcontrol.wait` then `launch_dependents` (`_pdl_enter`); K1 is

@@ -149,7 +149,8 @@ for dot, q_type, q_fp8, chained, tiles, stages in ((ki.DOT_BF16, "*u8", True, Fa
                                           table_width=I64, table_rows=I64, first_pos=I64, max_len=I64, H=I32, Q=I32),
           dict(HP=64, BLOCK_T=ki.BLOCK_T, TILES=tiles, STAGES=stages, DOT=dot, Q_FP8=q_fp8, CHAINED=chained))
 for not_resident, gather in ((13, False), (-1, False), (-1, True)):  # (gather: the SGLang plugin's write-back)
-    check(kn._store_reserved_kernel, dict(entries_ptr=P32, host_ptr=P32, hot_ptr=P32, locs_ptr=P64, l2s_ptr=P32,
+    check(kn._store_reserved_kernel, dict(entries_ptr=P32, host_ptr=P32, hot_ptr=P32, locs_ptr=P64 if gather else P32,
+                                         l2s_ptr=P32,
                                          stamp_ptr=P64, clock_ptr=P64, cnt_ptr=P64, slots_out_ptr=P64, n=I64,
                                          num_locations=I64, num_slots=I64, rows_ptr=P64, entry_stride=I64,
                                          entry_rows=I64),

@@ -363,8 +363,9 @@ def test_write_new_tokens_reads_rows_of_a_table_in_place(impl):
     assert torch.equal(pair[0][1].entries[0][locs[1]], big[9])
     assert torch.equal(pair[0][0].hot_entries[0][got[1]], big[9])
     assert int(pair[0][0].counters[0, Counter.D2H_ENTRIES]) == 3
-    with pytest.raises(ValueError, match="entry_rows"):
-        pair[0][0].write_new_tokens(0, locs, big, insert=False, entry_rows=rows[:2])
+    for bad in (rows[:2], rows > 0, rows.float()):  # a length other than the locations', a mask, floats
+        with pytest.raises(ValueError, match="entry_rows"):
+            pair[0][0].write_new_tokens(0, locs, big, insert=False, entry_rows=bad)
 
 
 def test_engine_provided_hot_pool_storage(impl):

@@ -54,7 +54,8 @@ _ACTIVE: weakref.ref | None = None
 class StepRows(NamedTuple):
     """What a decode step's layers share about its batch (``EssCoordinator.rows_of_step``), [bs] each."""
 
-    key: tuple  # the request-row and length tensors they were computed from (identity, shape, dtype, device)
+    key: tuple  # the decode step (map_last_loc_to_buffer's count) and the request-row and length tensors they were
+    # computed from (identity, shape, dtype, device)
     rpi: torch.Tensor  # request rows (int64)
     lens: torch.Tensor  # tokens of each request, the one being decoded included (int64)
     live_rpi: torch.Tensor  # request rows, -1 for CUDA-graph padding rows (the resolve ignores their positions)
@@ -317,10 +318,11 @@ class EssCoordinator:
                                top_k_result: torch.Tensor, layer_id: int) -> torch.Tensor:
         """Make every selected entry resident in the layer's hot pool; return device-pool rows for FlashMLA.
 
-        Two launches of its own on the main stream in a layer (the write-back and the resolve's five): what depends
-        only on the batch is computed once a step (`rows_of_step`), the write-back reads the token's entry from its
-        new-token slot in place, padding rows reach the resolve as request row -1 (ignored there) and the resolve
-        writes device-pool rows itself (`slot_offset`). In the decode harness on the H200 the per-layer torch ops
+        Two launches of its own on the main stream in a layer with the defaults (the write-back and the resolve's
+        five; new_tokens="insert" or the torch resolve add their own): what depends only on the batch is computed
+        once a step (`rows_of_step`), the write-back reads the token's entry from its new-token slot in place,
+        padding rows reach the resolve as request row -1 (ignored there) and the resolve writes device-pool rows
+        itself (`slot_offset`). In the decode harness on the H200 the per-layer torch ops
         this replaced (about a dozen small launches) cost 24-29 us a layer at batch 64, 32K and 128K
         (benchmarks/RESULTS.md, twenty-fifth session)."""
         if top_k_result.dim() != 2:
@@ -360,10 +362,12 @@ class EssCoordinator:
 
     def rows_of_step(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> StepRows:
         """The decode step's per-request tensors (`StepRows`), computed by the step's first hook call (layer 0) and
-        reused by every later layer of the step, on the same tensors (other tensors compute them again). In a CUDA
-        graph, layer 0's launches are captured once and recompute them in every replay."""
+        reused by every later layer of the step, on the same tensors (other tensors, or another decode step, compute
+        them again: the step's start clears them, and the key holds the host's decode-step count too, in case a step
+        cut short left the start's flag behind). In a CUDA graph, layer 0's launches are captured once and recompute
+        them in every replay."""
         rpi, lens = req_pool_indices, seq_lens
-        key = tuple((t.data_ptr(), tuple(t.shape), t.dtype, t.device) for t in (rpi, lens))
+        key = (self._step,) + tuple((t.data_ptr(), tuple(t.shape), t.dtype, t.device) for t in (rpi, lens))
         if self._step_rows is not None and self._step_rows.key == key:
             return self._step_rows
         rpi, lens = rpi.long(), lens.long()
@@ -390,7 +394,8 @@ class EssCoordinator:
 
     def note_selection(self, layer_id: int, logits: torch.Tensor, positions: torch.Tensor,
                        req_pool_indices: torch.Tensor) -> None:
-        """The layer's top-k positions exist: remember each row's k-th best score for the prefetch threshold."""
+        """The layer's top-k positions exist: keep them and the logits; each row's k-th best score moves the prefetch
+        threshold beside attention (echo.py, 3d)."""
         self.overlap.note_selection(layer_id - self.start_layer, logits, positions, req_pool_indices.long())
 
     def prefetches(self, layer_id: int, batch_size: int | None = None) -> bool:

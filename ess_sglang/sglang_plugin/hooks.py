@@ -56,7 +56,7 @@ RUNTIME_HOOKS: tuple[HookSpec, ...] = (
     HookSpec("sglang.srt.layers.attention.dsa.dsa_indexer_metadata.DSAIndexerMetadata.topk_transform", "around",
              indexer_tap.topk_transform_hook,
              "in an open tap: selects with SGLang's top-k v2 kernel and plan as without ESS (positions); queues the "
-             "layer's prefetch from the logits before it, notes the k-th best scores after it"),
+             "layer's prefetch from the logits before it, keeps the selection for its k-th best scores after it"),
     HookSpec("sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend", "before",
              warmup.forward_extend_hook, "captures the prefill's last query windows' top-k sets for warm-up"),
     HookSpec(f"{MB}.__init__", "after", pd_windows.metadata_buffers_init_hook,

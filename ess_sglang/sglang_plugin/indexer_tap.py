@@ -15,7 +15,8 @@ SGLang 0.5.23's DSA decode path computes the logits and selects in one method:
 * AROUND ``DSAIndexerMetadata.topk_transform``: the first top-k inside an open tap is the layer's decode selection:
   the coordinator queues the prefetch (``prefetch_from_logits``) before it, the selection runs with SGLang's top-k v2
   kernel and plan as SGLang without ESS would (``decode_topk.select``; SGLang's own call where that does not apply),
-  and the coordinator notes each row's k-th best score (``note_selection``) after it.
+  and the coordinator keeps the selection and the logits (``note_selection``) after it, for the k-th best scores
+  found beside attention.
 
 Anywhere else (prefill, speculative verify, ESS off) both pass straight through. The tap is plain process state:
 SGLang runs a scheduler's forward passes on one thread, and during CUDA-graph capture these hooks run once per
@@ -90,8 +91,8 @@ def get_topk_paged_hook(original, indexer, *args, **kwargs):
 
 
 def topk_transform_hook(original, metadata, logits, topk, *args, **kwargs):
-    """AROUND DSAIndexerMetadata.topk_transform: prefetch before, the top-k as without ESS, note the k-th best
-    scores after."""
+    """AROUND DSAIndexerMetadata.topk_transform: prefetch before, the top-k as without ESS, keep the
+    selection for its k-th best scores after."""
     tap = _OPEN
     if tap is None or tap.used or getattr(logits, "dim", lambda: 0)() != 2:
         return original(metadata, logits, topk, *args, **kwargs)

@@ -243,7 +243,8 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
         req_pool.req_to_token[rpi, seq] = out_loc.to(torch.int32)
         for req in reqs:
             req.kv.kv_allocated_len += 1
-        seq = seq + 1
+        seq.add_(1)  # in place: the step's tensors are the same objects every step (as static graph buffers are), so
+        # only the step's start can tell the layers' shared rows from the previous step's
         coord.map_last_loc_to_buffer(seq, out_loc, rpi, seq.clone(), rpi.clone())
         coord.num_real_reqs.fill_(B)  # what ModelRunner does before every decode forward
         max_len = int(seq.max())
