@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 import torch
 
@@ -102,6 +103,15 @@ class FetchList:
         if self.src.numel() > n:
             self.src[n:].fill_(-1)
             self.dst[n:].fill_(-1)
+
+
+class NewTokens(NamedTuple):
+    """This step's token of each batch entry, written back by `HotPoolCacheManager.resolve(new_tokens=...)` once the
+    selection is resolved (what `write_new_tokens(locs, entries, insert=False, entry_rows=entry_rows)` stores)."""
+
+    locs: torch.Tensor  # [batch] ints: the token's host location, -1 for none (e.g. a CUDA-graph padding row)
+    entries: torch.Tensor  # [rows, entry_bytes] uint8 on the device: a table holding the tokens' entries
+    entry_rows: torch.Tensor  # [batch] ints: the token's row of `entries`, read in place (outside it: skipped)
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -272,7 +282,8 @@ class HotPoolCacheManager:
 
     def resolve(self, layer: int, topk_pos: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                 seq_lens: torch.Tensor, fetch_list: FetchList | None = None,
-                settle_prefetch: bool = False, slot_offset: int | None = None) -> torch.Tensor:
+                settle_prefetch: bool = False, slot_offset: int | None = None,
+                new_tokens: NewTokens | None = None) -> torch.Tensor:
         """Make every selected entry resident and return its slot.
 
         topk_pos: [batch, q_tokens, k] int32, positions within each request, -1 as padding.
@@ -285,6 +296,12 @@ class HotPoolCacheManager:
         resolve (`settle_prefetch(layer)` does it alone: the decode stack runs it beside attention).
         slot_offset: return slot + slot_offset instead (an engine's row numbers, where the hot pool is a region of its
         KV pool), with no launch of its own on the fused path.
+        new_tokens: this step's token of each batch entry (`NewTokens`), written back after the selection is resolved
+        (and before the settle), as `write_new_tokens(..., insert=False)` would then store it: into the host pool,
+        and over its hot slot where it has one (protected), so that a selection naming it reads its entry although
+        its host row was not written before the resolve. On the fused path the resolve's last launch does it, with
+        no launch of its own: for an engine that has the token's entry only just before the resolve (the SGLang
+        plugin).
         Returns int32 [batch, q_tokens, k]: hot-pool slot of each selected entry, -1 where the input was padding or bad.
         """
         if slot_offset is not None and (not isinstance(slot_offset, int) or isinstance(slot_offset, bool)
@@ -297,6 +314,14 @@ class HotPoolCacheManager:
         if req_pool_indices.shape != (B,) or seq_lens.shape != (B,):
             raise ValueError(f"resolve: req_pool_indices and seq_lens must be [{B}], got "
                              f"{tuple(req_pool_indices.shape)} and {tuple(seq_lens.shape)}")
+        if new_tokens is not None:
+            self._check_new_entries("resolve(new_tokens=)", new_tokens.locs, new_tokens.entries, new_tokens.entry_rows)
+            if new_tokens.locs.shape != (B,):
+                raise ValueError(f"resolve: new_tokens wants one token per batch entry ({B}), got "
+                                 f"{tuple(new_tokens.locs.shape)}")
+        # the write-back in the resolve's last launch, where write_new_tokens itself would be one launch
+        fused_new = new_tokens is not None and self._fused is not None and self.on_transfer is None \
+            and self.copy_impl != "none"
         if fetch_list is not None:
             fetch_list.check_holds(topk_pos.numel(), "resolve", "selection")
             if self._unsettled_prefetch is not None and \
@@ -309,7 +334,10 @@ class HotPoolCacheManager:
                                     copy_from=None if fetch_list is not None else self.host.layer(layer),
                                     seq_lens=seq_lens, req_pool_indices=req_pool_indices, req_to_token=req_to_token,
                                     per_batch=topk_pos.shape[1] * topk_pos.shape[2], fetch_list=fetch_list,
-                                    table_offset=slot_offset)
+                                    table_offset=slot_offset, new_tokens=(
+                                        new_tokens.locs.to(self.device, torch.int64).contiguous(),
+                                        new_tokens.entry_rows.to(self.device).contiguous(), new_tokens.entries,
+                                        self.host.layer(layer)) if fused_new else None)
         else:
             locs, bad = self.translate(topk_pos, req_to_token, req_pool_indices, seq_lens)
             flat = locs.reshape(-1)
@@ -323,6 +351,9 @@ class HotPoolCacheManager:
             slots = slots.to(torch.int32)
             if slot_offset is not None:
                 slots = torch.where(slots >= 0, slots + slot_offset, -1).to(torch.int32)
+        if new_tokens is not None and not fused_new:
+            self.write_new_tokens(layer, new_tokens.locs, new_tokens.entries, insert=False,
+                                  entry_rows=new_tokens.entry_rows)
         if settle_prefetch:
             self.settle_prefetch(layer)
         return slots.view(topk_pos.shape)
@@ -560,12 +591,7 @@ class HotPoolCacheManager:
         Returns the slot of each entry (int64, -1 where skipped).
         """
         if entry_rows is not None:
-            if locs.dim() != 1 or entry_rows.shape != locs.shape or entry_rows.dtype.is_floating_point \
-                    or entry_rows.dtype == torch.bool \
-                    or entries.dim() != 2 or entries.shape[1] != self.entry_bytes:
-                raise ValueError(f"write_new_tokens wants locs [n], entry_rows [n] ints and entries [rows, "
-                                 f"{self.entry_bytes}], got {tuple(locs.shape)}, {tuple(entry_rows.shape)} "
-                                 f"{entry_rows.dtype} and {tuple(entries.shape)}")
+            self._check_new_entries("write_new_tokens", locs, entries, entry_rows)
         elif locs.dim() != 1 or entries.shape != (locs.shape[0], self.entry_bytes):
             raise ValueError(f"write_new_tokens wants locs [n] and entries [n, {self.entry_bytes}], got "
                              f"{tuple(locs.shape)} and {tuple(entries.shape)}")
@@ -665,6 +691,22 @@ class HotPoolCacheManager:
             self.on_transfer(direction, run)
         else:
             run()
+
+    def _check_new_entries(self, caller: str, locs: torch.Tensor, entries: torch.Tensor,
+                           entry_rows: torch.Tensor) -> None:
+        """New tokens read in place from rows of a table: locs [n], entry_rows [n] ints, entries [rows, entry_bytes]
+        (uint8 on the manager's device, rows of whole 4-byte words, for the kernels that read them)."""
+        if locs.dim() != 1 or entry_rows.shape != locs.shape or entry_rows.dtype.is_floating_point \
+                or entry_rows.dtype == torch.bool or locs.dtype.is_floating_point or locs.dtype == torch.bool \
+                or entries.dim() != 2 or entries.shape[1] != self.entry_bytes:
+            raise ValueError(f"{caller} wants locs [n] and entry_rows [n] ints and entries [rows, "
+                             f"{self.entry_bytes}], got {tuple(locs.shape)} {locs.dtype}, {tuple(entry_rows.shape)} "
+                             f"{entry_rows.dtype} and {tuple(entries.shape)}")
+        if entries.dtype != torch.uint8 or entries.device.type != self.device.type or entries.stride(1) != 1 \
+                or entries.stride(0) % 4:
+            raise ValueError(f"{caller}: entries must be uint8 rows on {self.device.type} with a row stride of whole "
+                             f"4-byte words, got {entries.dtype} on {entries.device} with strides "
+                             f"{tuple(entries.stride())}")
 
     def _valid_locations(self, locs: torch.Tensor) -> torch.Tensor:
         """KV locations as a flat int64 device tensor, -1 where outside [0, num_locations) (never read)."""

@@ -27,7 +27,10 @@ or the layer's slots (S), with every count kept on the device:
     K5 finish     spare-slot winners: token -> slot, stamp, slot table; entries that named a location another entry
                   won read the winner's slot (from the map, or through the claim from the winner's table entry);
                   the spare count moves; with a table offset (`run(table_offset=)`), every entry's slot + offset
-                  into a table of its own (an engine's row numbers)
+                  into a table of its own (an engine's row numbers); with new tokens (`run(new_tokens=)`), programs
+                  of its own first write this step's tokens back: host row, and the token's slot where it has one
+                  (selected or merely resident), over whatever K1 / K4 copied there from the not yet written host
+                  row (the SGLang plugin: the token's entry exists only just before the resolve)
 
 With `pdl` (programmatic dependent launch, sm_90+: `HotPoolCacheManager(resolve_pdl=...)`, on by default there) K2-K5
 are launched with the PDL attribute and begin with `griddepcontrol.wait` then `launch_dependents` (`_pdl_enter`); K1 is
@@ -73,6 +76,7 @@ LOOKUP_COPY_ROWS = 16  # spare-slot winners a lookup program copies at a time (f
 # with spare slots ran 14-31 us a layer slower on the H200 than K4's persistent walk (benchmarks/NOTES.md,
 # seventeenth session)
 LOOKUP_COPY_CAP = 1024
+NEW_TOKEN_ROWS = 4  # this step's tokens a write-back program of the finish kernel stores (one per request)
 AGE_BUCKETS = 256
 # scratch words: winners (misses) of the call, victims found older than T and at T, the age histogram
 SCR_MISS, SCR_ABOVE, SCR_AT, SCR_HIST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(8)
@@ -351,21 +355,71 @@ def _refill_kernel(scr_ptr, victims_ptr, l2s_ptr, s2l_ptr, stamp_ptr, spare_ptr,
 
 
 @triton.jit
+def _write_back_new_tokens(new_loc_ptr, new_rows_ptr, entries_ptr, entry_stride, entry_rows, host_ptr, hot_ptr,
+                           l2s_ptr, stamp_ptr, clock_ptr, out_ptr, cnt_ptr, n_new, num_locations, num_slots, first,
+                           WORDS: tl.constexpr, HOST_STRIDE: tl.constexpr, HOT_STRIDE: tl.constexpr,
+                           BLOCK_WORDS: tl.constexpr, C_D2H: tl.constexpr, ROWS: tl.constexpr):
+    """K5's write-back of this step's tokens, ROWS of them from `first`: token r (host location new_loc[r], its entry
+    row new_rows[r] of the entries table, read in place; a row outside the table or a location outside the host pool
+    skips it) is written to the host pool and, where the location has a slot, into that slot, stamped with the clock
+    (protected this step). The slot is read from the map, or, where an entry of this resolve claimed the location
+    and another program of this launch has not yet mapped it, through the claim from the winner's table entry (as K5
+    does for the entries that lost a location): a selected token gets its entry over whatever K1 / K4 copied into its
+    slot from the host row, which held no token yet."""
+    r = first + tl.arange(0, ROWS)
+    m = r < n_new
+    loc = tl.load(new_loc_ptr + r, mask=m, other=-1).to(tl.int64)
+    src = tl.load(new_rows_ptr + r, mask=m, other=-1).to(tl.int64)
+    ok = m & (src >= 0) & (src < entry_rows) & (loc >= 0) & (loc < num_locations)
+    cur = tl.load(l2s_ptr + loc, mask=ok, other=-1)
+    claimed = ok & (cur >= num_slots)
+    w = tl.load(out_ptr + (cur - num_slots), mask=claimed, other=-1)
+    w = tl.where(w <= -2, -2 - w, w)
+    slot = tl.where(ok & (cur >= 0) & (cur < num_slots), cur, tl.where(claimed, w, -1)).to(tl.int64)
+    resident = slot >= 0
+    tl.store(stamp_ptr + slot, tl.zeros_like(slot) + tl.load(clock_ptr), mask=resident)
+    c = tl.arange(0, BLOCK_WORDS)
+    cols = (c < WORDS)[None, :]
+    vals = tl.load(entries_ptr + src[:, None] * entry_stride + c[None, :], mask=ok[:, None] & cols)
+    tl.store(host_ptr + loc[:, None] * HOST_STRIDE + c[None, :], vals, mask=ok[:, None] & cols)
+    tl.store(hot_ptr + slot[:, None] * HOT_STRIDE + c[None, :], vals, mask=resident[:, None] & cols)
+    n_ok = tl.sum(ok.to(tl.int64))
+    if n_ok > 0:
+        tl.atomic_add(cnt_ptr + C_D2H, n_ok, sem="relaxed")
+
+
+@triton.jit
 def _finish_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, n, num_slots,
                    pend_src_ptr, pend_dst_ptr, pend_count_ptr, table_ptr, table_offset, REFILL: tl.constexpr,
                    SPARE_ONLY: tl.constexpr, PEND: tl.constexpr, CLOSE: tl.constexpr, STAMP_BACK: tl.constexpr,
-                   SCR: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr = False):
+                   SCR: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr = False,
+                   new_loc_ptr=None, new_rows_ptr=None, entries_ptr=None, entry_stride=0, entry_rows=0,
+                   host_ptr=None, hot_ptr=None, cnt_ptr=None, n_new=0, new_programs=0, num_locations=0,
+                   NEW: tl.constexpr = False, WORDS: tl.constexpr = 4, HOST_STRIDE: tl.constexpr = 4,
+                   HOT_STRIDE: tl.constexpr = 4, BLOCK_WORDS: tl.constexpr = 4, C_D2H: tl.constexpr = -1,
+                   NEW_ROWS: tl.constexpr = 4):
     _pdl_enter(PDL)
-    # CLOSE: program 0 moves the counts and clears the scratch (read for the last time in K4 / R4). A spare-only
-    # resolve closes in a second, one-program launch: here every program reads the counts, to clear its part of the
-    # fetch list K1 wrote (-1 past its count)
+    # NEW: the first `new_programs` programs write this step's tokens back (`_write_back_new_tokens`), the others
+    # finish the entries. (First, so that under TRITON_INTERPRET, where programs run in order, they meet the claims
+    # that the entry programs have not mapped yet, as they can on a GPU.)
+    e = tl.program_id(0)
+    if NEW:
+        if e < new_programs:
+            _write_back_new_tokens(new_loc_ptr, new_rows_ptr, entries_ptr, entry_stride, entry_rows, host_ptr,
+                                   hot_ptr, l2s_ptr, stamp_ptr, clock_ptr, out_ptr, cnt_ptr, n_new, num_locations,
+                                   num_slots, e * NEW_ROWS, WORDS, HOST_STRIDE, HOT_STRIDE, BLOCK_WORDS, C_D2H,
+                                   NEW_ROWS)
+        e = e - new_programs
+    # CLOSE: entry program 0 moves the counts and clears the scratch (read for the last time in K4 / R4). A
+    # spare-only resolve closes in a second, one-program launch: here every program reads the counts, to clear its
+    # part of the fetch list K1 wrote (-1 past its count)
     if SPARE_ONLY and PEND and not CLOSE:
         listed = tl.minimum(tl.load(scr_ptr + SCR_MISS).to(tl.int64), num_spare - tl.load(taken_ptr))
-        c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        c = e * BLOCK + tl.arange(0, BLOCK)
         rest = (c >= listed) & (c < n)
         tl.store(pend_src_ptr + c, tl.full(c.shape, -1, tl.int64), mask=rest)
         tl.store(pend_dst_ptr + c, tl.full(c.shape, -1, tl.int64), mask=rest)
-    if CLOSE and tl.program_id(0) == 0:
+    if CLOSE and e == 0:
         taken = tl.load(taken_ptr)
         if SPARE_ONLY and PEND:
             tl.store(pend_count_ptr, tl.minimum(tl.load(scr_ptr + SCR_MISS).to(tl.int64), num_spare - taken))
@@ -375,8 +429,8 @@ def _finish_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr_ptr, tak
         else:
             tl.store(taken_ptr, tl.minimum(taken + tl.load(scr_ptr + SCR_MISS), num_spare))
         tl.store(scr_ptr + tl.arange(0, SCR), tl.zeros((SCR,), tl.int32))
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
+    i = e * BLOCK + tl.arange(0, BLOCK)
+    m = (i >= 0) & (i < n)  # (a write-back program's e is negative: no entries)
     loc = tl.load(loc_ptr + i, mask=m, other=-1)
     out = tl.load(out_ptr + i, mask=m, other=0)
     # a winner that took a spare slot v (its table entry -2 - v): map, stamp (now that K3 has run), slot
@@ -525,7 +579,8 @@ class FusedResolver:
             req_to_token: torch.Tensor | None = None, per_batch: int = 1,
             fetch_list: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
             protect: bool = True, spare_only: bool = False, chained: bool = False,
-            table_offset: int | None = None) -> torch.Tensor:
+            table_offset: int | None = None,
+            new_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Resolve the flat list `src` (positions in MODE_POSITIONS, KV locations in MODE_LOCATIONS); returns the
         int32 slot of each entry (-1 where padding, bad, or overflowed).
 
@@ -538,7 +593,11 @@ class FusedResolver:
         another kernel on its stream, e.g. the prefetch candidates' last kernel): its three launches use programmatic
         dependent launch too, where the resolver does (`pdl`). `table_offset` (not with `spare_only`): return each
         entry's slot + table_offset instead (-1 where none), written by the last launch into a table of its own (an
-        engine's row numbers, where the hot pool is a region of its KV pool), with no launch of its own."""
+        engine's row numbers, where the hot pool is a region of its KV pool), with no launch of its own.
+        `new_tokens` (not with `spare_only`; protecting resolves only): (locs [m] int64, rows [m] int, entries
+        [rows, entry_bytes] uint8, host [locations, entry_bytes] uint8, the host layer as seen from the device): this
+        step's tokens, written back by the last launch after the selection is resolved (`_write_back_new_tokens`:
+        host row, and the token's slot where it has one, stamped), with no launch of their own."""
         n = src.numel()
         self._grow(n)
         S = self.num_slots
@@ -562,6 +621,8 @@ class FusedResolver:
             raise ValueError("a spare-only resolve (a prefetch) copies through its fetch list, not inline")
         if spare_only and table_offset is not None:
             raise ValueError("a spare-only resolve (a prefetch) returns its slots, not a table with an offset")
+        if new_tokens is not None and (spare_only or not protect or hot is None):
+            raise ValueError("new_tokens: only a protecting resolve into a hot pool writes this step's tokens back")
         table = torch.empty(n, dtype=torch.int32, device=src.device) if table_offset is not None else out
         # spare only: K1 writes the fetch list itself (and only where one is given)
         took_loc, took_slot = (pend_src, pend_dst) if spare_only else (self.took_loc, self.took_slot)
@@ -596,11 +657,22 @@ class FusedResolver:
             WORDS=words, BLOCK_WORDS=triton.next_power_of_2(words), C_FETCH_A=fa, C_FETCH_B=fb,
             C_EVICT=counter_ids["EVICTIONS"], C_OVERFLOW=counter_ids["OVERFLOW"], STAMP_BACK=0 if protect else 1,
             ROWS=ROWS, CLEAR=block, num_warps=NUM_WARPS, **self._pdl(True))
-        _finish_kernel[(triton.cdiv(n, block),)](self.locs, out, l2s, stamp, clock, self.scratch, spare_taken,
-                                                 self.num_spare, n, S, pend_src, pend_dst, pend_count, table,
-                                                 table_offset or 0, REFILL=False, SPARE_ONLY=False, PEND=pend,
-                                                 CLOSE=True, STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE,
-                                                 BLOCK=block, TABLE=table_offset is not None, **self._pdl(True))
+        new = {}
+        if new_tokens is not None:  # the write-back programs, first in the grid
+            new_locs, new_rows, entries, host = new_tokens
+            nw = entries.shape[1] // 4
+            new = dict(new_loc_ptr=new_locs, new_rows_ptr=new_rows, entries_ptr=entries.view(torch.int32),
+                       entry_stride=entries.stride(0) // 4, entry_rows=entries.shape[0],
+                       host_ptr=host.view(torch.int32), hot_ptr=hot.view(torch.int32), cnt_ptr=counters,
+                       n_new=new_locs.numel(), new_programs=triton.cdiv(new_locs.numel(), NEW_TOKEN_ROWS),
+                       num_locations=l2s.shape[0] - 1, NEW=True, WORDS=nw, HOST_STRIDE=host.stride(0) // 4,
+                       HOT_STRIDE=hot.stride(0) // 4, BLOCK_WORDS=triton.next_power_of_2(nw),
+                       C_D2H=counter_ids["D2H_ENTRIES"], NEW_ROWS=NEW_TOKEN_ROWS)
+        _finish_kernel[(new.get("new_programs", 0) + triton.cdiv(n, block),)](
+            self.locs, out, l2s, stamp, clock, self.scratch, spare_taken, self.num_spare, n, S, pend_src, pend_dst,
+            pend_count, table, table_offset or 0, REFILL=False, SPARE_ONLY=False, PEND=pend, CLOSE=True,
+            STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block, TABLE=table_offset is not None,
+            **new, **self._pdl(True))
         return table
 
     def refill(self, *, l2s: torch.Tensor, s2l: torch.Tensor, stamp: torch.Tensor, clock: torch.Tensor,

@@ -113,6 +113,14 @@ check(kp._ema_kernel, dict(kth_ptr=PF, kth_stride=I64, Q=I32, rpi_ptr=P64, thr_p
                            alpha="fp32", keep="fp32"), dict(BLOCK=128))
 check(kp._settle_kernel, dict(src_ptr=P64, dst_ptr=P64, count_ptr=P64, n=I64, s2l_ptr=P32, stamp_ptr=P64,
                               clock_ptr=P64, cnt_ptr=P64), dict(C_USEFUL=11, C_WASTED=12, BLOCK=1024))
+# the finish kernel's write-back of this step's tokens (`new_tokens`), and its defaults without
+NEW_TOKEN_ARGS = dict(new_loc_ptr=P64, new_rows_ptr=P64, entries_ptr=P32, entry_stride=I64, entry_rows=I64,
+                      host_ptr=P32, hot_ptr=P32, cnt_ptr=P64, n_new=I32, new_programs=I32, num_locations=I64)
+NEW_TOKEN_CONSTS = dict(NEW=True, WORDS=164, HOST_STRIDE=164, HOT_STRIDE=164, BLOCK_WORDS=256,
+                        C_D2H=int(Counter.D2H_ENTRIES), NEW_ROWS=kr.NEW_TOKEN_ROWS)
+NO_NEW_TOKEN_INTS = dict(entry_stride=I32, entry_rows=I32, n_new=I32, new_programs=I32, num_locations=I32)
+NO_NEW_TOKENS = dict(new_loc_ptr=None, new_rows_ptr=None, entries_ptr=None, host_ptr=None, hot_ptr=None, cnt_ptr=None,
+                     NEW=False, WORDS=4, HOST_STRIDE=4, HOT_STRIDE=4, BLOCK_WORDS=4, C_D2H=-1, NEW_ROWS=4)
 for refill in (False, True):
     check(kr._ages_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, taken_ptr=P64, num_spare=I64,
                                 num_slots=I64, per=I32, phase=I32, interval=I32),
@@ -124,14 +132,18 @@ for refill in (False, True):
         if refill and (spare_only or pend):
             continue
         for pdl in ((False, True) if spare_only else (not refill,)):  # (a prefetch's finishes: chained or not)
-            # (the exact resolve's also with a table of slots + an offset: the SGLang plugin's)
-            for table in ((False, True) if not (refill or spare_only) else (False,)):
+            # (the exact resolve's also with a table of slots + an offset, and with this step's tokens written back
+            # in it: the SGLang plugin's)
+            for table, new in (((False, False), (True, False), (True, True)) if not (refill or spare_only)
+                               else ((False, False),)):
                 check(kr._finish_kernel, dict(loc_ptr=P64, out_ptr=P64 if refill else P32, l2s_ptr=P32,
                                               stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, taken_ptr=P64, num_spare=I64,
                                               n=I64, num_slots=I64, pend_src_ptr=P64, pend_dst_ptr=P64,
-                                              pend_count_ptr=P64, table_ptr=P64 if refill else P32, table_offset=I64),
+                                              pend_count_ptr=P64, table_ptr=P64 if refill else P32, table_offset=I64,
+                                              **(NEW_TOKEN_ARGS if new else NO_NEW_TOKEN_INTS)),
                       dict(REFILL=refill, SPARE_ONLY=spare_only, PEND=pend, CLOSE=close, STAMP_BACK=0, SCR=512,
-                           BLOCK=16 if refill else 1024, PDL=pdl, TABLE=table))
+                           BLOCK=16 if refill else 1024, PDL=pdl, TABLE=table,
+                           **(NEW_TOKEN_CONSTS if new else NO_NEW_TOKENS)))
 check(kr._refill_kernel, dict(scr_ptr=P32, victims_ptr=P32, l2s_ptr=P32, s2l_ptr=P32, stamp_ptr=P64, spare_ptr=P32,
                               taken_ptr=P64, cnt_ptr=P64), dict(C_EVICT=8, ROWS=32))
 check(kf._copy_rows_masked_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64, n_rows=I64),

@@ -368,6 +368,68 @@ def test_write_new_tokens_reads_rows_of_a_table_in_place(impl):
             pair[0][0].write_new_tokens(0, locs, big, insert=False, entry_rows=bad)
 
 
+@pytest.mark.parametrize("spare", [0, 40])
+def test_resolve_writes_new_tokens_back_after_the_selection(impl, spare):
+    """resolve(new_tokens=...) is the resolve, then write_new_tokens(insert=False) of the step's tokens, then the
+    prefetch's settle: same slot tables and state. The tokens' host rows hold stale bytes until then, and the
+    selection often names the token (its newest position), some steps after a prefetch made it resident with the
+    stale bytes: the token's slot holds its entry after the resolve either way. A padding row (location -1) and a
+    row outside the entry table are skipped. With spare slots, the write-back (the finish kernel's first programs, in
+    order under the interpreter) meets selected tokens whose spare slot the entry programs have not mapped yet."""
+    from ess_sglang.cache_manager import NewTokens
+
+    g = torch.Generator().manual_seed(12)
+    pair = [make(slots=192, lengths=(300, 500, 250, 300), seed=5, impl=i, spare=spare) for i in (impl, "torch")]
+    big = torch.randint(0, 256, (12, 656), dtype=torch.uint8, generator=g)
+    rows = torch.tensor([3, 9, 11, 12])  # the last one outside the table: skipped
+    lens = torch.tensor([260, 450, 200, 280])
+    named = 0
+    for step in range(8):
+        lens = lens + 1
+        pos = torch.randint(-2, 300, (4, 1, 40), generator=g).int()
+        pos[:3, 0, step % 40] = torch.where(torch.rand(3, generator=g) < 0.8, lens[:3] - 1, pos[:3, 0, step % 40])
+        rpi = pair[0][3].clone()
+        got = []
+        for i, (m, _, table, _, _) in enumerate(pair):
+            locs = table.req_to_token[rpi, lens - 1].long()
+            locs[3 if step % 2 else 2] = -1  # (a padding row)
+            m.begin_step()
+            if step % 3 == 1:  # the tokens prefetched first: resident with their stale host bytes
+                m.prefetch(0, locs[:2].clone())
+            if i == 0:
+                got.append(m.resolve(0, pos, table.req_to_token, rpi, lens, settle_prefetch=True,
+                                     new_tokens=NewTokens(locs, big, rows)))
+            else:  # (the write-back protects a resident token before the settle counts the prefetch)
+                got.append(m.resolve(0, pos, table.req_to_token, rpi, lens))
+                m.write_new_tokens(0, locs, big, insert=False, entry_rows=rows)
+                m.settle_prefetch(0)
+            if spare:
+                m.refill_spares(0)
+        assert torch.equal(got[0], got[1]), f"step {step}"
+        for name in ("hot_entries", "loc_to_slot", "slot_to_loc", "slot_stamp", "counters", "spare_taken"):
+            a, b = getattr(pair[0][0], name), getattr(pair[1][0], name)
+            if name in ("loc_to_slot", "slot_to_loc", "slot_stamp"):  # (not the sink elements: write-only scratch)
+                a, b = a[:, :-1], b[:, :-1]
+            assert torch.equal(a, b), f"step {step}: {name}"
+        assert torch.equal(pair[0][1].entries, pair[1][1].entries)
+        m, host, table = pair[0][:3]
+        for b in range(3):  # the tokens the selection names read their entry (not the stale host bytes)
+            hit = (pos[b, 0] == lens[b] - 1) & (got[0][b, 0] >= 0)
+            if bool(hit.any()) and int(locs[b]) >= 0:
+                named += 1
+                assert torch.equal(m.hot_entries[0][got[0][b, 0][hit][0].long()], big[rows[b]]), (step, b)
+                assert torch.equal(host.entries[0][locs[b]], big[rows[b]])
+        m.check_invariants()
+    assert named >= 8, named
+    m = pair[0][0]
+    with pytest.raises(ValueError, match="one token per batch entry"):
+        m.resolve(0, pos, pair[0][2].req_to_token, rpi, lens, new_tokens=NewTokens(locs[:2], big, rows[:2]))
+    with pytest.raises(ValueError, match="entry_rows"):
+        m.resolve(0, pos, pair[0][2].req_to_token, rpi, lens, new_tokens=NewTokens(locs, big, rows.float()))
+    with pytest.raises(ValueError, match="entries must be uint8"):
+        m.resolve(0, pos, pair[0][2].req_to_token, rpi, lens, new_tokens=NewTokens(locs, big.short(), rows))
+
+
 def test_engine_provided_hot_pool_storage(impl):
     host = HostTotalPool(2, 512, device="cpu")
     host.entries.random_(0, 256)

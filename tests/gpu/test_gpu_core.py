@@ -155,10 +155,13 @@ def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact(s
 @pytest.mark.parametrize("spare", [0, 6000])
 def test_plugin_seam_kernels_at_scale(spare):
     """What the SGLang plugin's decode seam asks of the kernels, at scale (coordinator.swap_in_selected_pages): the
-    write-back reads each token's entry in place from rows of a larger table; CUDA-graph padding entries arrive as
-    request row -1 with positions that would be valid; the resolve returns slot + an offset from its last launch.
-    Every real entry's row - offset holds its host entry, every padding entry is -1 and counts nothing, and each real
-    token's entry is written back from its row."""
+    resolve writes each token back after the selection (`new_tokens`), reading its entry in place from rows of a
+    larger table; CUDA-graph padding entries arrive as request row -1 with positions that would be valid; the resolve
+    returns slot + an offset from its last launch. Every real entry's row - offset holds its host entry, every padding
+    entry is -1 and counts nothing, each real token's entry is written back from its row, and where the selection
+    names the token (its host row not yet written when the resolve fetched it), its slot holds the token's entry."""
+    from ess_sglang.cache_manager import NewTokens
+
     dev = torch.device("cuda")
     lengths, top_k, layers, pad, offset = (16000,) * 8, 2048, 2, 2, 123_456
     m, host, table, rpi, seq = _setup(layers, lengths=lengths, slots=48_000, top_k=top_k, spare=spare)
@@ -168,17 +171,22 @@ def test_plugin_seam_kernels_at_scale(spare):
     g = torch.Generator(device=dev).manual_seed(9)
     big = torch.randint(0, 256, (4 * B, 656), dtype=torch.uint8, device=dev, generator=g)
     rows = torch.arange(B, device=dev) * 3 + 1
-    for _ in range(6):
+    named = torch.arange(B, device=dev) % 2 == 0  # requests whose selection names their token
+    for step in range(6):
         seq = seq + 1
         topk = torch.randint(0, 16000, (B, 1, top_k), device=dev, generator=g).int()
+        topk[:, 0, step] = torch.where(named, seq - 1, topk[:, 0, step]).int()
+        big.random_(0, 256, generator=g)  # (this step's tokens)
         m.begin_step()
         new_locs = torch.where(live, table.req_to_token[rpi.long(), (seq - 1).long()].long(), -1)
         before = m.counters.clone()
         tables = []
         for layer in range(layers):
-            m.write_new_tokens(layer, new_locs, big, insert=False, entry_rows=rows)
-            out = m.resolve(layer, topk, table.req_to_token, live_rpi, seq, slot_offset=offset)
+            out = m.resolve(layer, topk, table.req_to_token, live_rpi, seq, slot_offset=offset,
+                            new_tokens=NewTokens(new_locs, big, rows))
             assert out.dtype == torch.int32 and bool((out[~live] == -1).all())
+            mine = (named & live).nonzero().view(-1)
+            assert torch.equal(m.hot_entries[layer][(out[mine, 0, step] - offset).long()], big[rows[mine]])
             tables.append(torch.where(out >= 0, out - offset, -1)[live])
             m.refill_spares(layer)
         torch.cuda.synchronize()
