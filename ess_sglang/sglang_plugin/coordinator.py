@@ -25,12 +25,13 @@ tests/sglang/test_sglang_decode_seam.py with SGLang's own pools):
     returns           int32 [bs, k]    rows of ``token_to_kv_pool.get_key_buffer(layer_id)`` (the device pool)
                                        that FlashMLA reads with ``kv_format="V32"``; -1 where the input was -1
 
-Per layer, inside the captured decode graph: the token being decoded (written by ``set_mla_kv_buffer`` into its
-request's new-token slot) is written back to the host pool (``write_new_tokens``; with ``new_tokens="insert"`` also
-into a protected hot slot, else fetched like any miss when selected);
-the positions are translated through ``req_to_host_pool`` to host locations and resolved (``resolve``: lookup,
-dedup, LRU eviction, H2D fetch of misses); the hot slots are offset to device-pool rows. ``begin_step`` advances
-the LRU clock on the first layer.
+Per layer, inside the captured decode graph: the positions are translated through ``req_to_host_pool`` to host
+locations and resolved (``resolve``: lookup, dedup, LRU eviction, H2D fetch of misses; it returns device-pool
+rows); the token being decoded (written by ``set_mla_kv_buffer`` into its request's new-token slot) is written
+back by the resolve's last launch (``resolve(new_tokens=)``): into the host pool, and over its hot slot where it
+has one, so that a selection naming it reads its entry (a selected token was fetched like any miss, from a host row
+not yet written, or prefetched so); with ``new_tokens="insert"`` it is first inserted into a protected hot slot of
+its own (``write_new_tokens``). ``begin_step`` advances the LRU clock on the first layer.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ess_sglang.cache_manager import NewTokens
 from ess_sglang.sglang_plugin import echo
 from ess_sglang.sglang_plugin import settings as settings_mod
 from ess_sglang.sglang_plugin.admission import EssAdmission
@@ -318,11 +320,11 @@ class EssCoordinator:
                                top_k_result: torch.Tensor, layer_id: int) -> torch.Tensor:
         """Make every selected entry resident in the layer's hot pool; return device-pool rows for FlashMLA.
 
-        Two launches of its own on the main stream in a layer with the defaults (the write-back and the resolve's
-        five; new_tokens="insert" or the torch resolve add their own): what depends only on the batch is computed
-        once a step (`rows_of_step`), the write-back reads the token's entry from its new-token slot in place,
-        padding rows reach the resolve as request row -1 (ignored there) and the resolve writes device-pool rows
-        itself (`slot_offset`). In the decode harness on the H200 the per-layer torch ops
+        One call of its own on the main stream in a layer with the defaults (the resolve's five launches;
+        new_tokens="insert" or the torch resolve add their own): what depends only on the batch is computed once a
+        step (`rows_of_step`), padding rows reach the resolve as request row -1 (ignored there), the resolve writes
+        device-pool rows itself (`slot_offset`) and writes the token back after the selection, reading its entry in
+        place from its new-token slot (`new_tokens`). In the decode harness on the H200 the per-layer torch ops
         this replaced (about a dozen small launches) cost 24-29 us a layer at batch 64, 32K and 128K
         (benchmarks/RESULTS.md, twenty-fifth session)."""
         if top_k_result.dim() != 2:
@@ -334,14 +336,17 @@ class EssCoordinator:
         rows = self.rows_of_step(req_pool_indices, seq_lens)
         # the layer's prefetch has landed and the previous layer's refill is done (echo.py, 3a-b)
         self.overlap.before_resolve(layer)
-        # 1. this step's token: from its new-token slot (set_mla_kv_buffer wrote it there) to the host pool (and a
-        # hot slot with new_tokens="insert")
-        self.manager.write_new_tokens(layer, rows.new_host_loc, self.device_kv[layer],
-                                      insert=self.config.new_tokens == "insert", entry_rows=rows.new_token_rows)
-        # 2. the selection: positions -> host locations -> hot slots (misses fetched from the host pool) -> rows of
-        # the device pool
+        # this step's token, read in place from its new-token slot (set_mla_kv_buffer wrote it there)
+        new_tokens = NewTokens(rows.new_host_loc, self.device_kv[layer], rows.new_token_rows)
+        if self.config.new_tokens == "insert":  # (into a hot slot of its own first: a write-back launch of its own)
+            self.manager.write_new_tokens(layer, new_tokens.locs, new_tokens.entries, insert=True,
+                                          entry_rows=new_tokens.entry_rows)
+            new_tokens = None
+        # the selection: positions -> host locations -> hot slots (misses fetched from the host pool) -> rows of the
+        # device pool; then the token is written back (host pool, and its hot slot where it has one: a selection
+        # naming it reads its entry) by the resolve's last launch
         slots = self.manager.resolve(layer, top_k_result.reshape(B, 1, K), self.req_to_host_pool, rows.live_rpi,
-                                     rows.lens, slot_offset=self.hot_base)
+                                     rows.lens, slot_offset=self.hot_base, new_tokens=new_tokens)
         self.overlap.after_resolve(layer)  # settle the prefetch, refill spare slots: beside attention (3d-e)
         return slots.view(B, K)
 

@@ -9,11 +9,11 @@ graph, and everything below is fixed-shape device work):
      recent first, capped per request) are fetched into spare slots (``HotPoolCacheManager.prefetch_above``: with
      spare slots on the GPU, candidates and claims in one launch and a close) while the main stream runs the top-k.
      This step's own token is a candidate too, though its host row is not written yet (SGLang stores the token in the
-     attention backend, after the indexer): the prefetch copies a stale row, and the write-back in 3c writes the
-     token's entry into the slot the prefetch gave it (``write_new_tokens`` also writes the hot slot of a resident
-     entry), so the exact resolve finds it resident instead of fetching it
-     over PCIe on the critical path. (The write-back also protects it: a prefetched new token counts as useful in
-     3d even in the rare step whose top-k does not select it, at most one entry per request and layer.)
+     attention backend, after the indexer): the prefetch copies a stale row, the exact resolve in 3c finds it
+     resident instead of fetching it over PCIe on the critical path, and the write-back at the resolve's end writes
+     the token's entry into that slot (the write-back writes the hot slot of a resident entry too). (The write-back
+     also protects it: a prefetched new token counts as useful in 3d even in the rare step whose top-k does not
+     select it, at most one entry per request and layer.)
   2. ``metadata.topk_transform``: the top-k positions [rows, k], with the kernel and plan SGLang runs without ESS
      (``decode_topk.select``: HiSparse would force SGLang's unfused top-k, which can select other entries).
      [tap, after] the logits and the positions are kept for 3d (no launch here: the k-th best score is found
@@ -23,8 +23,10 @@ graph, and everything below is fixed-shape device work):
        a. the main stream waits for the side stream: the prefetch has landed, and the previous layer's refill is
           done (it shares the resolve's scratch buffers);
        b. (nothing: the thresholds move in d, off the main stream);
-       c. the token is written back to the host pool; the exact resolve: lookup, spare slots then LRU victims,
-          fetch of whatever is still missing (exact backfill: attention reads exactly the selected entries);
+       c. the exact resolve: lookup, spare slots then LRU victims, fetch of whatever is still missing (exact
+          backfill: attention reads exactly the selected entries); its last launch writes the token back (host pool,
+          and its hot slot where it has one, over whatever the fetch or the prefetch copied from its unwritten host
+          row);
        d. on the side stream, beside attention: the prefetched entries counted useful or wasted
           (``settle_prefetch``), each row's k-th best score (the lowest logit among its selected positions, from
           the logits and positions kept in 2) folded into the layer's thresholds (after the prefetch's candidate
