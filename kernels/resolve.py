@@ -43,6 +43,12 @@ itself, K2-K4 are not launched, and K5 gives overflowed claims back (those entri
 resolve fetches them if selected) and clears the rest of the fetch list; a one-program launch then moves the counts.
 Three launches instead of five beside the indexer and the top-k, none of them over the pool.
 
+With spare slots, K2-K4 are one launch (`_tail_kernel`, over `FusedResolver.tail_programs` programs, all resident at
+once): its programs build the histogram, wait for one another (a counter in the scratch), list the victims, wait
+again and walk the winners; where no victims are needed (every program reads that alike from K1's counts) they skip
+straight to the walk. The H200 ran the diagnostic without K2 and K3 (valid only while no victims are needed) 1-3 us
+a layer faster at batch 64 (benchmarks/RESULTS.md, twenty-sixth session): two launch latencies on the critical path.
+
 With no spare slots (the default) every winner overflows and the resolve is the plain LRU one. With enough of them,
 K2-K4 find nothing to do and return at once: the two pool scans run instead in `refill`, off the critical path
 (the decode stack queues it beside attention), in every step or, with a refill interval K, in every K-th step of a
@@ -80,6 +86,8 @@ NEW_TOKEN_ROWS = 4  # this step's tokens a write-back program of the finish kern
 AGE_BUCKETS = 256
 # scratch words: winners (misses) of the call, victims found older than T and at T, the age histogram
 SCR_MISS, SCR_ABOVE, SCR_AT, SCR_HIST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(8)
+# the merged tail's grid-wide waits (`_tail_kernel`): programs arrived after the histogram, after the victim list
+SCR_BAR_AGES, SCR_BAR_VICTIMS = tl.constexpr(3), tl.constexpr(4)
 SCR_SIZE = 512  # a power of two >= SCR_HIST + AGE_BUCKETS, so that K5 can clear it with one block
 MODE_POSITIONS, MODE_LOCATIONS = 0, 1
 SPARE_STAMP = 1 << 40  # the stamp of a spare slot: in the future, so its age clamps to 0 (never an LRU victim)
@@ -198,54 +206,69 @@ def _age(stamp_ptr, s, ms, clock, A: tl.constexpr):
 
 
 @triton.jit
+def _age_histogram(stamp_ptr, clock_ptr, scr_ptr, num_slots, per, pid, A: tl.constexpr, SBLOCK: tl.constexpr):
+    """K2's work in program `pid`: the ages of `per` consecutive blocks of SBLOCK slots, added to the histogram."""
+    clock = tl.load(clock_ptr)
+    hist = tl.zeros((A,), tl.int32)
+    for k in range(0, per):
+        s = (pid * per + k) * SBLOCK + tl.arange(0, SBLOCK)
+        ms = s < num_slots
+        hist += tl.histogram(_age(stamp_ptr, s, ms, clock, A), A, mask=ms)
+    # only the ages this program holds: every program adding all 256 bins queues thousands of atomics per bin
+    tl.atomic_add(scr_ptr + SCR_HIST + tl.arange(0, A), hist, mask=hist > 0, sem="relaxed")
+
+
+@triton.jit
 def _ages_kernel(stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, num_slots, per, phase, interval,
                  REFILL: tl.constexpr, A: tl.constexpr, SBLOCK: tl.constexpr, PDL: tl.constexpr):
     # each program scans `per` consecutive blocks of SBLOCK slots (one, or a few over a short grid)
     _pdl_enter(PDL)
     need = _victims_needed(scr_ptr, taken_ptr, num_spare, clock_ptr, phase, interval, REFILL)
     if need > 0:  # else every program returns at once
-        clock = tl.load(clock_ptr)
-        hist = tl.zeros((A,), tl.int32)
-        for k in range(0, per):
-            s = (tl.program_id(0) * per + k) * SBLOCK + tl.arange(0, SBLOCK)
-            ms = s < num_slots
-            hist += tl.histogram(_age(stamp_ptr, s, ms, clock, A), A, mask=ms)
-        # only the ages this program holds: every program adding all 256 bins queues thousands of atomics per bin
-        tl.atomic_add(scr_ptr + SCR_HIST + tl.arange(0, A), hist, mask=hist > 0, sem="relaxed")
+        _age_histogram(stamp_ptr, clock_ptr, scr_ptr, num_slots, per, tl.program_id(0), A, SBLOCK)
+
+
+@triton.jit
+def _list_victims(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, need, num_slots, per, pid, A: tl.constexpr,
+                  BLOCK: tl.constexpr, CM: tl.constexpr):
+    """K3's work in program `pid`: from the histogram, the age threshold T; the victims among `per` consecutive blocks
+    of BLOCK slots, in order (so that under the interpreter the list comes out in slot order whatever the grid).
+    CM: the cache modifier of the histogram's load (".cg" where this launch wrote it: past L1)."""
+    a = tl.arange(0, A)
+    hist = tl.load(scr_ptr + SCR_HIST + a, cache_modifier=CM)
+    at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
+    eligible = (at_or_above >= need) & (a >= 1)
+    T = tl.maximum(tl.max(tl.where(eligible, a, 0)), 1)
+    n_above = tl.sum(tl.where(a == T + 1, at_or_above, 0))
+    clock = tl.load(clock_ptr)
+    for k in range(0, per):
+        s = (pid * per + k) * BLOCK + tl.arange(0, BLOCK)
+        ms = s < num_slots
+        age = _age(stamp_ptr, s, ms, clock, A)
+        # most blocks hold no victim: they skip the list counters, on which every block would otherwise queue
+        above = ms & (age > T)
+        above32 = above.to(tl.int32)
+        n_a = tl.sum(above32)
+        if n_a > 0:
+            ra = tl.atomic_add(scr_ptr + SCR_ABOVE, n_a, sem="relaxed") + tl.cumsum(above32, 0) - 1
+            tl.store(victims_ptr + ra, s + 1, mask=above & (ra < need))
+        at_t = ms & (age == T)
+        at32 = at_t.to(tl.int32)
+        n_t = tl.sum(at32)
+        if n_t > 0:
+            rt = tl.atomic_add(scr_ptr + SCR_AT, n_t, sem="relaxed") + tl.cumsum(at32, 0) - 1
+            tl.store(victims_ptr + n_above + rt, s + 1, mask=at_t & (rt < need - n_above))
 
 
 @triton.jit
 def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, taken_ptr, num_spare, num_slots, per, phase,
                     interval, REFILL: tl.constexpr, A: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    # each program scans `per` consecutive blocks of BLOCK slots, in order (so that under the interpreter the victim
-    # list comes out in slot order whatever the grid)
+    # each program scans `per` consecutive blocks of BLOCK slots
     _pdl_enter(PDL)
     need = _victims_needed(scr_ptr, taken_ptr, num_spare, clock_ptr, phase, interval, REFILL)
     if need > 0:  # none needed: no victims, and no stamp is read
-        a = tl.arange(0, A)
-        hist = tl.load(scr_ptr + SCR_HIST + a)
-        at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
-        eligible = (at_or_above >= need) & (a >= 1)
-        T = tl.maximum(tl.max(tl.where(eligible, a, 0)), 1)
-        n_above = tl.sum(tl.where(a == T + 1, at_or_above, 0))
-        clock = tl.load(clock_ptr)
-        for k in range(0, per):
-            s = (tl.program_id(0) * per + k) * BLOCK + tl.arange(0, BLOCK)
-            ms = s < num_slots
-            age = _age(stamp_ptr, s, ms, clock, A)
-            # most blocks hold no victim: they skip the list counters, on which every block would otherwise queue
-            above = ms & (age > T)
-            above32 = above.to(tl.int32)
-            n_a = tl.sum(above32)
-            if n_a > 0:
-                ra = tl.atomic_add(scr_ptr + SCR_ABOVE, n_a, sem="relaxed") + tl.cumsum(above32, 0) - 1
-                tl.store(victims_ptr + ra, s + 1, mask=above & (ra < need))
-            at_t = ms & (age == T)
-            at32 = at_t.to(tl.int32)
-            n_t = tl.sum(at32)
-            if n_t > 0:
-                rt = tl.atomic_add(scr_ptr + SCR_AT, n_t, sem="relaxed") + tl.cumsum(at32, 0) - 1
-                tl.store(victims_ptr + n_above + rt, s + 1, mask=at_t & (rt < need - n_above))
+        _list_victims(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, need, num_slots, per, tl.program_id(0), A, BLOCK,
+                      "")
 
 
 @triton.jit
@@ -258,22 +281,23 @@ def _evict_owner(s2l_ptr, l2s_ptr, v, m):
 
 
 @triton.jit
-def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr, l2s_ptr, s2l_ptr,
-                   stamp_ptr, clock_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr,
-                   pend_count_ptr, taken_ptr, num_spare, n, copy_cap, COPY: tl.constexpr, PEND: tl.constexpr,
-                   WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr, C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr,
-                   C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr, STAMP_BACK: tl.constexpr, ROWS: tl.constexpr,
-                   CLEAR: tl.constexpr, PDL: tl.constexpr):
-    _pdl_enter(PDL)
+def _assign_walk(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr, l2s_ptr, s2l_ptr,
+                 stamp_ptr, clock_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr,
+                 pend_count_ptr, taken_ptr, num_spare, n, copy_cap, pid, programs, COPY: tl.constexpr,
+                 PEND: tl.constexpr, WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr, C_FETCH_A: tl.constexpr,
+                 C_FETCH_B: tl.constexpr, C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr, STAMP_BACK: tl.constexpr,
+                 ROWS: tl.constexpr, CLEAR: tl.constexpr, CM: tl.constexpr):
+    """K4's work in program `pid` of `programs`. CM: the cache modifier of the loads of what K3 wrote (".cg" where
+    this launch wrote it: past L1)."""
     # Persistent: a fixed grid walks the overflow ROWS at a time (the grid does not grow with the selection, of
     # which the misses are a few percent)
-    pid, programs = tl.program_id(0), tl.num_programs(0)
     n_miss = tl.minimum(tl.load(scr_ptr + SCR_MISS).to(tl.int64), n)
     avail = num_spare - tl.load(taken_ptr)
     n_over = tl.maximum(n_miss - avail, 0)
     first = n_miss - n_over  # the rank of the first overflow winner: ranks below it took spare slots in K1
     # victims written by K3: every slot older than T (scr[1] of them), then up to n_over - scr[1] of age T (scr[2])
-    n_victims = tl.minimum(n_over, tl.load(scr_ptr + SCR_ABOVE) + tl.load(scr_ptr + SCR_AT))
+    n_victims = tl.minimum(n_over, tl.load(scr_ptr + SCR_ABOVE, cache_modifier=CM)
+                           + tl.load(scr_ptr + SCR_AT, cache_modifier=CM))
     if PEND:  # the fetch list of a deferred copy: (host location, slot) of each miss that got a slot, -1 elsewhere
         if pid == 0:
             tl.store(pend_count_ptr, n_miss)
@@ -300,7 +324,8 @@ def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_pt
         sp = mr & (r < first)
         ov = mr & (r >= first)
         j = r - first  # the overflow's own index (victim j, overflow list entry j)
-        v = tl.where(j < n_victims, tl.load(victims_ptr + j, mask=ov, other=0) - 1, -1).to(tl.int64)
+        v = tl.where(j < n_victims, tl.load(victims_ptr + j, mask=ov, other=0, cache_modifier=CM) - 1,
+                     -1).to(tl.int64)
         v = tl.where(sp, tl.load(took_slot_ptr + r, mask=sp, other=-1), v)
         loc = tl.load(over_loc_ptr + j, mask=ov, other=-1)
         loc = tl.where(sp, tl.load(took_loc_ptr + r, mask=sp, other=-1), loc)
@@ -328,6 +353,58 @@ def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_pt
             tl.atomic_add(cnt_ptr + C_FETCH_B, n_got, sem="relaxed")
         tl.atomic_add(cnt_ptr + C_EVICT, n_evict, sem="relaxed")
         tl.atomic_add(cnt_ptr + C_OVERFLOW, n_over_left, sem="relaxed")
+
+
+@triton.jit
+def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr, l2s_ptr, s2l_ptr,
+                   stamp_ptr, clock_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr,
+                   pend_count_ptr, taken_ptr, num_spare, n, copy_cap, COPY: tl.constexpr, PEND: tl.constexpr,
+                   WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr, C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr,
+                   C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr, STAMP_BACK: tl.constexpr, ROWS: tl.constexpr,
+                   CLEAR: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
+    _assign_walk(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr, l2s_ptr, s2l_ptr,
+                 stamp_ptr, clock_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr, pend_count_ptr,
+                 taken_ptr, num_spare, n, copy_cap, tl.program_id(0), tl.num_programs(0), COPY, PEND, WORDS,
+                 BLOCK_WORDS, C_FETCH_A, C_FETCH_B, C_EVICT, C_OVERFLOW, STAMP_BACK, ROWS, CLEAR, "")
+
+
+@triton.jit
+def _grid_sync(bar_ptr, programs):
+    """Wait until all `programs` programs of the launch have arrived here (a counter in the scratch, cleared by K5),
+    their writes before it visible to the reads after it. Only for a grid whose programs are all resident at once
+    (`tail_programs`); never under the interpreter, which runs programs one after the other (one program there)."""
+    tl.debug_barrier()
+    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+    arrived = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    while arrived < programs:
+        arrived = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _tail_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr,
+                 l2s_ptr, s2l_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr, pend_count_ptr,
+                 taken_ptr, num_spare, num_slots, n, copy_cap, age_per, victim_per, assign_programs,
+                 A: tl.constexpr, SBLOCK: tl.constexpr, VBLOCK: tl.constexpr, COPY: tl.constexpr, PEND: tl.constexpr,
+                 WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr, C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr,
+                 C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr, STAMP_BACK: tl.constexpr, ROWS: tl.constexpr,
+                 CLEAR: tl.constexpr, PDL: tl.constexpr):
+    # K2 + K3 + K4 in one launch (a resolve with spare slots: `FusedResolver.tail_programs`), the phases separated by
+    # grid-wide waits only where victims are needed, which every program reads alike from what K1 left
+    _pdl_enter(PDL)
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    need = _victims_needed(scr_ptr, taken_ptr, num_spare, clock_ptr, 0, 1, False)
+    if need > 0:
+        _age_histogram(stamp_ptr, clock_ptr, scr_ptr, num_slots, age_per, pid, A, SBLOCK)
+        _grid_sync(scr_ptr + SCR_BAR_AGES, programs)
+        _list_victims(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, need, num_slots, victim_per, pid, A, VBLOCK, ".cg")
+        _grid_sync(scr_ptr + SCR_BAR_VICTIMS, programs)
+    if pid < assign_programs:
+        _assign_walk(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr, l2s_ptr, s2l_ptr,
+                     stamp_ptr, clock_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr,
+                     pend_count_ptr, taken_ptr, num_spare, n, copy_cap, pid, assign_programs, COPY, PEND, WORDS,
+                     BLOCK_WORDS, C_FETCH_A, C_FETCH_B, C_EVICT, C_OVERFLOW, STAMP_BACK, ROWS, CLEAR, ".cg")
 
 
 @triton.jit
@@ -517,6 +594,11 @@ class FusedResolver:
         # benchmarks/NOTES.md, twenty-first session; victims over 8 x SMs measured no faster: twenty-second session)
         self.refill_age_programs: int | None = None
         self.refill_victim_programs: int | None = None
+        # With spare slots, K2-K4 of a resolve run as one launch (`_tail_kernel`) over this many programs (at least
+        # the assign walk's): all resident at once, as its grid-wide waits need; one under the interpreter, which
+        # runs programs in turn. None: three launches, as without spare slots (whose scans need a program a block)
+        self.tail_programs: int | None = (self.scan_programs if device.type == "cuda" else 1) if num_spare > 0 \
+            else None
         self.lookup_block = 256  # entries per program of the lookup (256: 5.2 us at batch 64, 1024: 6.5)
         self.lookup_copy_cap = LOOKUP_COPY_CAP  # a resolve's misses ranked below this are copied by the lookup
         self.max_entries = 0
@@ -645,18 +727,26 @@ class FusedResolver:
                     S, pend_src, pend_dst, pend_count, out, 0, REFILL=False, SPARE_ONLY=True, PEND=pend, CLOSE=close,
                     STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block, **self._pdl(chained))
             return out
-        self._scans(stamp, clock, spare_taken, refill=False)
         # the inline copy is fastest with one program per SM, the bookkeeping alone with four (benchmarks/NOTES.md;
         # measured when K4 copied every miss, before K1 copied the first ones)
-        programs = self.assign_programs[1 if copy else 0]
-        _assign_kernel[(min(triton.cdiv(n, ROWS), programs),)](
-            self.scratch, self.victims, self.over_loc, self.over_idx, self.took_loc, self.took_slot, l2s, s2l, stamp,
-            clock, out, counters,
-            src_w, dst_w, pend_src, pend_dst, pend_count, spare_taken, self.num_spare, n, self.lookup_copy_cap,
-            COPY=copy, PEND=pend,
-            WORDS=words, BLOCK_WORDS=triton.next_power_of_2(words), C_FETCH_A=fa, C_FETCH_B=fb,
-            C_EVICT=counter_ids["EVICTIONS"], C_OVERFLOW=counter_ids["OVERFLOW"], STAMP_BACK=0 if protect else 1,
-            ROWS=ROWS, CLEAR=block, num_warps=NUM_WARPS, **self._pdl(True))
+        assign = min(triton.cdiv(n, ROWS), self.assign_programs[1 if copy else 0])
+        walk = dict(COPY=copy, PEND=pend, WORDS=words, BLOCK_WORDS=triton.next_power_of_2(words), C_FETCH_A=fa,
+                    C_FETCH_B=fb, C_EVICT=counter_ids["EVICTIONS"], C_OVERFLOW=counter_ids["OVERFLOW"],
+                    STAMP_BACK=0 if protect else 1, ROWS=ROWS, CLEAR=block, num_warps=NUM_WARPS, **self._pdl(True))
+        if self.tail_programs is not None:  # K2-K4 in one launch
+            grid = max(self.tail_programs, assign) if self.device.type == "cuda" else 1
+            _tail_kernel[(grid,)](
+                stamp, clock, self.scratch, self.victims, self.over_loc, self.over_idx, self.took_loc,
+                self.took_slot, l2s, s2l, out, counters, src_w, dst_w, pend_src, pend_dst, pend_count, spare_taken,
+                self.num_spare, S, n, self.lookup_copy_cap, triton.cdiv(triton.cdiv(S, self.age_block), grid),
+                triton.cdiv(triton.cdiv(S, self.victim_block), grid), min(assign, grid), A=AGE_BUCKETS,
+                SBLOCK=self.age_block, VBLOCK=self.victim_block, **walk)
+        else:
+            self._scans(stamp, clock, spare_taken, refill=False)
+            _assign_kernel[(assign,)](
+                self.scratch, self.victims, self.over_loc, self.over_idx, self.took_loc, self.took_slot, l2s, s2l,
+                stamp, clock, out, counters, src_w, dst_w, pend_src, pend_dst, pend_count, spare_taken,
+                self.num_spare, n, self.lookup_copy_cap, **walk)
         new = {}
         if new_tokens is not None:  # the write-back programs, first in the grid
             new_locs, new_rows, entries, host = new_tokens

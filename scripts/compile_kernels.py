@@ -73,6 +73,15 @@ for copy, pend in ((True, False), (False, True), (True, True), (False, False)):
                                   copy_cap=I64),
           dict(COPY=copy, PEND=pend, WORDS=164, BLOCK_WORDS=256, C_FETCH_A=2, C_FETCH_B=3, C_EVICT=8, C_OVERFLOW=6,
                STAMP_BACK=0 if copy else 1, ROWS=4, CLEAR=1024, PDL=copy or pend))
+    # (the same walk in the merged tail of a resolve with spare slots, after its scans)
+    check(kr._tail_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, victims_ptr=P32, over_loc_ptr=P64,
+                                over_idx_ptr=P32, took_loc_ptr=P64, took_slot_ptr=P64, l2s_ptr=P32, s2l_ptr=P32,
+                                out_ptr=P32, cnt_ptr=P64, src_ptr=P32, dst_ptr=P32, pend_src_ptr=P64, pend_dst_ptr=P64,
+                                pend_count_ptr=P64, taken_ptr=P64, num_spare=I64, num_slots=I64, n=I64, copy_cap=I64,
+                                age_per=I32, victim_per=I32, assign_programs=I32),
+          dict(A=256, SBLOCK=1024, VBLOCK=512, COPY=copy, PEND=pend, WORDS=164, BLOCK_WORDS=256, C_FETCH_A=2,
+               C_FETCH_B=3, C_EVICT=8, C_OVERFLOW=6, STAMP_BACK=0 if copy else 1, ROWS=4, CLEAR=1024,
+               PDL=copy or pend))
 for rows in (8, 16, 32):  # (decode_stack's overlap_copy_rows: 8 by default, more rows on fewer programs)
     check(kf._copy_rows_counted_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64,
                                              count_ptr=P64, n_rows=I64),
