@@ -25,6 +25,20 @@ ROWS = 4  # entries per program (a decode step stores one or two per request)
 
 
 @triton.jit
+def _store_entries(entries_ptr, src, entry_stride, host_ptr, loc, hot_ptr, slot, stamp_ptr, clock_ptr, ok, resident,
+                   WORDS: tl.constexpr, HOST_STRIDE: tl.constexpr, HOT_STRIDE: tl.constexpr,
+                   BLOCK_WORDS: tl.constexpr):
+    """Entry rows `src` of the entries table (where ok) into host rows `loc`, and into hot slots `slot` where
+    resident, those stamped with the clock (protected this step). Also the resolve's write-back of new tokens."""
+    tl.store(stamp_ptr + slot, tl.zeros_like(slot) + tl.load(clock_ptr), mask=resident)
+    w = tl.arange(0, BLOCK_WORDS)
+    cols = (w < WORDS)[None, :]
+    vals = tl.load(entries_ptr + src[:, None] * entry_stride + w[None, :], mask=ok[:, None] & cols)
+    tl.store(host_ptr + loc[:, None] * HOST_STRIDE + w[None, :], vals, mask=ok[:, None] & cols)
+    tl.store(hot_ptr + slot[:, None] * HOT_STRIDE + w[None, :], vals, mask=resident[:, None] & cols)
+
+
+@triton.jit
 def _store_reserved_kernel(entries_ptr, host_ptr, hot_ptr, locs_ptr, l2s_ptr, stamp_ptr, clock_ptr, cnt_ptr,
                            slots_out_ptr, n, num_locations, num_slots, rows_ptr, entry_stride, entry_rows,
                            WORDS: tl.constexpr, HOST_STRIDE: tl.constexpr, HOT_STRIDE: tl.constexpr,
@@ -40,12 +54,8 @@ def _store_reserved_kernel(entries_ptr, host_ptr, hot_ptr, locs_ptr, l2s_ptr, st
     ok = m & (loc >= 0) & (loc < num_locations)
     slot = tl.load(l2s_ptr + loc, mask=ok, other=-1).to(tl.int64)
     resident = ok & (slot >= 0) & (slot < num_slots)
-    tl.store(stamp_ptr + slot, tl.zeros_like(slot) + tl.load(clock_ptr), mask=resident)
-    w = tl.arange(0, BLOCK_WORDS)
-    cols = (w < WORDS)[None, :]
-    vals = tl.load(entries_ptr + src[:, None] * entry_stride + w[None, :], mask=ok[:, None] & cols)
-    tl.store(host_ptr + loc[:, None] * HOST_STRIDE + w[None, :], vals, mask=ok[:, None] & cols)
-    tl.store(hot_ptr + slot[:, None] * HOT_STRIDE + w[None, :], vals, mask=resident[:, None] & cols)
+    _store_entries(entries_ptr, src, entry_stride, host_ptr, loc, hot_ptr, slot, stamp_ptr, clock_ptr, ok, resident,
+                   WORDS, HOST_STRIDE, HOT_STRIDE, BLOCK_WORDS)
     tl.store(slots_out_ptr + r, tl.where(resident, slot, -1), mask=r < n)
     tl.atomic_add(cnt_ptr + C_D2H, tl.sum(ok.to(tl.int64)), sem="relaxed")
     if C_NOT_RESIDENT >= 0:

@@ -73,6 +73,7 @@ import torch
 import triton
 import triton.language as tl
 from ess_sglang.kernels.flashtrans import NUM_WARPS, ROWS_PER_PROGRAM, _copy_masked
+from ess_sglang.kernels.new_tokens import _store_entries
 from ess_sglang.kernels.translate import block_for, position_to_location
 
 ROWS = ROWS_PER_PROGRAM  # misses assigned (and copied, those K1 does not copy) per program of the assign kernel
@@ -453,13 +454,8 @@ def _write_back_new_tokens(new_loc_ptr, new_rows_ptr, entries_ptr, entry_stride,
     w = tl.load(out_ptr + (cur - num_slots), mask=claimed, other=-1)
     w = tl.where(w <= -2, -2 - w, w)
     slot = tl.where(ok & (cur >= 0) & (cur < num_slots), cur, tl.where(claimed, w, -1)).to(tl.int64)
-    resident = slot >= 0
-    tl.store(stamp_ptr + slot, tl.zeros_like(slot) + tl.load(clock_ptr), mask=resident)
-    c = tl.arange(0, BLOCK_WORDS)
-    cols = (c < WORDS)[None, :]
-    vals = tl.load(entries_ptr + src[:, None] * entry_stride + c[None, :], mask=ok[:, None] & cols)
-    tl.store(host_ptr + loc[:, None] * HOST_STRIDE + c[None, :], vals, mask=ok[:, None] & cols)
-    tl.store(hot_ptr + slot[:, None] * HOT_STRIDE + c[None, :], vals, mask=resident[:, None] & cols)
+    _store_entries(entries_ptr, src, entry_stride, host_ptr, loc, hot_ptr, slot, stamp_ptr, clock_ptr, ok, slot >= 0,
+                   WORDS, HOST_STRIDE, HOT_STRIDE, BLOCK_WORDS)
     n_ok = tl.sum(ok.to(tl.int64))
     if n_ok > 0:
         tl.atomic_add(cnt_ptr + C_D2H, n_ok, sem="relaxed")
