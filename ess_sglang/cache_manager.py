@@ -23,7 +23,8 @@ The data path of one layer, in order (see `resolve`):
     4. give the distinct misses the layer's spare slots first, then evict the least-recently-used unprotected slots
        for the rest, and assign them;
     5. fetch the missing entries from the host pool with FlashTrans (H2D gather);
-    6. return the slot table, same shape as the selection, -1 where the selection was padding.
+    6. with `new_tokens`, write this step's tokens back (host pool, and their hot slots where they have one);
+    7. return the slot table, same shape as the selection, -1 where the selection was padding.
 Attention then reads only hot-pool slots, the exact entries the selection named: the output is unchanged.
 
 Spare slots move step 4's pool scans off the critical path: `refill_spares(layer)`, run once per layer and step
@@ -107,11 +108,20 @@ class FetchList:
 
 class NewTokens(NamedTuple):
     """This step's token of each batch entry, written back by `HotPoolCacheManager.resolve(new_tokens=...)` once the
-    selection is resolved (what `write_new_tokens(locs, entries, insert=False, entry_rows=entry_rows)` stores)."""
+    selection is resolved (what `write_new_tokens(locs, entries, insert=False, entry_rows=entry_rows)` stores). The
+    locations are distinct (each token its own; -1 aside), and the entry rows are not hot-pool rows (the SGLang plugin's
+    new-token slots lie outside its hot region): on a GPU the write-back programs run side by side."""
 
     locs: torch.Tensor  # [batch] ints: the token's host location, -1 for none (e.g. a CUDA-graph padding row)
     entries: torch.Tensor  # [rows, entry_bytes] uint8 on the device: a table holding the tokens' entries
     entry_rows: torch.Tensor  # [batch] ints: the token's row of `entries`, read in place (outside it: skipped)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """The same device, a CUDA device without an index read as the current one."""
+    def norm(d: torch.device) -> tuple:
+        return (d.type, torch.cuda.current_device() if d.type == "cuda" and d.index is None else d.index)
+    return a.type == b.type and (a.type != "cuda" or norm(a) == norm(b))
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -321,7 +331,7 @@ class HotPoolCacheManager:
                                  f"{tuple(new_tokens.locs.shape)}")
         # the write-back in the resolve's last launch, where write_new_tokens itself would be one launch
         fused_new = new_tokens is not None and self._fused is not None and self.on_transfer is None \
-            and self.copy_impl != "none"
+            and self.copy_impl != "none" and topk_pos.numel() > 0
         if fetch_list is not None:
             fetch_list.check_holds(topk_pos.numel(), "resolve", "selection")
             if self._unsettled_prefetch is not None and \
@@ -702,11 +712,11 @@ class HotPoolCacheManager:
             raise ValueError(f"{caller} wants locs [n] and entry_rows [n] ints and entries [rows, "
                              f"{self.entry_bytes}], got {tuple(locs.shape)} {locs.dtype}, {tuple(entry_rows.shape)} "
                              f"{entry_rows.dtype} and {tuple(entries.shape)}")
-        if entries.dtype != torch.uint8 or entries.device.type != self.device.type or entries.stride(1) != 1 \
-                or entries.stride(0) % 4:
-            raise ValueError(f"{caller}: entries must be uint8 rows on {self.device.type} with a row stride of whole "
+        if entries.dtype != torch.uint8 or not _same_device(entries.device, self.device) or entries.stride(1) != 1 \
+                or entries.stride(0) % 4 or entries.storage_offset() % 4:
+            raise ValueError(f"{caller}: entries must be uint8 rows on {self.device} starting and strided on whole "
                              f"4-byte words, got {entries.dtype} on {entries.device} with strides "
-                             f"{tuple(entries.stride())}")
+                             f"{tuple(entries.stride())} at offset {entries.storage_offset()}")
 
     def _valid_locations(self, locs: torch.Tensor) -> torch.Tensor:
         """KV locations as a flat int64 device tensor, -1 where outside [0, num_locations) (never read)."""

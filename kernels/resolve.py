@@ -2,7 +2,8 @@
 
 The plain-torch definition is `HotPoolCacheManager` with `resolve_impl="torch"` (ess_sglang/cache_manager.py): these
 kernels compute the same maps, counters and slot table. A resolve is five launches over the selection (n entries)
-or the layer's slots (S), with every count kept on the device:
+or the layer's slots (S), with every count kept on the device (three with spare slots: K2-K4 are then one launch,
+below):
 
     K1 lookup     entry -> KV location (bounds-checked through the request's own row; a padding entry, request
                   row -1, is ignored), slot = loc_to_slot[loc];
@@ -33,8 +34,9 @@ or the layer's slots (S), with every count kept on the device:
                   row (the SGLang plugin: the token's entry exists only just before the resolve)
 
 With `pdl` (programmatic dependent launch, sm_90+: `HotPoolCacheManager(resolve_pdl=...)`, on by default there) K2-K5
-are launched with the PDL attribute and begin with `griddepcontrol.wait` then `launch_dependents` (`_pdl_enter`); K1 is
-launched plainly (after the top-k and the stream joins) but releases K2 the same way. Each kernel's programs are then
+(with spare slots: the merged tail and K5) are launched with the PDL attribute and begin with
+`griddepcontrol.wait` then `launch_dependents` (`_pdl_enter`); K1 is launched plainly (after the top-k and the
+stream joins) but releases the next kernel the same way. Each kernel's programs are then
 scheduled while the one before runs, and the launch gaps overlap work; the order of every read and write is the
 same (a kernel waits for the whole previous grid and its writes before it reads anything).
 
@@ -46,14 +48,17 @@ Three launches instead of five beside the indexer and the top-k, none of them ov
 With spare slots, K2-K4 are one launch (`_tail_kernel`, over `FusedResolver.tail_programs` programs, all resident at
 once): its programs build the histogram, wait for one another (a counter in the scratch), list the victims, wait
 again and walk the winners; where no victims are needed (every program reads that alike from K1's counts) they skip
-straight to the walk. The H200 ran the diagnostic without K2 and K3 (valid only while no victims are needed) 1-3 us
-a layer faster at batch 64 (benchmarks/RESULTS.md, twenty-sixth session): two launch latencies on the critical path.
+straight to the walk. On the H200 at batch 64 (benchmarks/RESULTS.md, twenty-sixth session) the one launch ran
+1.8-5.0 us a layer faster than the three at 32K, and from 11.9 faster to 7.1 slower at 128K. The grid-wide waits
+assume every program of the tail is resident at once (2 x SMs programs of 2 warps, or the assign walk's, up to 4 x
+SMs): true on a whole GPU, not guaranteed where the GPU is shared by SM limits (MPS), which this does not check;
+`tail_programs = None` there gives the three launches.
 
 With no spare slots (the default) every winner overflows and the resolve is the plain LRU one. With enough of them,
-K2-K4 find nothing to do and return at once: the two pool scans run instead in `refill`, off the critical path
-(the decode stack queues it beside attention), in every step or, with a refill interval K, in every K-th step of a
-layer (the layers in turn) and whenever fewer than 1/K of its spare slots are left; a refill that is not due returns
-at once:
+the tail finds no victims to list and no winners to walk, and returns at once: the two pool scans run instead in
+`refill`, off the critical path (the decode stack queues it beside attention), in every step or, with a refill
+interval K, in every K-th step of a layer (the layers in turn) and whenever fewer than 1/K of its spare slots are
+left; a refill that is not due returns at once:
 
     R2 ages, R3 victims (as K2, K3, for the number of spare slots taken since the last refill), R4: evict each victim
     (its token's map entry cleared, the eviction counted), mark it spare, put it back in the spare list; R5 the
@@ -72,7 +77,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from ess_sglang.kernels.flashtrans import NUM_WARPS, ROWS_PER_PROGRAM, _copy_masked
+from ess_sglang.kernels.flashtrans import NUM_WARPS, ROWS_PER_PROGRAM, _copy_masked, interpreting
 from ess_sglang.kernels.new_tokens import _store_entries
 from ess_sglang.kernels.translate import block_for, position_to_location
 
@@ -372,9 +377,10 @@ def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_pt
 
 @triton.jit
 def _grid_sync(bar_ptr, programs):
-    """Wait until all `programs` programs of the launch have arrived here (a counter in the scratch, cleared by K5),
-    their writes before it visible to the reads after it. Only for a grid whose programs are all resident at once
-    (`tail_programs`); never under the interpreter, which runs programs one after the other (one program there)."""
+    """Wait until all `programs` programs of the launch have arrived here (a counter in the scratch, cleared by every
+    closing finish: the resolve's K5, the refill's, the spare-only prefetch's close), their writes before it visible
+    to the reads after it. Only for a grid whose programs are all resident at once (`tail_programs`); under the
+    interpreter, which runs programs one after the other, the grid is one program."""
     tl.debug_barrier()
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
     arrived = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
@@ -556,6 +562,11 @@ def pdl_setting(requested: bool | None, device: torch.device, runs_triton: bool,
     return ok if requested is None else requested
 
 
+def _one_program(device: torch.device) -> bool:
+    """Whether a grid-wide wait must run as one program: under the interpreter (programs in turn) or off CUDA."""
+    return interpreting() or device.type != "cuda"
+
+
 class FusedResolver:
     """Scratch buffers and launches of the fused path for selections of up to `max_entries` entries and up to
     `num_spare` spare slots."""
@@ -584,7 +595,8 @@ class FusedResolver:
         # without ages or victims of their own skip the shared atomics
         self.age_block, self.age_warps = 1024, 4
         self.victim_block, self.victim_warps = 512, (4 if num_slots < 1 << 20 else 2)
-        # programs of a resolve's scans where spare slots take the misses (`_scans`): a wave of them
+        # programs of a resolve's scans where spare slots take the misses: a wave of them (the merged tail's grid, or
+        # `_scans`' where `tail_programs` is None)
         self.scan_programs = 2 * sms
         # programs of a refill's age and victim scans (None: one per block, measured faster than 2 x SMs for both:
         # benchmarks/NOTES.md, twenty-first session; victims over 8 x SMs measured no faster: twenty-second session)
@@ -593,7 +605,7 @@ class FusedResolver:
         # With spare slots, K2-K4 of a resolve run as one launch (`_tail_kernel`) over this many programs (at least
         # the assign walk's): all resident at once, as its grid-wide waits need; one under the interpreter, which
         # runs programs in turn. None: three launches, as without spare slots (whose scans need a program a block)
-        self.tail_programs: int | None = (self.scan_programs if device.type == "cuda" else 1) if num_spare > 0 \
+        self.tail_programs: int | None = (1 if _one_program(device) else self.scan_programs) if num_spare > 0 \
             else None
         self.lookup_block = 256  # entries per program of the lookup (256: 5.2 us at batch 64, 1024: 6.5)
         self.lookup_copy_cap = LOOKUP_COPY_CAP  # a resolve's misses ranked below this are copied by the lookup
@@ -608,7 +620,8 @@ class FusedResolver:
             return
         d = self.device
         self.max_entries = n
-        # counters and age histogram (self.scratch): zero between calls, K5 clears them after K4's last read
+        # counters, the tail's wait counters and the age histogram (self.scratch): zero between calls, K5 clears them
+        # after K4's last read
         self.victims = torch.zeros(max(n, self.num_spare), dtype=torch.int32, device=d)  # slot + 1
         self.over_loc = torch.empty(n, dtype=torch.int64, device=d)
         self.over_idx = torch.empty(n, dtype=torch.int32, device=d)
@@ -627,7 +640,8 @@ class FusedResolver:
 
         A refill, and a resolve without spare slots (every miss overflows), scan the pool in one program per block
         (a refill: unless `refill_age_programs` / `refill_victim_programs` give a grid). A resolve with spare slots
-        needs victims only once they run out (rarely): its scans run over a short grid (`scan_programs`, each
+        needs victims only once they run out (rarely; these launches only where `tail_programs` is None, else the
+        merged tail does the same work): its scans run over a short grid (`scan_programs`, each
         program walking consecutive blocks), so that the usual no-victim launch is a wave of programs that return at
         once rather than thousands. When such a resolve does need victims (a layer's first resolve, before its first
         refill; misses beyond the spare slots left) the short grid scans the pool with fewer programs at once: that
@@ -681,6 +695,8 @@ class FusedResolver:
         S = self.num_slots
         out = torch.empty(n, dtype=torch.int32, device=src.device)
         if n == 0:
+            if new_tokens is not None:  # (no launch to ride in: HotPoolCacheManager.resolve writes them back alone)
+                raise ValueError("new_tokens: an empty selection launches nothing to write the tokens back in")
             return out
         if mode == MODE_POSITIONS:
             r2t, r2t_stride, width = req_to_token, req_to_token.stride(0), req_to_token.shape[1]
@@ -702,6 +718,18 @@ class FusedResolver:
         if new_tokens is not None and (spare_only or not protect or hot is None):
             raise ValueError("new_tokens: only a protecting resolve into a hot pool writes this step's tokens back")
         table = torch.empty(n, dtype=torch.int32, device=src.device) if table_offset is not None else out
+        new = {}
+        if new_tokens is not None:  # the finish's write-back programs, first in its grid (views taken before any
+            # launch: a call that raises leaves no kernel half done)
+            new_locs, new_rows, entries, host = new_tokens
+            nw = entries.shape[1] // 4
+            new = dict(new_loc_ptr=new_locs, new_rows_ptr=new_rows, entries_ptr=entries.view(torch.int32),
+                       entry_stride=entries.stride(0) // 4, entry_rows=entries.shape[0],
+                       host_ptr=host.view(torch.int32), hot_ptr=hot.view(torch.int32), cnt_ptr=counters,
+                       n_new=new_locs.numel(), new_programs=triton.cdiv(new_locs.numel(), NEW_TOKEN_ROWS),
+                       num_locations=l2s.shape[0] - 1, NEW=True, WORDS=nw, HOST_STRIDE=host.stride(0) // 4,
+                       HOT_STRIDE=hot.stride(0) // 4, BLOCK_WORDS=triton.next_power_of_2(nw),
+                       C_D2H=counter_ids["D2H_ENTRIES"], NEW_ROWS=NEW_TOKEN_ROWS)
         # spare only: K1 writes the fetch list itself (and only where one is given)
         took_loc, took_slot = (pend_src, pend_dst) if spare_only else (self.took_loc, self.took_slot)
         _lookup_kernel[(triton.cdiv(n, self.lookup_block),)](
@@ -730,7 +758,7 @@ class FusedResolver:
                     C_FETCH_B=fb, C_EVICT=counter_ids["EVICTIONS"], C_OVERFLOW=counter_ids["OVERFLOW"],
                     STAMP_BACK=0 if protect else 1, ROWS=ROWS, CLEAR=block, num_warps=NUM_WARPS, **self._pdl(True))
         if self.tail_programs is not None:  # K2-K4 in one launch
-            grid = max(self.tail_programs, assign) if self.device.type == "cuda" else 1
+            grid = 1 if _one_program(self.device) else max(self.tail_programs, assign)
             _tail_kernel[(grid,)](
                 stamp, clock, self.scratch, self.victims, self.over_loc, self.over_idx, self.took_loc,
                 self.took_slot, l2s, s2l, out, counters, src_w, dst_w, pend_src, pend_dst, pend_count, spare_taken,
@@ -743,17 +771,6 @@ class FusedResolver:
                 self.scratch, self.victims, self.over_loc, self.over_idx, self.took_loc, self.took_slot, l2s, s2l,
                 stamp, clock, out, counters, src_w, dst_w, pend_src, pend_dst, pend_count, spare_taken,
                 self.num_spare, n, self.lookup_copy_cap, **walk)
-        new = {}
-        if new_tokens is not None:  # the write-back programs, first in the grid
-            new_locs, new_rows, entries, host = new_tokens
-            nw = entries.shape[1] // 4
-            new = dict(new_loc_ptr=new_locs, new_rows_ptr=new_rows, entries_ptr=entries.view(torch.int32),
-                       entry_stride=entries.stride(0) // 4, entry_rows=entries.shape[0],
-                       host_ptr=host.view(torch.int32), hot_ptr=hot.view(torch.int32), cnt_ptr=counters,
-                       n_new=new_locs.numel(), new_programs=triton.cdiv(new_locs.numel(), NEW_TOKEN_ROWS),
-                       num_locations=l2s.shape[0] - 1, NEW=True, WORDS=nw, HOST_STRIDE=host.stride(0) // 4,
-                       HOT_STRIDE=hot.stride(0) // 4, BLOCK_WORDS=triton.next_power_of_2(nw),
-                       C_D2H=counter_ids["D2H_ENTRIES"], NEW_ROWS=NEW_TOKEN_ROWS)
         _finish_kernel[(new.get("new_programs", 0) + triton.cdiv(n, block),)](
             self.locs, out, l2s, stamp, clock, self.scratch, spare_taken, self.num_spare, n, S, pend_src, pend_dst,
             pend_count, table, table_offset or 0, REFILL=False, SPARE_ONLY=False, PEND=pend, CLOSE=True,

@@ -225,8 +225,9 @@ def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, 
 
     (Triton's interpreter runs programs in order, so even the order of the miss and victim lists matches.)
     `small_blocks`: the pool scans and the lookup in many programs, as over a large pool on the GPU (blocks without
-    ages or victims of their own skip the shared atomics; with spare slots a resolve's scans, and with 24 a refill's
-    victim scan, in a short grid whose programs walk several blocks), and the lookup copying only the first 8 misses
+    ages or victims of their own skip the shared atomics; with spare slots a resolve's scans as three launches (not
+    the merged tail the other cases run), and with 24 a refill's victim scan, in a short grid whose programs walk
+    several blocks), and the lookup copying only the first 8 misses
     (the assign kernel copies the spare-slot winners after those). `spare`: spare slots per layer, refilled after each
     layer's resolve (24: fewer than the misses of most resolves, so the rest take LRU victims; 120: most covered),
     when due (`interval`: a refill interval, so that some refills are not due although spare slots were taken, and
@@ -240,6 +241,7 @@ def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, 
         f.age_block, f.victim_block, f.lookup_block = 64, 32, 16
         f.lookup_copy_cap = 8
         f.scan_programs = 3  # with spare slots, a resolve's scans walk 2 and 4 blocks a program (some past the pool)
+        f.tail_programs = None  # (as three launches: the merged tail is one program under the interpreter)
         if spare == 24:  # and a refill's victim scan 5 blocks a program (its age scan one block each, the default)
             f.refill_victim_programs = 2
     state = ("hot_entries", "loc_to_slot", "slot_to_loc", "slot_stamp", "clock", "counters", "spare_taken")
@@ -428,6 +430,35 @@ def test_resolve_writes_new_tokens_back_after_the_selection(impl, spare):
         m.resolve(0, pos, pair[0][2].req_to_token, rpi, lens, new_tokens=NewTokens(locs, big, rows.float()))
     with pytest.raises(ValueError, match="entries must be uint8"):
         m.resolve(0, pos, pair[0][2].req_to_token, rpi, lens, new_tokens=NewTokens(locs, big.short(), rows))
+
+
+def test_new_tokens_with_an_empty_selection_or_a_misaligned_table(impl):
+    """An empty selection (k = 0) still writes the tokens back, on both paths alike. An entry table that does not
+    start on a 4-byte word is refused before anything runs: no state changes."""
+    from ess_sglang.cache_manager import NewTokens
+
+    pair = [make(slots=64, impl=i, spare=8) for i in (impl, "torch")]
+    big = torch.randint(0, 256, (4, 656), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    rows = torch.tensor([1, 3])
+    for m, host, table, rpi, sl in pair:
+        m.begin_step()
+        locs = table.req_to_token[rpi, sl - 1].long()
+        out = m.resolve(0, torch.zeros(2, 1, 0, dtype=torch.int32), table.req_to_token, rpi, sl,
+                        new_tokens=NewTokens(locs, big, rows))
+        assert out.shape == (2, 1, 0)
+        assert torch.equal(host.entries[0][locs], big[rows]) and int(m.counters[0, Counter.D2H_ENTRIES]) == 2
+    m, host, table, rpi, sl = pair[0]
+    before = {name: getattr(m, name).clone() for name in ("loc_to_slot", "slot_stamp", "counters", "spare_taken")}
+    entries_before = host.entries.clone()
+    skewed = torch.zeros(4 * 656 + 1, dtype=torch.uint8)[1:].view(4, 656)
+    with pytest.raises(ValueError, match="4-byte words"):
+        m.resolve(0, torch.arange(8).view(1, 1, 8).expand(2, 1, 8).int(), table.req_to_token, rpi, sl,
+                  new_tokens=NewTokens(locs, skewed, rows))
+    for name, t in before.items():
+        assert torch.equal(getattr(m, name), t), name
+    assert torch.equal(host.entries, entries_before)
+    if m._fused is not None:
+        assert int(m._fused.scratch.abs().sum()) == 0
 
 
 def test_engine_provided_hot_pool_storage(impl):

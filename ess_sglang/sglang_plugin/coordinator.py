@@ -320,7 +320,8 @@ class EssCoordinator:
                                top_k_result: torch.Tensor, layer_id: int) -> torch.Tensor:
         """Make every selected entry resident in the layer's hot pool; return device-pool rows for FlashMLA.
 
-        One call of its own on the main stream in a layer with the defaults (the resolve's five launches;
+        One call of its own on the main stream in a layer with the defaults (the resolve: five launches, three with
+        spare slots;
         new_tokens="insert" or the torch resolve add their own): what depends only on the batch is computed once a
         step (`rows_of_step`), padding rows reach the resolve as request row -1 (ignored there), the resolve writes
         device-pool rows itself (`slot_offset`) and writes the token back after the selection, reading its entry in

@@ -13,7 +13,8 @@ graph, and everything below is fixed-shape device work):
      resident instead of fetching it over PCIe on the critical path, and the write-back at the resolve's end writes
      the token's entry into that slot (the write-back writes the hot slot of a resident entry too). (The write-back
      also protects it: a prefetched new token counts as useful in 3d even in the rare step whose top-k does not
-     select it, at most one entry per request and layer.)
+     select it, at most one entry per request and layer; unless that resolve needed LRU victims and evicted it first,
+     being a prefetched entry, stamped evictable: then it is counted wasted, and fetched if a later step selects it.)
   2. ``metadata.topk_transform``: the top-k positions [rows, k], with the kernel and plan SGLang runs without ESS
      (``decode_topk.select``: HiSparse would force SGLang's unfused top-k, which can select other entries).
      [tap, after] the logits and the positions are kept for 3d (no launch here: the k-th best score is found
