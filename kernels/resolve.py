@@ -439,6 +439,18 @@ def _refill_kernel(scr_ptr, victims_ptr, l2s_ptr, s2l_ptr, stamp_ptr, spare_ptr,
 
 
 @triton.jit
+def _slot_in_finish(l2s_ptr, out_ptr, loc, m, num_slots):
+    """The slot of location `loc` (mask m) while K5 runs: from the map, or, where an entry of this resolve still holds
+    its claim there (num_slots + its index), from that winner's table entry (-2 - slot until K5 maps it, then the
+    slot). Returns (the map's value, whether it is a claim, the slot or -1)."""
+    cur = tl.load(l2s_ptr + loc, mask=m, other=-1)
+    claimed = m & (cur >= num_slots)
+    w = tl.load(out_ptr + (cur - num_slots), mask=claimed, other=-1)
+    w = tl.where(w <= -2, -2 - w, w)
+    return cur, claimed, tl.where(m & (cur >= 0) & (cur < num_slots), cur, tl.where(claimed, w, -1))
+
+
+@triton.jit
 def _write_back_new_tokens(new_loc_ptr, new_rows_ptr, entries_ptr, entry_stride, entry_rows, host_ptr, hot_ptr,
                            l2s_ptr, stamp_ptr, clock_ptr, out_ptr, cnt_ptr, n_new, num_locations, num_slots, first,
                            WORDS: tl.constexpr, HOST_STRIDE: tl.constexpr, HOT_STRIDE: tl.constexpr,
@@ -455,11 +467,7 @@ def _write_back_new_tokens(new_loc_ptr, new_rows_ptr, entries_ptr, entry_stride,
     loc = tl.load(new_loc_ptr + r, mask=m, other=-1).to(tl.int64)
     src = tl.load(new_rows_ptr + r, mask=m, other=-1).to(tl.int64)
     ok = m & (src >= 0) & (src < entry_rows) & (loc >= 0) & (loc < num_locations)
-    cur = tl.load(l2s_ptr + loc, mask=ok, other=-1)
-    claimed = ok & (cur >= num_slots)
-    w = tl.load(out_ptr + (cur - num_slots), mask=claimed, other=-1)
-    w = tl.where(w <= -2, -2 - w, w)
-    slot = tl.where(ok & (cur >= 0) & (cur < num_slots), cur, tl.where(claimed, w, -1)).to(tl.int64)
+    slot = _slot_in_finish(l2s_ptr, out_ptr, loc, ok, num_slots)[2].to(tl.int64)
     _store_entries(entries_ptr, src, entry_stride, host_ptr, loc, hot_ptr, slot, stamp_ptr, clock_ptr, ok, slot >= 0,
                    WORDS, HOST_STRIDE, HOT_STRIDE, BLOCK_WORDS)
     n_ok = tl.sum(ok.to(tl.int64))
@@ -522,12 +530,8 @@ def _finish_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr_ptr, tak
     # slot another program of this launch has just mapped), else through the claim from the winner's table entry;
     # a winner that found no slot and still holds its claim (a spare-only prefetch) gives it back
     lost = m & (loc >= 0) & (out == -1)
-    cur = tl.load(l2s_ptr + loc, mask=lost, other=-1)
-    claimed = lost & (cur >= num_slots)
+    cur, claimed, slot = _slot_in_finish(l2s_ptr, out_ptr, loc, lost, num_slots)
     tl.store(l2s_ptr + loc, tl.full(cur.shape, -1, tl.int32), mask=claimed & (cur - num_slots == i))
-    w = tl.load(out_ptr + (cur - num_slots), mask=claimed, other=-1)
-    w = tl.where(w <= -2, -2 - w, w)
-    slot = tl.where((cur >= 0) & (cur < num_slots), cur, tl.where(claimed, w, -1))
     tl.store(out_ptr + i, slot, mask=lost)
     if TABLE:  # every entry's slot + table_offset (-1 where none), in a table of its own: `out` stays the slots,
         # which other programs of this launch read for the entries they lost to these
