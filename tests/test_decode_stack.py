@@ -30,7 +30,7 @@ LAYERS, HEADS, IHEADS, TOPK = 2, 8, 4, 128
 LENGTHS = (700, 450, 900)
 
 
-def build(modes, slots=512, prefetch=False, da_width=64, split_attention=False, cap_fraction=0.1, seed=0,
+def build(modes, slots=512, prefetch=False, da_width=64, split_attention=None, cap_fraction=0.1, seed=0,
           resolve_impl="torch", dba_attention="split", dba_split=0.5, spare=0, **options):
     g = torch.Generator().manual_seed(seed)
     T = sum(LENGTHS) + 64 * len(LENGTHS)
@@ -60,6 +60,8 @@ def build(modes, slots=512, prefetch=False, da_width=64, split_attention=False, 
                         cap_min_tokens=8) if prefetch or any(options.get("prefetch_layers") or ()) else None
     width = table.req_to_token.shape[1]
     ess = EssDecodeStack(m, index_cache.clone(), width, opts, max_batch=len(LENGTHS), prefetcher=pf)
+    if split_attention is None:  # attend as the ESS stack's DBA does: CPU attention over a whole batch and over its
+        split_attention = dba_attention == "split"  # chunks may round differently (it does with torch 2.14.1)
     hbm = HbmDecodeStack(latents, index_cache.clone(), width,
                          StackOptions(modes=modes, top_k=TOPK, indexer="torch", dba_split=dba_split),
                          split_attention=split_attention)
@@ -116,9 +118,8 @@ def test_exact_modes_are_bit_identical_to_all_in_hbm(modes, prefetch, dba_attent
     dba_attention = "whole" if dba_attention in ("three chunks", "new tokens inserted", "prefetch in chunks",
                                                  "spare slots", "prefetch in position segments") or impl == "triton" \
         else dba_attention
-    ess, hbm, table, rows, locs = build(modes, prefetch=prefetch, split_attention=dba_attention == "split",
-                                        dba_attention=dba_attention, dba_split=split, resolve_impl=impl, spare=spare,
-                                        **options)
+    ess, hbm, table, rows, locs = build(modes, prefetch=prefetch, dba_attention=dba_attention, dba_split=split,
+                                        resolve_impl=impl, spare=spare, **options)
     if impl == "triton" and prefetch:
         ess.prefetcher.impl = "triton"  # the kernels the GPU runs
     for s, (batch, inputs) in enumerate(steps(12 if impl == "torch" else 5, table, rows, locs)):
@@ -823,10 +824,8 @@ def test_overlapping_copies_take_their_rows_per_program():
     """overlap_copy_rows reaches every copy that overlaps compute (the prefetch chunks', DA's late copy, DBA's
     halves'), and only those; the fused path hands it to the counted copy kernel, which copies the same rows."""
     for modes in (("sync", "da"), ("dba", "sync")):
-        # DBA attends each half on its own ("split"), so the all-HBM stack splits its attention the same way: CPU
-        # attention over a whole batch and over its halves may round differently (it does with torch 2.14.1)
         ess, hbm, table, rows, locs = build(modes, prefetch=True, prefetch_chunks=2, overlap_copy_rows=16,
-                                            sync_copy="counted", split_attention="dba" in modes)
+                                            sync_copy="counted")
         seen = []  # (programs, rows_per_program) of every copy
         fetch = ess.m.fetch
         ess.m.fetch = lambda layer, fl, programs=None, rows=None, rec=seen, f=fetch: (
