@@ -30,7 +30,7 @@ LAYERS, HEADS, IHEADS, TOPK = 2, 8, 4, 128
 LENGTHS = (700, 450, 900)
 
 
-def build(modes, slots=512, prefetch=False, da_width=64, split_attention=None, cap_fraction=0.1, seed=0,
+def build(modes, slots=512, prefetch=False, da_width=64, cap_fraction=0.1, seed=0,
           resolve_impl="torch", dba_attention="split", dba_split=0.5, spare=0, **options):
     g = torch.Generator().manual_seed(seed)
     T = sum(LENGTHS) + 64 * len(LENGTHS)
@@ -60,11 +60,11 @@ def build(modes, slots=512, prefetch=False, da_width=64, split_attention=None, c
                         cap_min_tokens=8) if prefetch or any(options.get("prefetch_layers") or ()) else None
     width = table.req_to_token.shape[1]
     ess = EssDecodeStack(m, index_cache.clone(), width, opts, max_batch=len(LENGTHS), prefetcher=pf)
-    if split_attention is None:  # attend as the ESS stack's DBA does: CPU attention over a whole batch and over its
-        split_attention = dba_attention == "split"  # chunks may round differently (it does with torch 2.14.1)
+    # the all-HBM stack attends as the ESS stack's DBA does: CPU attention over a whole batch and over its chunks may
+    # round differently (it does with torch 2.14.1)
     hbm = HbmDecodeStack(latents, index_cache.clone(), width,
                          StackOptions(modes=modes, top_k=TOPK, indexer="torch", dba_split=dba_split),
-                         split_attention=split_attention)
+                         split_attention=dba_attention == "split")
     return ess, hbm, table, rows_t, locs
 
 
