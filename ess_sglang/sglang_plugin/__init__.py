@@ -40,7 +40,7 @@ def register() -> None:
     version = compat.installed_sglang_version()
     problems = [p for p in [compat.check_version(version)] if p]
     cli_problems = compat.check_targets(hooks.CLI_HOOKS, version)
-    problems += cli_problems + compat.check_targets(hooks.RUNTIME_HOOKS, version)
+    problems += cli_problems + compat.check_targets(hooks.runtime_hooks_for(version), version)
     report = compat.EnvironmentReport(version, problems)
     compat.set_report(report)
     if problems:

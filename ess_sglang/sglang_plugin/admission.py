@@ -211,7 +211,9 @@ def add_request_to_queue_hook(scheduler, req, *args, **kwargs):
 def add_one_req_hook(original, adder, req, *args, **kwargs):
     """AROUND PrefillAdder.add_one_req(req, ...): colocated admission (host, indexer, hot pool, prefill staging)."""
     coord, adm = _admission()
-    if adm is None or adm.holds(req.rid):
+    if adm is None or adm.holds(req.rid) or getattr(req, "to_finish", None) is not None:
+        # (SGLang 0.5.17 prefills a request refused at the queue as a one-token prompt that then finishes: it
+        # holds nothing of ESS's)
         return original(adder, req, *args, **kwargs)
     from sglang.srt.managers.schedule_policy import AddReqResult
 

@@ -4,12 +4,13 @@ Hooks (see ``hooks.py``):
 
 * ``ServerArgs.add_cli_args`` (after): adds the two flags to SGLang's parser, so they appear in
   ``python -m sglang.launch_server --help`` and are accepted by ``sglang serve``.
-* ``ServerArgs.from_cli_args`` (after): when ``--enable-ess`` is given, checks the installation, loads and validates
+* ``ServerArgs.from_cli_args`` (around): when ``--enable-ess`` is given, checks the installation, loads and validates
   the ESS config (``ess_sglang.config.load_config``: errors name the file and the key), refuses flags ESS cannot
-  work with, and sets what ESS implies on the raw record before resolution: ``--enable-hisparse`` (ESS reuses
-  HiSparse's logical allocator, pinned host pool and direct-to-host PD transfer), ``--disable-radix-cache`` and,
-  when the KV dtype was left at ``auto``, ``--kv-cache-dtype fp8_e4m3`` (the 656-byte FlashMLA V32 entry). The
-  settings go on the record as bookkeeping attributes (``settings.py``), which survive pickling to the scheduler
+  work with, and sets what ESS implies on the argparse namespace the record is built from: ``--enable-hisparse``
+  (ESS reuses HiSparse's logical allocator, pinned host pool and direct-to-host PD transfer),
+  ``--disable-radix-cache`` and, when the KV dtype was left at ``auto``, ``--kv-cache-dtype fp8_e4m3`` (the
+  656-byte FlashMLA V32 entry). The settings go on the built record as bookkeeping attributes (``settings.py``),
+  which survive pickling to the scheduler
   processes. On a PD prefill instance (``--disaggregation-mode prefill``) ESS itself stays off: the instance only
   captures and sends the query windows' top-k sets (``pd_windows.py``); it implies ``--kv-cache-dtype fp8_e4m3``
   (the decode instance's KV format) and nothing else.
@@ -62,53 +63,62 @@ def add_cli_args_hook(result, parser, *args, **kwargs):
     return None
 
 
-def from_cli_args_hook(result, cls, args, *rest, **kwargs):
-    """AFTER ServerArgs.from_cli_args(args): turn the flags into settings on the record (or refuse)."""
+def from_cli_args_hook(original, cls, args, *rest, **kwargs):
+    """AROUND ServerArgs.from_cli_args(args): turn the flags into settings (or refuse), then build the record.
+
+    What ESS implies is written on the argparse namespace before SGLang builds the record from it: SGLang 0.5.17's
+    ServerArgs resolves inside its constructor and refuses field writes afterwards; 0.5.23 resolves later, but
+    builds the record from the same namespace. The settings then go on the record as bookkeeping attributes."""
     enable = bool(getattr(args, "enable_ess", False))
     path = getattr(args, "ess_config", None)
     if not enable:
         if path:
             raise EssLaunchError(f"--ess-config {path} is given without --enable-ess: add --enable-ess to use ESS, "
                                  f"or drop --ess-config")
-        return None
-    s = enable_on_record(result, path)
-    logger.info("ESS enabled%s", f" with {s.config_path}" if s.config_path else " with the default config")
-    return None
+        return original(cls, args, *rest, **kwargs)
+    s = enable_on_namespace(args, path)
+    result = original(cls, args, *rest, **kwargs)
+    settings.store(result, s)
+    settings.current(result)
+    if s.enabled or s.send_windows:
+        logger.info("ESS enabled%s", f" with {s.config_path}" if s.config_path else " with the default config")
+    return result
 
 
-def enable_on_record(server_args: Any, config_path: str | None) -> settings.EssSettings:
-    """Check the installation, load the config, refuse incompatible raw flags, set the implied ones."""
+def enable_on_namespace(args: Any, config_path: str | None) -> settings.EssSettings:
+    """Check the installation, load the config, refuse incompatible raw flags, set the implied ones on the raw
+    arguments (an argparse namespace, or a record before resolution)."""
     report = compat.get_report()
     if report is not None and not report.ok:
         raise compat.EssUnavailableError(report.refusal())
     config = load_config(config_path) if config_path else EssConfig()
     if not config.enabled:
         logger.warning("ESS: %s sets ess_config.enabled: false; serving without ESS", config_path)
-        settings.store(server_args, settings.EssSettings(False, config, config_path))
-        return settings.read(server_args)
-    if getattr(server_args, "disaggregation_mode", "null") == "prefill":
-        return _enable_prefill_sender(server_args, config, config_path)
-    problems = check_raw_flags(server_args)
+        s = settings.EssSettings(False, config, config_path)
+        settings.store(args, s)
+        return s
+    if getattr(args, "disaggregation_mode", "null") == "prefill":
+        return _enable_prefill_sender(args, config, config_path)
+    problems = check_raw_flags(args)
     if problems:
         raise EssLaunchError(_format(problems))
-    # What ESS implies. The record is raw input here (resolution has not started), so plain assignment is allowed.
-    server_args.enable_hisparse = True
-    server_args.disable_radix_cache = True
-    if server_args.kv_cache_dtype == "auto":
-        server_args.kv_cache_dtype = "fp8_e4m3"
-    return _activate(server_args, settings.EssSettings(True, config, config_path))
+    args.enable_hisparse = True
+    args.disable_radix_cache = True
+    if args.kv_cache_dtype == "auto":
+        args.kv_cache_dtype = "fp8_e4m3"
+    return _activate(args, settings.EssSettings(True, config, config_path))
 
 
-def _activate(server_args: Any, s: settings.EssSettings) -> settings.EssSettings:
-    """Record the settings on the server args and in this process, and install the runtime hooks now (this
+def _activate(args: Any, s: settings.EssSettings) -> settings.EssSettings:
+    """Record the settings in this process (and on the raw arguments), and install the runtime hooks now (this
     process loaded the plugin before the flags were known)."""
-    settings.store(server_args, s)
-    settings.current(server_args)
+    settings.store(args, s)
+    settings.current(args)
     os.environ[ENV_ENABLED] = "1"
     from ess_sglang.sglang_plugin import hooks
 
     hooks.install_runtime_hooks()
-    compat.verify_applied(hooks.all_hooks())
+    compat.verify_applied(hooks.runtime_hooks_for(compat.installed_sglang_version()) + hooks.CLI_HOOKS)
     return s
 
 
@@ -165,8 +175,8 @@ def check_raw_flags(a: Any) -> list[str]:
                  f"multi-token write-back): drop --speculative-algorithm")
     if getattr(a, "max_total_tokens", None) is not None:
         p.append("--max-total-tokens is set; ESS sizes the GPU pools from the ESS config (host pool, hot pool, "
-                 "indexer cache): drop --max-total-tokens and use ess_config.memory_pool_size_gb / "
-                 "max_gpu_buffer_size_gb")
+                 "indexer cache): drop --max-total-tokens and use ess_config.max_kv_cache_gb (the GPU bytes of all "
+                 "KV pools) / memory_pool_size_gb / max_gpu_buffer_size_gb")
     if getattr(a, "enable_mixed_chunk", False):
         p.append("--enable-mixed-chunk is not supported with ESS (a mixed batch cannot join the decode batch that "
                  "owns the hot pools): drop --enable-mixed-chunk")
@@ -188,7 +198,9 @@ def check_raw_flags(a: Any) -> list[str]:
     if threshold is not None and float(threshold) < 1:
         p.append("--disaggregation-decode-host-receive-threshold < 1 is not supported with ESS (KV already lands "
                  "in the host pool): leave it at 1")
-    if getattr(a, "disaggregation_mode", "null") == "decode" and not _deferred_decode_release():
+    if getattr(a, "disaggregation_mode", "null") == "decode" and not compat.pd_decode_supported():
+        p.append(compat.PD_DECODE_REFUSAL_0517)
+    elif getattr(a, "disaggregation_mode", "null") == "decode" and not _deferred_decode_release():
         p.append("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE is off: an aborted request's host-pool slots "
                  "would be freed while the prefill's RDMA writes into them may still land, and a later request "
                  "reusing them would read that data: unset it (SGLang's default holds the slots until the "
@@ -197,10 +209,12 @@ def check_raw_flags(a: Any) -> list[str]:
 
 
 def _deferred_decode_release() -> bool:
-    """SGLang's switch for holding an aborted PD request's KV destination until the transfer drained (default on)."""
+    """SGLang's switch for holding an aborted PD request's KV destination until the transfer drained (default on;
+    SGLang 0.5.17 has no such switch and no deferral: see compat.PD_DECODE_REFUSAL_0517)."""
     from sglang.srt.environ import envs
 
-    return bool(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get())
+    switch = getattr(envs, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", None)
+    return switch is not None and bool(switch.get())
 
 
 # ------------------------------------------------------------------------------------------------ resolution
@@ -268,9 +282,7 @@ def validate_hisparse_hook(original, view, *args, **kwargs):
     """AROUND hisparse_hook.validate_hisparse(view): ESS's checks first, then HiSparse's own."""
     s = settings.read(view)
     if s.send_windows or s.enabled:
-        from sglang.srt.arg_groups.overrides import model_config_of
-
-        hf_config = model_config_of(view).hf_config
+        hf_config = compat.hf_config_of(view)
         problems = check_resolved(view, s.config, hf_config) if s.enabled else [p for p in [_not_dsa(hf_config)] if p]
         if problems:
             raise EssLaunchError(_format(problems))

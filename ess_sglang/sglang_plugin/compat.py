@@ -21,8 +21,15 @@ from importlib import metadata
 
 logger = logging.getLogger("ess_sglang.sglang_plugin")
 
-SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
+SUPPORTED_SGLANG_VERSIONS = ("0.5.17", "0.5.23")
 """Versions whose source the hook targets were read from and tested against."""
+
+
+PD_DECODE_REFUSAL_0517 = (
+    "--disaggregation-mode decode with ESS needs SGLang 0.5.23: SGLang 0.5.17 frees an aborted request's KV "
+    "destination at once, while the prefill's transfer may still write into its host-pool slots, and has no "
+    "hook for ESS's PD admission (its budget check is inline in DecodePreallocQueue.pop_preallocated); "
+    "serve colocated on 0.5.17, or upgrade SGLang")
 
 
 class EssUnavailableError(RuntimeError):
@@ -57,11 +64,97 @@ def check_version(version: str | None = None) -> str | None:
     """A problem line when the installed SGLang is not supported, else None."""
     version = installed_sglang_version() if version is None else version
     if version is None:
-        return "SGLang is not installed (pip install sglang==0.5.23)"
+        return "SGLang is not installed (pip install sglang==0.5.23, or 0.5.17 with torch 2.11)"
     if version not in SUPPORTED_SGLANG_VERSIONS:
         return (f"SGLang {version} is not supported by ess-sglang (supported: {', '.join(SUPPORTED_SGLANG_VERSIONS)}); "
                 f"the hook targets were read from those versions only")
     return None
+
+
+def pd_decode_supported(version: str | None = None) -> bool:
+    """Whether ESS serves a PD decode instance (``--disaggregation-mode decode``) with this SGLang: not on 0.5.17
+    (``PD_DECODE_REFUSAL_0517``)."""
+    version = installed_sglang_version() if version is None else version
+    return version != "0.5.17"
+
+
+def model_config_of(server_args):
+    """SGLang's ModelConfig of a ServerArgs record or a resolved view of one: SGLang 0.5.23's
+    ``arg_groups.overrides.model_config_of``, else (0.5.17) the one the record built while it resolved
+    (``ServerArgs.get_model_config()``), or a new one where a record has none cached: 0.5.17 refuses to cache it on
+    a resolved record (only underscore attributes may be written after resolution)."""
+    try:
+        from sglang.srt.arg_groups.overrides import model_config_of as of
+    except ImportError:
+        cached = getattr(server_args, "model_config", None)
+        if cached is not None:
+            return cached
+        if getattr(server_args, "_declarations_materialized", False):
+            from sglang.srt.configs.model_config import ModelConfig
+
+            return ModelConfig.from_server_args(server_args)
+        return server_args.get_model_config()
+    return of(server_args)
+
+
+def hf_config_of(server_args):
+    """The model's Hugging Face config from a ServerArgs record or a resolved view of one (``model_config_of``)."""
+    return model_config_of(server_args).hf_config
+
+
+def is_fake_transfer(req) -> bool:
+    """SGLang's ``disaggregation.utils._is_fake_transfer`` for a request: ``(req)`` in 0.5.23, ``(req,
+    server_args)`` in 0.5.17 (this process's published record)."""
+    import inspect
+
+    from sglang.srt.disaggregation.utils import _is_fake_transfer
+
+    if len(inspect.signature(_is_fake_transfer).parameters) > 1:
+        from sglang.srt.runtime_context import get_server_args
+
+        return bool(_is_fake_transfer(req, get_server_args()))
+    return bool(_is_fake_transfer(req))
+
+
+def req_row(req) -> int | None:
+    """The request's row of ``req_to_token`` (``req.kv.req_pool_idx`` in SGLang 0.5.23, ``req.req_pool_idx`` in
+    0.5.17); None when it holds none."""
+    kv = getattr(req, "kv", None)
+    row = getattr(kv, "req_pool_idx", None) if kv is not None else None
+    if row is None:
+        row = getattr(req, "req_pool_idx", None)
+    return None if row is None else int(row)
+
+
+def req_extend_end(req) -> int:
+    """The end of the request's prefill range (``req.extend_end`` in 0.5.23, ``req.extend_range.end`` in 0.5.17)."""
+    end = getattr(req, "extend_end", None)
+    return int(end if end is not None else req.extend_range.end)
+
+
+def req_allocated_len(req) -> int:
+    """KV locations allocated to the request (``req.kv.kv_allocated_len``; 0 once SGLang 0.5.17 released it)."""
+    kv = getattr(req, "kv", None)
+    return int(kv.kv_allocated_len) if kv is not None else 0
+
+
+def make_host_pool(pool, host_tokens: int, pin_memory: bool):
+    """SGLang's pinned, layer-first MLA host pool for `host_tokens` entries of the device pool's rows and layers.
+
+    SGLang 0.5.23 takes the device pool's buffer description and a token capacity; 0.5.17 takes the device pool
+    itself and a ratio to its size (rounded down to pages, then one page added)."""
+    import inspect
+
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    common = dict(page_size=pool.page_size, layout="layer_first", pin_memory=pin_memory,
+                  override_kv_cache_dim=pool.kv_cache_dim, host_size=0)
+    if "device_pool" in inspect.signature(MLATokenToKVPoolHost).parameters:
+        return MLATokenToKVPoolHost(device_pool=pool, host_to_device_ratio=host_tokens / pool.size, **common)
+    return MLATokenToKVPoolHost(
+        buffer_info=pool.get_device_pool_infos()[0].buffer_info, host_to_device_ratio=1,
+        device_capacity_tokens=pool.size, start_layer=pool.start_layer, end_layer=pool.end_layer,
+        target_layer_num=pool.layer_num, host_token_capacity=host_tokens, **common)
 
 
 def resolve_target(target: str):

@@ -15,7 +15,7 @@ by ``HotPoolCacheManager`` (LRU across all requests, GPU-resident maps, CUDA-gra
 decoded token, warm-up, release, admission and metrics.
 
 The decode seam, as ``DeepseekSparseAttnBackend.forward_decode`` calls it (read from 0.5.23, exercised on CPU by
-tests/sglang/test_sglang_decode_seam.py with SGLang's own pools):
+tests/plugin/test_sglang_decode_seam.py with SGLang's own pools):
 
     req_pool_indices  int64 [bs]       request rows (row 0 is the padding row of CUDA-graph padded batches)
     seq_lens          int64 [bs]       tokens of each request including the one being decoded
@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ess_sglang.cache_manager import NewTokens
-from ess_sglang.sglang_plugin import echo
+from ess_sglang.sglang_plugin import compat, echo
 from ess_sglang.sglang_plugin import settings as settings_mod
 from ess_sglang.sglang_plugin.admission import EssAdmission
 from ess_sglang.sglang_plugin.warmup import WindowCapture
@@ -210,14 +210,8 @@ class EssCoordinator:
 
         # Host pool (pinned, layer-first, 656-byte rows): SGLang's class, sized by ESS.
         if host_pool is None:
-            from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-
-            host_pool = MLATokenToKVPoolHost(
-                buffer_info=pool.get_device_pool_infos()[0].buffer_info, host_to_device_ratio=1, host_size=0,
-                page_size=page, layout="layer_first", pin_memory=dev.type == "cuda" if pin_memory is None
-                else pin_memory, override_kv_cache_dim=pool.kv_cache_dim, device_capacity_tokens=pool.size,
-                start_layer=pool.start_layer, end_layer=pool.end_layer, target_layer_num=L,
-                host_token_capacity=host_tokens)
+            host_pool = compat.make_host_pool(pool, host_tokens,
+                                              dev.type == "cuda" if pin_memory is None else pin_memory)
         self.mem_pool_host = host_pool
         width = req_to_token_pool.req_to_token.shape[1] + page
         self.req_to_host_pool = torch.full((rows, width), -1, dtype=torch.int64, device=dev)
@@ -327,7 +321,7 @@ class EssCoordinator:
         device-pool rows itself (`slot_offset`) and writes the token back after the selection, reading its entry in
         place from its new-token slot (`new_tokens`). In the decode harness on the H200 the per-layer torch ops
         this replaced (about a dozen small launches) cost 24-29 us a layer at batch 64, 32K and 128K
-        (benchmarks/RESULTS.md, twenty-fifth session)."""
+        (benchmarks/RESULTS.md, decode_layers)."""
         if top_k_result.dim() != 2:
             raise NotImplementedError("ESS: multi-token (speculative) decode steps are not supported")
         layer = layer_id - self.start_layer
@@ -467,8 +461,8 @@ class EssCoordinator:
     def admit_request_into_staging(self, req: Any) -> None:
         """Colocated: the prompt was prefilled into device slots; copy it to the host pool, warm up, free them."""
         req.hisparse_staging = True
-        row = int(req.kv.req_pool_idx)
-        n = int(req.extend_end)
+        row = compat.req_row(req)
+        n = compat.req_extend_end(req)
         logical = self.req_to_token_pool.req_to_token[row, :n].to(dtype=torch.int64, device=self.device)
         physical = self.mem_pool_device.translate_loc_from_full_to_hisparse_device(logical).long()
         host = self.mem_pool_host.alloc_paged_token_slots(self.req_to_host_pool, self.req_to_host_pool_allocated_len,
@@ -486,8 +480,8 @@ class EssCoordinator:
     def admit_request_direct(self, req: Any) -> None:
         """PD decode: the KV arrived from the prefill instance straight into the host pool; warm up from the window
         sets the prefill sent (``req.ess_warmup_ranked``, see pd_windows), else the most recent tokens."""
-        row = int(req.kv.req_pool_idx)
-        n = int(req.kv.kv_allocated_len)
+        row = compat.req_row(req)
+        n = compat.req_allocated_len(req)
         ranked = getattr(req, "ess_warmup_ranked", None)
         windows = getattr(req, "ess_window_topk", None)
         self._warm_up(row, n, list(windows) if windows is not None and ranked is None else None, ranked=ranked)
@@ -545,7 +539,7 @@ class EssCoordinator:
     def request_finished(self, req: Any) -> None:
         """Finished or aborted: forget its hot entries, free its host slots and its admission reservation."""
         self._after_inflight_decode()
-        row = int(req.kv.req_pool_idx)
+        row = compat.req_row(req)
         host = self.mem_pool_host.allocated_host_indices(self.req_to_host_pool, row,
                                                          self.req_to_host_pool_allocated_len[row])
         if host.numel() > 0:
@@ -557,7 +551,7 @@ class EssCoordinator:
             # Decoding started: its locations map to the new-token slot (or to nothing); unmap them so that SGLang's
             # release_kv_cache frees only logical locations. A request still in prefill keeps its device slots
             # mapped: release_kv_cache frees them.
-            locs = self.req_to_token_pool.req_to_token[row, : int(req.kv.kv_allocated_len)].long()
+            locs = self.req_to_token_pool.req_to_token[row, : compat.req_allocated_len(req)].long()
             self.token_to_kv_pool_allocator.full_to_hisparse_device_index_mapping[locs] = 0
         if self.capture is not None:
             self.capture.drop(row)
@@ -627,13 +621,29 @@ def maybe_init_hisparse_coordinator_hook(original, runner, *args, **kwargs):
     s = settings_mod.current(getattr(runner, "server_args", None))
     if not s.enabled or not getattr(runner, "enable_hisparse", False):
         return original(runner, *args, **kwargs)
-    from ess_sglang.sglang_plugin import compat, hooks, sizing
+    from ess_sglang.sglang_plugin import hooks, sizing
 
     compat.verify_applied(hooks.all_hooks())
     runner.hisparse_coordinator = EssCoordinator.from_model_runner(runner, s, sizing.current_pools())
+    # The scheduler's token capacity is the logical locations (indexer entries backed by the host pool), not the
+    # device slots the pool configurator sized: ESS's allocator reports the logical free count
+    # (EssCoordinator.__init__), and SGLang's pool statistics divide it by this number (a device-sized one gave a
+    # negative usage and a failed assertion on the first idle step of a real 0.5.17 server); it also caps a
+    # request's length, which with ESS may exceed the device slots.
+    runner.max_total_num_tokens = int(runner.token_to_kv_pool_allocator.size)
     from ess_sglang.sglang_plugin import decode_topk
 
     decode_topk.log_startup(runner, s.config)
+    return None
+
+
+def release_kv_cache_hook(req, *args, **kwargs):
+    """BEFORE mem_cache.common.release_kv_cache(req, ...) (SGLang 0.5.17): a request's KV is released without
+    ``request_finished`` when it finishes at prefill or is aborted while waiting; ESS releases what it holds for the
+    request first (``request_finished`` is idempotent: a second call for the same row frees nothing)."""
+    coord = active_coordinator()
+    if coord is not None and compat.req_row(req) is not None and getattr(req, "kv", None) is not None:
+        coord.request_finished(req)
     return None
 
 

@@ -58,7 +58,12 @@ DECODE_TOPK_DEFAULT = EssConfig.model_fields["decode_topk"].default
 V2_MODULE = "sglang.kernels.ops.attention.dsv4.topk"
 V2_FUNCTION = "topk_transform_paged_v2"
 V2_PARAMETERS = ("scores", "seq_lens", "page_tables", "out_page_indices", "page_size", "metadata")
-"""The kernel wrapper's first parameters, in SGLang 0.5.23's order (checked before the first call)."""
+"""SGLang 0.5.23's wrapper and its first parameters (checked before the first call): with no page table it writes
+positions into ``out_page_indices``."""
+V2_FUNCTION_0517 = "topk_transform_512_v2"
+V2_PARAMETERS_0517 = V2_PARAMETERS + ("out_raw_indices",)
+"""SGLang 0.5.17's wrapper of the same kernel (kernels/ops/attention/dsv4/topk.py:86-115): it needs a page table and
+writes the selected positions, -1 padded, into ``out_raw_indices`` beside the page-table transform."""
 V2_MAX_TOPK = 2048
 """k of the v2 kernel, as SGLang checks it before routing there (``0 < topk <= 2048``)."""
 
@@ -66,7 +71,8 @@ TRANSFORM_OPTIONAL_ARGS = ("ks", "cu_seqlens_q", "ke_offset", "batch_idx_list", 
 """``DSAIndexerMetadata.topk_transform``'s parameters after (logits, topk), in SGLang 0.5.23's order."""
 
 _WARNED: set[str] = set()
-_CHECKED: tuple[Any, str | None] | None = None  # (the wrapper last looked up, why it cannot be used or None)
+_CHECKED: tuple[Any, str | None, Any] | None = None
+"""(the wrapper last looked up, why it cannot be used or None, the call that runs it)."""
 
 
 def mode(config: Any) -> str:
@@ -85,22 +91,46 @@ def _warn_once(key: str, message: str) -> None:
         logger.warning("%s (logged once)", message)
 
 
+def _lookup(module: Any, name: str, params: tuple[str, ...]) -> tuple[Any, str | None]:
+    fn = getattr(module, name)
+    try:
+        names = tuple(inspect.signature(fn).parameters)[:len(params)]
+    except (TypeError, ValueError):
+        names = params  # a builtin without a signature: trust the name
+    why = None if names == params else f"{V2_MODULE}.{name} takes ({', '.join(names)}), not ({', '.join(params)})"
+    return fn, why
+
+
 def kernel() -> tuple[Any, str | None]:
-    """SGLang's ``topk_transform_paged_v2`` and None, or None and why it cannot be used."""
+    """A function ``run(logits, lengths, attn_metadata, out)`` that writes the v2 kernel's positions into `out`,
+    and None; or None and why SGLang's v2 kernel cannot be used."""
     global _CHECKED
     try:
-        fn = getattr(importlib.import_module(V2_MODULE), V2_FUNCTION)
+        module = importlib.import_module(V2_MODULE)
     except Exception as exc:  # an SGLang build without the JIT kernels, or one that moved them
-        return None, f"{V2_MODULE}.{V2_FUNCTION} cannot be imported ({type(exc).__name__}: {exc})"
+        return None, f"{V2_MODULE} cannot be imported ({type(exc).__name__}: {exc})"
+    fn = getattr(module, V2_FUNCTION, None) or getattr(module, V2_FUNCTION_0517, None)
+    if fn is None:
+        return None, f"{V2_MODULE} has neither {V2_FUNCTION} nor {V2_FUNCTION_0517}"
     if _CHECKED is None or _CHECKED[0] is not fn:
-        try:
-            names = tuple(inspect.signature(fn).parameters)[:len(V2_PARAMETERS)]
-        except (TypeError, ValueError):
-            names = V2_PARAMETERS  # a builtin without a signature: trust the name
-        why = None if names == V2_PARAMETERS else (
-            f"{V2_MODULE}.{V2_FUNCTION} takes ({', '.join(names)}), not ({', '.join(V2_PARAMETERS)})")
-        _CHECKED = (fn, why)
-    return (None, _CHECKED[1]) if _CHECKED[1] else (fn, None)
+        if getattr(module, V2_FUNCTION, None) is fn:
+            _, why = _lookup(module, V2_FUNCTION, V2_PARAMETERS)
+
+            def run(logits, lengths, attn, out):
+                fn(logits, lengths, None, out, attn.page_size, attn.topk_v2_plan)
+
+            run.kernel_name = V2_FUNCTION
+        else:
+            _, why = _lookup(module, V2_FUNCTION_0517, V2_PARAMETERS_0517)
+
+            def run(logits, lengths, attn, out):
+                pages = torch.empty_like(out)  # the page-table transform's output, not used
+                fn(logits, lengths.to(torch.int32), attn.real_page_table, pages, attn.page_size, attn.topk_v2_plan,
+                   out)
+
+            run.kernel_name = V2_FUNCTION_0517
+        _CHECKED = (fn, why, run)
+    return (None, _CHECKED[1]) if _CHECKED[1] else (_CHECKED[2], None)
 
 
 def backend_fuses_topk() -> bool | None:
@@ -184,15 +214,15 @@ def select(config: Any, metadata: Any, logits: Any, topk: int, args: tuple, kwar
         why = _unusable(logits, attn)
     except Exception as exc:  # an SGLang whose metadata differs from 0.5.23's
         why = f"SGLang's top-k metadata is not what 0.5.23 has ({type(exc).__name__}: {exc})"
-    fn = None
+    run = None
     if why is None:
-        fn, why = kernel()
+        run, why = kernel()
     if why is not None:
         _warn_once(why, f"ESS decode top-k: {why}; decode selects with SGLang's HiSparse top-k, which can select "
                         f"other entries than SGLang without ESS")
         return None
     out = logits.new_empty((logits.shape[0], topk), dtype=torch.int32)
-    fn(logits, _lengths(metadata, extra), None, out, attn.page_size, attn.topk_v2_plan)
+    run(logits, _lengths(metadata, extra), attn, out)
     return out
 
 
@@ -225,8 +255,8 @@ def startup_line(topk_backend: str, config: Any, fused: bool | None = True) -> t
     if why is not None:
         return True, (f"ESS decode top-k: {why}; decode selects with SGLang's HiSparse top-k, which can select other "
                       f"entries than SGLang without ESS")
-    return False, ("ESS decode top-k: SGLang's top-k v2 kernel (topk_transform_paged_v2) with the forward's plan, "
-                   "positions (no page table), as SGLang without ESS selects in decode")
+    return False, (f"ESS decode top-k: SGLang's top-k v2 kernel ({fn.kernel_name}) with the forward's plan, as "
+                   f"positions, as SGLang without ESS selects in decode")
 
 
 def log_startup(runner: Any, config: Any) -> None:

@@ -95,7 +95,7 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
     steps). Without a profile, level
     ``auto`` (the default) prefetches in no layer and ``full`` in every one: in the decode harness's last three tables,
     this one-chunk prefetch with spare slots was slower than no prefetch without them in 13, 14 and 14 of 18
-    configurations at batch 16-128 (benchmarks/RESULTS.md, eighteenth to twentieth sessions), and a profile
+    configurations at batch 16-128 (benchmarks/RESULTS.md, decode_layers), and a profile
     calibrated from any of those runs gives every layer sync. A profile whose calibration
     measured a margin (``ess profile --calibration-margin``) sets every layer's: its *_margin layers run that margin,
     its other prefetch layers none (the policy chose them because margin 0 measured faster there), and
@@ -224,7 +224,7 @@ class DecodeOverlap:
         selected positions (-1: none; a row with nothing selected gives +inf, which leaves a threshold at +inf), is
         found and folded into the thresholds beside attention (3d), not here on the main stream between the top-k
         and the resolve (in the decode harness on the H200 that placement cost 1.5-7.4 us a layer:
-        benchmarks/RESULTS.md, twenty-fifth session)."""
+        benchmarks/RESULTS.md, decode_layers)."""
         B = min(logits.shape[0], positions.shape[0], req_pool_indices.shape[0])
         self._pending[layer] = (logits[:B], positions[:B], req_pool_indices[:B])
 

@@ -1,4 +1,4 @@
-"""Every hook the plugin puts into SGLang 0.5.23, in one table: target, type, function, purpose.
+"""Every hook the plugin puts into SGLang (0.5.17 and 0.5.23), in one table: target, type, function, purpose.
 
 Two groups:
 
@@ -24,7 +24,7 @@ MB = "sglang.srt.disaggregation.utils.MetadataBuffers"
 CLI_HOOKS: tuple[HookSpec, ...] = (
     HookSpec(f"{SA}.add_cli_args", "after", cli_args.add_cli_args_hook,
              "adds --enable-ess and --ess-config to SGLang's parser", always=True),
-    HookSpec(f"{SA}.from_cli_args", "after", cli_args.from_cli_args_hook,
+    HookSpec(f"{SA}.from_cli_args", "around", cli_args.from_cli_args_hook,
              "turns the flags into ESS settings on the ServerArgs record, implies --enable-hisparse", always=True),
 )
 
@@ -47,8 +47,6 @@ RUNTIME_HOOKS: tuple[HookSpec, ...] = (
              admission.add_request_to_queue_hook, "rejects at once a request that can never fit"),
     HookSpec("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", "around", admission.add_one_req_hook,
              "colocated admission: host entries, indexer entries, hot slots, prefill staging"),
-    HookSpec("sglang.srt.disaggregation.decode.DecodePreallocQueue._required_admission_tokens", "around",
-             admission.required_admission_tokens_hook, "PD decode admission: keeps a request queued until it fits"),
     HookSpec("sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc", "after", admission.pre_alloc_hook,
              "PD decode admission: reserves for a request once SGLang allocated its KV destination"),
     HookSpec("sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_paged", "around",
@@ -65,21 +63,56 @@ RUNTIME_HOOKS: tuple[HookSpec, ...] = (
              "PD: registers the window-set buffer with the transfer engine, after SGLang's metadata buffers"),
     HookSpec(f"{MB}.set_buf", "after", pd_windows.set_buf_hook,
              "PD prefill: writes the request's ranked window sets into its metadata slot"),
-    HookSpec(f"{MB}.clear_slot", "after", pd_windows.clear_slot_hook,
-             "PD decode: invalidates a freed slot's window sets"),
     HookSpec("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req", "after",
              pd_windows.commit_transfer_hook, "PD decode: hands the received window sets to warm-up"),
 )
 
+"""Hooks every supported version takes."""
 
-PD_HOOKS: tuple[HookSpec, ...] = tuple(h for h in RUNTIME_HOOKS if h.hook in (
-    warmup.forward_extend_hook, pd_windows.metadata_buffers_init_hook, pd_windows.get_buf_infos_hook,
-    pd_windows.set_buf_hook, pd_windows.clear_slot_hook, pd_windows.commit_transfer_hook))
-"""What the PD window-set transfer needs (checked when the window-set buffer is created)."""
+RUNTIME_HOOKS_BY_VERSION: dict[str, tuple[HookSpec, ...]] = {
+    "0.5.23": (
+        HookSpec("sglang.srt.disaggregation.decode.DecodePreallocQueue._required_admission_tokens", "around",
+                 admission.required_admission_tokens_hook,
+                 "PD decode admission: keeps a request queued until it fits"),
+        HookSpec(f"{MB}.clear_slot", "after", pd_windows.clear_slot_hook,
+                 "PD decode: invalidates a freed slot's window sets"),
+    ),
+    "0.5.17": (
+        HookSpec("sglang.srt.mem_cache.common.release_kv_cache", "before", coordinator.release_kv_cache_hook,
+                 "releases ESS's host slots, hot entries and reservation of a request that finished at prefill or "
+                 "was aborted while waiting (0.5.17 calls no request_finished there)"),
+    ),
+}
+"""Hooks whose targets exist in one version only (each set read from that version's source). SGLang 0.5.17 has no
+``_required_admission_tokens`` (its PD decode budget check is inline in ``pop_preallocated``) and no
+``MetadataBuffers.clear_slot``: ESS refuses PD decode instances there (``cli_args.check_raw_flags``)."""
 
 
-def all_hooks() -> tuple[HookSpec, ...]:
-    return CLI_HOOKS + RUNTIME_HOOKS
+def runtime_hooks_for(version: str | None) -> tuple[HookSpec, ...]:
+    """The runtime hooks for an SGLang version (the newest supported set for an unknown one, so that its targets
+    are checked and named)."""
+    extra = RUNTIME_HOOKS_BY_VERSION.get(version or "", RUNTIME_HOOKS_BY_VERSION["0.5.23"])
+    return RUNTIME_HOOKS + extra
+
+
+def _installed_version() -> str | None:
+    from ess_sglang.sglang_plugin.compat import installed_sglang_version
+
+    return installed_sglang_version()
+
+
+def pd_hooks(version: str | None = None) -> tuple[HookSpec, ...]:
+    """What the PD window-set transfer needs (checked when the window-set buffer is created)."""
+    wanted = (warmup.forward_extend_hook, pd_windows.metadata_buffers_init_hook, pd_windows.get_buf_infos_hook,
+              pd_windows.set_buf_hook, pd_windows.clear_slot_hook, pd_windows.commit_transfer_hook)
+    version = _installed_version() if version is None else version
+    return tuple(h for h in runtime_hooks_for(version) if h.hook in wanted)
+
+
+def all_hooks(version: str | None = None) -> tuple[HookSpec, ...]:
+    """The CLI hooks and the runtime hooks of the installed SGLang (or of `version`)."""
+    version = _installed_version() if version is None else version
+    return CLI_HOOKS + runtime_hooks_for(version)
 
 
 def _hook_type(kind: str):
@@ -108,7 +141,7 @@ def register_cli_hooks() -> None:
 
 def install_runtime_hooks(apply: bool = True) -> None:
     """Register the runtime hooks; with `apply`, apply them now (the plugin loader already ran in this process)."""
-    _register(RUNTIME_HOOKS)
+    _register(runtime_hooks_for(_installed_version()))
     if apply:
         from sglang.srt.plugins.hook_registry import HookRegistry
 

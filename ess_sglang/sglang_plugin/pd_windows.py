@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ess_sglang.sglang_plugin import compat
 from ess_sglang.sglang_plugin import settings as settings_mod
 from ess_sglang.sglang_plugin.warmup import WindowCapture, rank_window_sets
 
@@ -190,9 +191,14 @@ def _disaggregation_mode() -> str:
 
 
 def _hf_text_config():
-    from sglang.srt.runtime_context import process_model_config
+    try:
+        from sglang.srt.runtime_context import process_model_config
+    except ImportError:  # SGLang 0.5.17: the published record's
+        from sglang.srt.runtime_context import get_server_args
 
-    mc = process_model_config()
+        mc = compat.model_config_of(get_server_args())
+    else:
+        mc = process_model_config()
     return getattr(mc, "hf_text_config", None) or mc.hf_config
 
 
@@ -245,7 +251,7 @@ class WindowSender:
         if self.capture is None:
             encode_no_sets(row, self.layout, room=req.bootstrap_room, seq_len=seq_len, state=STATE_NOT_CAPTURED)
             return
-        rp = req.kv.req_pool_idx
+        rp = compat.req_row(req)
         windows = self.capture.take(int(rp), seq_len=seq_len) if rp is not None else None
         if windows is None:
             short = seq_len <= self.capture.min_seq_len
@@ -287,9 +293,9 @@ def metadata_buffers_init_hook(result, buffers, *args, **kwargs):
     role = current_role()
     if role is None:
         return None
-    from ess_sglang.sglang_plugin import compat, hooks
+    from ess_sglang.sglang_plugin import hooks
 
-    compat.verify_applied(hooks.PD_HOOKS, log=False)  # SGLang only logs a hook that failed: refuse instead
+    compat.verify_applied(hooks.pd_hooks(), log=False)  # SGLang only logs a hook that failed: refuse instead
     try:
         hf = _hf_text_config()
         layout = layout_for(hf)
@@ -342,10 +348,9 @@ def commit_transfer_hook(result, queue, decode_req, *args, **kwargs):
     if t is None:
         return None
     req = decode_req.req
-    from sglang.srt.disaggregation.utils import _is_fake_transfer
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    if isinstance(req.finished_reason, FINISH_ABORT) or _is_fake_transfer(req):
+    if isinstance(req.finished_reason, FINISH_ABORT) or compat.is_fake_transfer(req):
         return None
     got = decode_row(t[int(decode_req.metadata_buffer_index)], buffers.ess_layout, room=req.bootstrap_room,
                      seq_len=len(req.origin_input_ids))

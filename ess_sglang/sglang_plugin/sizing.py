@@ -237,8 +237,11 @@ def config_from_budget_hook(original, kvc, budget_bytes, *args, **kwargs):
         colocated = disagg.disaggregation_mode != "decode"
         extra_rows = 0 if colocated else int(getattr(disagg, "disaggregation_decode_extra_slots", 0) or 0)
         prefill = max(int(schedule.chunked_prefill_size or 0), int(kvc.model_config.context_len)) if colocated else 0
+        budget = int(budget_bytes)
+        if s.config.max_kv_cache_gb is not None:
+            budget = min(budget, int(s.config.max_kv_cache_gb * GIB))
         pools = size_pools(
-            s.config, available_bytes=int(budget_bytes), num_layers=int(kvc.layer_info.num_effective_layers),
+            s.config, available_bytes=budget, num_layers=int(kvc.layer_info.num_effective_layers),
             page_size=int(schedule.page_size), context_len=int(kvc.model_config.context_len),
             max_running_requests=schedule.max_running_requests, colocated=colocated, prefill_tokens=prefill,
             host_memory_bytes=host_memory_bytes(), extra_rows=extra_rows)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 
 import torch
 
@@ -278,6 +279,29 @@ def _is_plain_extend(mode) -> bool:
     return bool(plain()) if plain is not None else True
 
 
+_ROWS: tuple[weakref.ref, weakref.ref, list[int]] | None = None
+"""(forward batch, its request-row tensor, the rows as read back): every layer of a forward gets the same batch."""
+
+
+def _request_rows(fb) -> list[int]:
+    """The extend batch's request rows on the host: the batch's host copy (``req_pool_indices_cpu``), else the
+    device tensor read back once per forward batch, not once per layer (each read waits for the GPU; SGLang
+    0.5.17's ForwardBatch has no host copy)."""
+    global _ROWS
+    host = getattr(fb, "req_pool_indices_cpu", None)
+    if host is not None:
+        return [int(r) for r in host.tolist()]
+    device = fb.req_pool_indices
+    if _ROWS is not None and _ROWS[0]() is fb and _ROWS[1]() is device:
+        return _ROWS[2]
+    rows = [int(r) for r in device.tolist()]
+    try:
+        _ROWS = (weakref.ref(fb), weakref.ref(device), rows)
+    except TypeError:  # (an object without weak references: read again next time)
+        _ROWS = None
+    return rows
+
+
 def forward_extend_hook(*args, **kwargs):
     """BEFORE DeepseekSparseAttnBackend.forward_extend: keep the last query windows' top-k of each request."""
     sink = capture_sink()
@@ -298,8 +322,7 @@ def forward_extend_hook(*args, **kwargs):
     if _prefill_cp():
         sink.note_capture_unavailable("DSA prefill context parallelism splits the prompt's query tokens across ranks")
         return None
-    rows = fb.req_pool_indices_cpu if fb.req_pool_indices_cpu is not None else fb.req_pool_indices.cpu()
-    rows = [int(r) for r in rows.tolist()]
+    rows = _request_rows(fb)
     lens = [int(n) for n in fb.extend_seq_lens_cpu]
     if sum(lens) > topk.shape[0]:
         return None

@@ -1,9 +1,13 @@
-"""Contract tests against the real SGLang 0.5.23 code (CPU). CI installs sglang==0.5.23; each module's
-``pytest.importorskip("sglang")`` only guards machines without it.
+"""Contract tests against the real SGLang code (CPU), of either version the plugin supports (0.5.17 with torch
+2.11, 0.5.23 with torch 2.14; CI installs sglang==0.5.23); each module's ``pytest.importorskip("sglang")`` only
+guards machines without it.
 
 Helpers shared by the modules: a fake DeepSeek-V3.2 checkpoint directory (config.json only, no weights), a fake
 Llama one, resolution of ServerArgs on CPU (SGLang's DSA resolution asks for the GPU's compute capability, which is
-answered as SM90 here), and the parallel-context values SGLang's pools read.
+answered as SM90 here), the parallel-context values SGLang's pools read, and what differs between the two SGLang
+versions where a test drives SGLang's own objects (where ServerArgs resolves, how a scheduler's runtime context is
+installed, where a request keeps its row: ``sglang_versions.py``). A test of a feature the plugin refuses on the
+installed version skips with the plugin's own refusal as the reason (``sglang_versions.needs_pd_decode``).
 """
 
 from __future__ import annotations
@@ -128,3 +132,11 @@ def _no_active_coordinator():
     from ess_sglang.sglang_plugin.coordinator import set_active
 
     set_active(None)
+
+
+@pytest.fixture
+def model_argv(deepseek_dir, sm90) -> list[str]:
+    """Launch arguments for a DeepSeek-V3.2 server on CPU. SGLang 0.5.23 parses ServerArgs without reading the
+    model (it resolves later, ``resolve_once``); SGLang 0.5.17 resolves inside the ServerArgs constructor, which
+    reads the model's config and the device: the same arguments serve both."""
+    return ["--model-path", deepseek_dir, "--device", "cpu", "--skip-tokenizer-init", "--attention-backend", "dsa"]

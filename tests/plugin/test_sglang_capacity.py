@@ -15,6 +15,7 @@ import types
 
 import pytest
 import torch
+from sglang_versions import scheduler_context
 
 from ess_sglang.config import GIB, EssConfig
 from ess_sglang.sglang_plugin import settings, sizing
@@ -28,19 +29,18 @@ HOT_GIB = 8.0
 NEW_TOKENS = 1024
 
 
-def _context(deepseek_dir, extra):
-    from sglang.srt.runtime_context import create_context
+def _server_args(deepseek_dir, extra):
     from sglang.srt.server_args import prepare_server_args
 
-    sa = prepare_server_args(["--model-path", deepseek_dir, "--device", "cpu", "--skip-tokenizer-init",
-                              "--attention-backend", "dsa", "--kv-cache-dtype", "fp8_e4m3", "--disable-radix-cache",
-                              *extra])
-    return sa, create_context(sa, role="scheduler")
+    return prepare_server_args(["--model-path", deepseek_dir, "--device", "cpu", "--skip-tokenizer-init",
+                                "--attention-backend", "dsa", "--kv-cache-dtype", "fp8_e4m3", "--disable-radix-cache",
+                                *extra])
 
 
 def _kvc(sa):
-    from sglang.srt.arg_groups.overrides import model_config_of
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from ess_sglang.sglang_plugin.compat import model_config_of
 
     mc = model_config_of(sa)
     layers = mc.num_hidden_layers
@@ -54,10 +54,10 @@ def _kvc(sa):
 
 def _sglang_tokens(deepseek_dir, extra, budget):
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
-    from sglang.srt.runtime_context import get_parallel, use_context
+    from sglang.srt.runtime_context import get_parallel
 
-    sa, ctx = _context(deepseek_dir, extra)
-    with use_context(ctx), get_parallel().override(attn_tp_size=1, attn_dcp_size=1, attn_dcp_rank=0):
+    sa = _server_args(deepseek_dir, extra)
+    with scheduler_context(sa), get_parallel().override(attn_tp_size=1, attn_dcp_size=1, attn_dcp_rank=0):
         kvc = _kvc(sa)
         conf = create_memory_pool_configurator(kvc)
         return conf, conf.calculate_pool_sizes(budget, 64).max_total_num_tokens, kvc
@@ -83,14 +83,14 @@ def test_requests_per_gpu_with_and_without_ess(deepseek_dir, ess_env, sm90, caps
                                                           "--disaggregation-transfer-backend", "fake",
                                                           "--enable-hisparse"], budget)
     # with ESS: the plugin's sizing hook, given the same budget, under the same kind of context
-    from sglang.srt.runtime_context import get_parallel, use_context
+    from sglang.srt.runtime_context import get_parallel
 
-    sa, ctx = _context(deepseek_dir, ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend",
-                                      "fake", "--enable-hisparse"])
+    sa = _server_args(deepseek_dir, ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake",
+                                     "--enable-hisparse"])
     cfg = EssConfig(memory_pool_size_gb=HOST_GIB, max_gpu_buffer_size_gb=HOT_GIB)
     settings._CURRENT = settings.EssSettings(True, cfg)
     sizing.set_current_pools(None)
-    with use_context(ctx), get_parallel().override(attn_tp_size=1, attn_dcp_size=1, attn_dcp_rank=0):
+    with scheduler_context(sa), get_parallel().override(attn_tp_size=1, attn_dcp_size=1, attn_dcp_rank=0):
         kvc = _kvc(sa)
         mpc = sizing.config_from_budget_hook(None, kvc, budget)
     pools = sizing.current_pools()
@@ -118,16 +118,18 @@ def test_requests_per_gpu_with_and_without_ess(deepseek_dir, ess_env, sm90, caps
 
 
 def _host_pool(parallel_tokens: int, host_tokens: int):
+    """SGLang's host pool (MLATokenToKVPoolHost, layer-first) of `host_tokens` entries, built as the ESS coordinator
+    builds it (``compat.make_host_pool``: SGLang 0.5.17 rounds the size to pages and adds one page)."""
     from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    from ess_sglang.sglang_plugin.compat import make_host_pool
 
     pool = HiSparseDSATokenToKVPool(size=parallel_tokens, page_size=64, kv_lora_rank=512, dtype=torch.float8_e4m3fn,
                                     qk_rope_head_dim=64, layer_num=1, device="cpu", index_head_dim=128,
                                     enable_memory_saver=False, kv_cache_dim=656, host_to_device_ratio=8)
-    return MLATokenToKVPoolHost(
-        buffer_info=pool.get_device_pool_infos()[0].buffer_info, host_to_device_ratio=1, host_size=0, page_size=64,
-        layout="layer_first", pin_memory=False, override_kv_cache_dim=656, device_capacity_tokens=pool.size,
-        start_layer=0, end_layer=1, target_layer_num=1, host_token_capacity=host_tokens)
+    host = make_host_pool(pool, host_tokens, pin_memory=False)
+    assert host_tokens <= host.size <= host_tokens + 64 and tuple(host.kv_buffer.shape[:2]) == (1, host.size)
+    return host
 
 
 def _serve(host, admission: EssAdmission | None, n_requests=48, prompt=128, new=320, logical=16384):

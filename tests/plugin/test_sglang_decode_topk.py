@@ -1,13 +1,16 @@
-"""The decode top-k of an ESS instance against SGLang 0.5.23's real dispatch: where SGLang without ESS (no HiSparse
-coordinator) selects a decode batch with its top-k v2 kernel and plan, ESS selects with the same kernel, lengths,
-page size and plan, without a page table (positions); everywhere else SGLang's own call runs. The kernels cannot
-run on CPU: recording stand-ins take their place (on SGLang's real kernel module, and as ``sgl_kernel`` /
-``flashinfer`` modules, which do not import without a GPU); every decision is SGLang's own code
-(``DSAIndexerMetadata.topk_transform``, ``DSATopKBackend.topk_transform``) or the plugin's hooks."""
+"""The decode top-k of an ESS instance against the installed SGLang's real dispatch: where SGLang without ESS (no
+HiSparse coordinator) selects a decode batch with its top-k v2 kernel and plan, ESS selects with the same kernel,
+lengths, page size and plan and returns positions (SGLang 0.5.23's ``topk_transform_paged_v2`` without a page table;
+0.5.17's ``topk_transform_512_v2`` with the page table SGLang passes, reading the positions from its
+``out_raw_indices``); everywhere else SGLang's own call runs. The kernels cannot run on CPU: recording stand-ins take
+their place (on SGLang's real kernel module, and as ``sgl_kernel`` / ``flashinfer`` modules, which do not import
+without a GPU); every decision is SGLang's own code (``DSAIndexerMetadata.topk_transform``,
+``DSATopKBackend.topk_transform``) or the plugin's hooks."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import logging
 import sys
@@ -19,7 +22,15 @@ pytest.importorskip("sglang")  # CI installs sglang==0.5.23; this only guards ma
 
 import torch  # noqa: E402
 
+from ess_sglang.sglang_plugin import decode_topk as _decode_topk  # noqa: E402
+
 ROWS, WIDTH, TOPK, PAGE = 3, 4096, 2048, 64
+INDICES_MODE = hasattr(importlib.import_module(_decode_topk.V2_MODULE), _decode_topk.V2_FUNCTION)
+"""SGLang 0.5.23: the v2 wrapper writes positions into its output when given no page table. SGLang 0.5.17 has no
+such mode: its wrapper takes the page table and writes the positions into ``out_raw_indices`` too."""
+V2 = _decode_topk.V2_FUNCTION if INDICES_MODE else _decode_topk.V2_FUNCTION_0517
+"""The installed SGLang's top-k v2 wrapper (``topk_transform_paged_v2`` in 0.5.23, ``topk_transform_512_v2`` in
+0.5.17): what SGLang without ESS calls in decode, and what ESS calls."""
 
 
 class Kernels:
@@ -30,8 +41,9 @@ class Kernels:
         from sglang.kernels.ops.attention.dsv4 import topk as v2
 
         self.calls: list[tuple[str, dict]] = []
-        monkeypatch.setattr(v2, "topk_transform_paged_v2", self.paged_v2)
-        monkeypatch.setattr(v2, "topk_transform_ragged_v2", self.ragged_v2)
+        monkeypatch.setattr(v2, V2, self.paged_v2)
+        if hasattr(v2, "topk_transform_ragged_v2"):  # (0.5.23)
+            monkeypatch.setattr(v2, "topk_transform_ragged_v2", self.ragged_v2)
         sgl = types.ModuleType("sgl_kernel")
         sgl.fast_topk_v2 = self.fast_topk_v2
         sgl.fast_topk_transform_fused = self.fast_topk_transform_fused
@@ -46,7 +58,7 @@ class Kernels:
         return [name for name, _ in self.calls]
 
     def paged_v2(self, scores, seq_lens, page_tables, out_page_indices, page_size, metadata, out_raw_indices=None):
-        self.calls.append(("topk_transform_paged_v2", dict(
+        self.calls.append((V2, dict(
             scores=scores, seq_lens=seq_lens, page_tables=page_tables, out=out_page_indices, page_size=page_size,
             metadata=metadata, out_raw_indices=out_raw_indices)))
 
@@ -115,7 +127,7 @@ def _meta(attn, force_unfused, backend="sgl-kernel", method="PAGED"):
 def _original_transform():
     from sglang.srt.layers.attention.dsa.dsa_indexer_metadata import DSAIndexerMetadata
 
-    return inspect.unwrap(DSAIndexerMetadata.topk_transform)  # SGLang's own, hooked or not in this session
+    return inspect.unwrap(DSAIndexerMetadata.topk_transform)  # SGLang's own, hooked or not in this process
 
 
 def _logits(rows=ROWS):
@@ -174,27 +186,33 @@ def test_with_hisparse_sglang_selects_decode_with_another_kernel(kernels):
     attn, logits = _attn(), _logits()
     plain = _original_transform()(_meta(attn, force_unfused=False), logits, TOPK)
     hisparse = _original_transform()(_meta(attn, force_unfused=True), logits, TOPK)
-    assert kernels.names() == ["topk_transform_paged_v2", "fast_topk_v2"]
+    assert kernels.names() == [V2, "fast_topk_v2"]
     assert kernels.calls[0][1]["page_tables"] is attn.real_page_table and plain.shape == (ROWS, TOPK)
     assert hisparse.shape == (ROWS, TOPK)
 
 
 def test_ess_decode_selects_with_the_kernel_and_plan_of_sglang_without_ess(kernels):
     """Through the hooks, an ESS decode layer calls the v2 kernel with the very tensors SGLang without ESS passes it
-    (logits, lengths from the metadata, page size, the forward's plan), no page table (positions), and returns the
-    kernel's output."""
+    (logits, lengths from the metadata, page size, the forward's plan) and returns the kernel's positions: 0.5.23's
+    wrapper without a page table writes them into its output; 0.5.17's gets SGLang's page table and writes them
+    into out_raw_indices beside the page-table transform, whose output ESS drops."""
     attn, logits = _attn(), _logits()
     _original_transform()(_meta(attn, force_unfused=False), logits, TOPK)  # SGLang without ESS
     result = _through_hooks(_meta(attn, force_unfused=True), logits)  # ESS (HiSparse coordinator set)
-    assert kernels.names() == ["topk_transform_paged_v2", "topk_transform_paged_v2"]
+    assert kernels.names() == [V2, V2]
     plain, ess = kernels.calls[0][1], kernels.calls[1][1]
     for name in ("scores", "seq_lens", "metadata"):
         assert ess[name] is plain[name], name
     assert ess["seq_lens"] is attn.dsa_seqlens_expanded and ess["metadata"] is attn.topk_v2_plan
     assert ess["page_size"] == plain["page_size"] == PAGE
-    assert plain["page_tables"] is attn.real_page_table and ess["page_tables"] is None
-    assert ess["out_raw_indices"] is None
-    assert result is ess["out"] and result.dtype == torch.int32 and result.shape == (ROWS, TOPK)
+    assert plain["page_tables"] is attn.real_page_table and plain["out_raw_indices"] is None
+    if INDICES_MODE:
+        assert ess["page_tables"] is None and ess["out_raw_indices"] is None
+        assert result is ess["out"]
+    else:
+        assert ess["page_tables"] is attn.real_page_table
+        assert result is ess["out_raw_indices"] and ess["out"] is not result and ess["out"].shape == result.shape
+    assert result.dtype == torch.int32 and result.shape == (ROWS, TOPK)
 
 
 def test_prefetch_before_and_note_after_the_ess_selection(kernels, monkeypatch):
@@ -205,12 +223,12 @@ def test_prefetch_before_and_note_after_the_ess_selection(kernels, monkeypatch):
     real = kernels.paged_v2
 
     def paged_v2(scores, seq_lens, page_tables, out_page_indices, page_size, metadata, out_raw_indices=None):
-        log.append(("kernel", out_page_indices))
+        log.append(("kernel", out_page_indices if INDICES_MODE else out_raw_indices))  # where the positions go
         return real(scores, seq_lens, page_tables, out_page_indices, page_size, metadata, out_raw_indices)
 
     from sglang.kernels.ops.attention.dsv4 import topk as v2
 
-    monkeypatch.setattr(v2, "topk_transform_paged_v2", paged_v2)
+    monkeypatch.setattr(v2, V2, paged_v2)
     logits = _logits()
     result = _through_hooks(_meta(_attn(), force_unfused=True), logits, coordinator=coord)
     assert [name for name, _ in log] == ["prefetch", "kernel", "note"]
@@ -257,11 +275,15 @@ def test_ess_runs_v2_exactly_where_sglang_without_ess_does(case, kernels, monkey
     kernels.calls.clear()
     _through_hooks(_meta(attn, True, backend, method), logits, topk, fused=fused, extra=extra)
     ess = kernels.calls
-    if plain == ["topk_transform_paged_v2"]:
-        assert [n for n, _ in ess] == ["topk_transform_paged_v2"] and ess[0][1]["page_tables"] is None
+    if plain == [V2]:  # the v2 kernel, writing positions (module docstring)
+        assert [n for n, _ in ess] == [V2]
+        if INDICES_MODE:
+            assert ess[0][1]["page_tables"] is None
+        else:
+            assert ess[0][1]["page_tables"] is attn.real_page_table and ess[0][1]["out_raw_indices"] is not None
     else:
         assert [n for n, _ in ess] == hisparse
-    assert (case in ("defaults",)) == (plain == ["topk_transform_paged_v2"])
+    assert (case in ("defaults",)) == (plain == [V2])
 
 
 # --------------------------------------------------------------------------------------------- pass-through
@@ -321,7 +343,7 @@ def test_only_the_first_top_k_of_a_layer_is_the_decode_selection(kernels):
             indexer_tap.get_topk_paged_hook(twice, None, _decode_batch(), 7, None, None, meta)
     finally:
         set_active(None)
-    assert kernels.names() == ["topk_transform_paged_v2", "fast_topk_v2"]
+    assert kernels.names() == [V2, "fast_topk_v2"]
 
 
 # ------------------------------------------------------------------------------------------------- fallbacks
@@ -329,18 +351,20 @@ def test_only_the_first_top_k_of_a_layer_is_the_decode_selection(kernels):
 def _module_without_kernel(monkeypatch):
     from sglang.kernels.ops.attention.dsv4 import topk as v2
 
-    monkeypatch.delattr(v2, "topk_transform_paged_v2")
+    monkeypatch.delattr(v2, "topk_transform_paged_v2", raising=False)  # (0.5.23's)
+    monkeypatch.delattr(v2, "topk_transform_512_v2", raising=False)  # (0.5.17's)
+    assert not hasattr(v2, V2)
 
 
 def _kernel_with_other_arguments(monkeypatch):
     from sglang.kernels.ops.attention.dsv4 import topk as v2
 
-    monkeypatch.setattr(v2, "topk_transform_paged_v2", lambda scores, seq_lens, page_table, out, page_size, plan: None)
+    monkeypatch.setattr(v2, V2, lambda scores, seq_lens, page_table, out, page_size, plan: None)
 
 
 FALLBACKS = {
     "no plan": (lambda mp: None, {"plan": False}, True, "topk_v2_plan is missing"),
-    "no kernel": (_module_without_kernel, {}, True, "topk_transform_paged_v2 cannot be imported"),
+    "no kernel": (_module_without_kernel, {}, True, "has neither topk_transform_paged_v2"),
     "other signature": (_kernel_with_other_arguments, {}, True, "takes (scores, seq_lens, page_table, out"),
     "no forward context": (lambda mp: None, {}, None, "cannot read use_fused_topk"),
 }
@@ -380,7 +404,7 @@ def test_fallback_to_sglangs_own_top_k_warns_once_naming_why(case, kernels, monk
 # ------------------------------------------------------------------------------------------- start-up line
 
 @pytest.mark.parametrize("env,backend,config,warn,words", [
-    ({}, "sgl-kernel", None, False, "top-k v2 kernel (topk_transform_paged_v2) with the forward's plan"),
+    ({}, "sgl-kernel", None, False, f"top-k v2 kernel ({V2}) with the forward's plan"),
     ({"SGLANG_OPT_USE_TOPK_V2": "0"}, "sgl-kernel", None, False, "the same selection routine"),
     ({"SGLANG_DSA_FUSE_TOPK": "0"}, "sgl-kernel", None, False, "unfused sgl-kernel top-k (SGLANG_DSA_FUSE_TOPK"),
     ({}, "flashinfer", None, True, "not checked to select the same entries"),
@@ -400,7 +424,7 @@ def test_start_up_line_names_the_decode_top_k(env, backend, config, warn, words,
 
 
 @pytest.mark.parametrize("attn,warn,words", [
-    (types.SimpleNamespace(use_fused_topk=True), False, "top-k v2 kernel (topk_transform_paged_v2)"),
+    (types.SimpleNamespace(use_fused_topk=True), False, f"top-k v2 kernel ({V2})"),
     (types.SimpleNamespace(use_fused_topk=False), False, "SGLang's unfused top-k (the attention backend does not fuse"),
     (types.SimpleNamespace(), True, "use_fused_topk cannot be read"),  # e.g. a wrapper that does not forward it
 ])
@@ -421,12 +445,12 @@ def test_start_up_line_warns_when_the_kernel_is_missing(monkeypatch):
 
     _module_without_kernel(monkeypatch)
     warn, line = decode_topk.startup_line("sgl-kernel", None)
-    assert warn and "cannot be imported" in line and "HiSparse top-k" in line
+    assert warn and "has neither topk_transform_paged_v2 nor topk_transform_512_v2" in line and "HiSparse top-k" in line
     with pytest.raises(ValueError, match="decode_topk must be one of as_without_ess, hisparse"):
         decode_topk.mode(types.SimpleNamespace(decode_topk="exact"))
 
 
-# ------------------------------------------------------------------------- SGLang 0.5.23's names, as the hooks use them
+# ------------------------------------------------------------------ the installed SGLang's names, as the hooks use them
 
 def _params(fn) -> tuple[str, ...]:
     return tuple(inspect.signature(inspect.unwrap(fn)).parameters)
@@ -458,12 +482,20 @@ def test_the_hooks_match_sglangs_real_signatures():
     # SGLang's dispatch and the kernel it calls in decode without HiSparse
     assert _params(dsa_topk_backend.DSATopKBackend.topk_transform)[-1] == "force_unfused_topk"
     assert _params(dsa_topk_backend._topk_transform_v2_paged) == ("logits", "lengths", "topk", "attn_metadata")
-    assert "topk_transform_paged_v2(logits, lengths, page_table, out, page_size, plan)" in inspect.getsource(
-        dsa_topk_backend._topk_transform_v2_paged)
-    sig = inspect.signature(v2.topk_transform_paged_v2)
-    assert tuple(sig.parameters)[:6] == decode_topk.V2_PARAMETERS
-    assert "Optional" in str(sig.parameters["page_tables"].annotation)  # None: raw positions (INDICES mode)
-    assert decode_topk.kernel() == (v2.topk_transform_paged_v2, None)
+    source = inspect.getsource(dsa_topk_backend._topk_transform_v2_paged)
+    sig = inspect.signature(getattr(v2, V2))
+    if INDICES_MODE:  # 0.5.23
+        assert "topk_transform_paged_v2(logits, lengths, page_table, out, page_size, plan)" in source
+        assert tuple(sig.parameters)[:6] == decode_topk.V2_PARAMETERS
+        assert "Optional" in str(sig.parameters["page_tables"].annotation)  # None: raw positions (INDICES mode)
+    else:  # 0.5.17: the page table is required; the positions come out of the optional out_raw_indices
+        assert "topk_transform_512_v2(logits, lengths_i32, page_table, out, page_size, plan)" in source
+        assert "lengths_i32 = lengths.to(torch.int32)" in source  # (what the plugin passes too)
+        assert tuple(sig.parameters)[:7] == decode_topk.V2_PARAMETERS_0517
+        assert "Optional" not in str(sig.parameters["page_tables"].annotation)
+        assert "Optional" in str(sig.parameters["out_raw_indices"].annotation)
+    run, why = decode_topk.kernel()
+    assert why is None and callable(run)
     assert dsa_topk_backend.DSATopKBackend.SGL_KERNEL.should_use_topk_v2() is True  # (defaults)
     assert dsa_topk_backend.TopkTransformMethod.PAGED and envs.SGLANG_DSA_FUSE_TOPK.get() is True
     # where use_fused_topk is read from, and that HiSparse is what forces the unfused top-k in decode

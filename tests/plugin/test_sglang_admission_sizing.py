@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from sglang_versions import needs_pd_decode
 
 from ess_sglang.config import GIB, EssConfig, EssConfigError
 from ess_sglang.sglang_plugin.admission import Decision, EssAdmission, request_total_tokens
@@ -174,9 +175,24 @@ def test_hooks_gate_sglangs_admission_points():
     big = _req("big", 64 * 40, 64)
     glue.add_request_to_queue_hook(None, big)
     assert big.finished() and "host pool holds 2,560" in big.finished_reason
-    # PD decode: a waiting request is told it needs more than any budget, so SGLang keeps it queued
+    set_active(None)
+
+
+@needs_pd_decode
+def test_hooks_gate_sglangs_pd_decode_admission():
+    """PD decode: a waiting request is told it needs more than any budget, so SGLang keeps it queued; one that fits
+    gets SGLang's own answer and reserves once SGLang allocated its KV destination; one that never fits is aborted
+    with the reason."""
+    import types
+
+    from ess_sglang.sglang_plugin import admission as glue
+    from ess_sglang.sglang_plugin.coordinator import set_active
+
+    adm = EssAdmission(host_tokens=64 * 40, indexer_tokens=64 * 40, hot_slots_per_layer=4 * 2049, top_k=2048)
+    coord = _Coord(adm)
+    set_active(coord)
     queue = types.SimpleNamespace(queue=[1, 2, 3])
-    adm.admit("x", 2000)
+    assert adm.admit("x", 2000).decision is Decision.ADMIT  # 32 of the 40 host pages
     assert glue.required_admission_tokens_hook(lambda q, r, *a: 7, queue, _req("y", 1000, 100), 0, 0, 0) \
         == glue.NEVER_FITS
     assert glue.required_admission_tokens_hook(lambda q, r, *a: 7, queue, _req("z", 100, 10), 0, 0, 0) == 7

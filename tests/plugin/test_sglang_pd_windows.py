@@ -1,12 +1,14 @@
 """PD disaggregation: the prefill's query-window top-k sets, captured on the prefill instance, carried by SGLang's
 transfer metadata, and used by the decode instance's warm-up (ess_sglang/sglang_plugin/pd_windows.py).
 
-Everything runs against SGLang 0.5.23's own code on CPU:
+Everything runs against the installed SGLang's own code on CPU (0.5.17 or 0.5.23; ESS refuses a PD decode instance on
+0.5.17, so there only the prefill side runs):
 
 * the prefill capture is the BEFORE hook of ``DeepseekSparseAttnBackend.forward_extend``, called with the
   arguments SGLang passes, on a real backend object (its ``get_topk_transform_method`` decides RAGGED / PAGED), in
   the three forms the top-k arrives in: positions (unfused), position + KV offset (fused RAGGED) and KV locations
-  made by SGLang's own ``transform_index_page_table_prefill`` kernel (fused PAGED, Triton interpreter); a prompt is
+  made by SGLang's own ``transform_index_page_table_prefill`` kernel (fused PAGED, Triton interpreter; in 0.5.17,
+  whose kernel takes k = 2048 only, its torch reference ``transform_index_page_table_prefill_ref``); a prompt is
   prefilled in two chunks, the last one shorter than the window count;
 * the metadata is SGLang's ``MetadataBuffers`` (hooked ``__init__``, ``get_buf_infos``, ``set_buf``,
   ``clear_slot``) filled from real ``Req`` objects; the transfer copies every registered buffer pairwise with
@@ -22,6 +24,7 @@ import types
 
 import pytest
 import torch
+from sglang_versions import PD_DECODE, needs_pd_decode, resolve, set_extend_end, set_req_row
 
 from ess_sglang.config import EssConfig
 
@@ -39,9 +42,10 @@ BUDGET = HOT // ROWS
 PD_TARGETS = ("sglang.srt.disaggregation.utils.MetadataBuffers.__init__",
               "sglang.srt.disaggregation.utils.MetadataBuffers.get_buf_infos",
               "sglang.srt.disaggregation.utils.MetadataBuffers.set_buf",
-              "sglang.srt.disaggregation.utils.MetadataBuffers.clear_slot",
+              *(("sglang.srt.disaggregation.utils.MetadataBuffers.clear_slot",) if PD_DECODE else ()),
               "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
               "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend")
+"""What the window-set transfer hooks (SGLang 0.5.17 has no MetadataBuffers.clear_slot, and no ESS PD decode)."""
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -152,13 +156,23 @@ def _extend(prompts: _Prompts, batch: list[tuple[int, int, int]], fused: bool, p
         if method == "RAGGED":  # the fused kernel adds each request's offset in the concatenated KV
             topk = torch.where(pos >= 0, pos + metadata.topk_indices_offset.view(-1, 1).to(torch.int32), -1)
         elif method == "PAGED":  # the fused kernel returns page_table_1[request, position]: SGLang's transform
-            from sglang.kernels.ops.attention.dsa.transform_index import transform_index_page_table_prefill
-
-            topk = transform_index_page_table_prefill(page_table, pos, lens, page_size=1)
+            topk = _sglang_prefill_transform(page_table, pos, lens)
         else:
             topk = pos
         warmup.forward_extend_hook(be, None, None, None, _layer(layer), fb, topk_indices=topk)
     return method
+
+
+def _sglang_prefill_transform(page_table, pos, lens):
+    """SGLang's prefill page-table transform: its Triton kernel in 0.5.23 (any k); in 0.5.17 the kernel takes k = 2048
+    only (keyword arguments), and its torch reference any k."""
+    from sglang.kernels.ops.attention.dsa import transform_index as ti
+
+    if hasattr(ti, "transform_index_page_table_prefill_ref") and pos.shape[1] != 2048:  # (0.5.17)
+        return ti.transform_index_page_table_prefill_ref(page_table=page_table, topk_indices=pos,
+                                                         extend_lens_cpu=lens, page_size=1)
+    return ti.transform_index_page_table_prefill(page_table=page_table, topk_indices=pos, extend_lens_cpu=lens,
+                                                 page_size=1)
 
 
 def _prefill_all(prompts: _Prompts, fused: bool) -> list[str]:
@@ -183,7 +197,7 @@ def _req(row: int, room: int, host: str):
 
     r = Req(f"r{row}", "", [7] * PROMPTS[row], SamplingParams(max_new_tokens=16), bootstrap_room=room,
             bootstrap_host=host)
-    r.kv.req_pool_idx = row
+    set_req_row(r, row)
     return r
 
 
@@ -246,12 +260,14 @@ def _coordinator(mode: str):
 
 
 def _admit(coord, allocator, req_pool, mode: str, req) -> None:
-    row, n = req.kv.req_pool_idx, len(req.origin_input_ids)
+    from ess_sglang.sglang_plugin.compat import req_row
+
+    row, n = req_row(req), len(req.origin_input_ids)
     one = torch.tensor([0])
     if mode == "colocated":  # prefilled into device slots, then staged to host by the coordinator
         logical = allocator.alloc_extend(one, one, torch.tensor([n]), torch.tensor([n]), torch.tensor([-1]), n)
         req_pool.req_to_token[row, :n] = logical.to(torch.int32)
-        req.extend_end = n
+        set_extend_end(req, n)
         coord.admit_request_into_staging(req)
         assert coord.collect_ready_reqs() == [req]
     else:  # PD: the transfer wrote the host pool directly
@@ -275,7 +291,7 @@ def test_pd_hooks_wrap_the_real_targets(runtime_hooks, role, monkeypatch):
     from ess_sglang.sglang_plugin import compat, hooks
 
     specs = {s.target: s for s in hooks.all_hooks()}
-    assert {s.target for s in hooks.PD_HOOKS} == set(PD_TARGETS)
+    assert {s.target for s in hooks.pd_hooks()} == set(PD_TARGETS)
     for target in PD_TARGETS:
         current = compat.resolve_target(target)
         assert current.__wrapped__ is runtime_hooks[target], target
@@ -285,12 +301,69 @@ def test_pd_hooks_wrap_the_real_targets(runtime_hooks, role, monkeypatch):
     assert "MetadataBuffers.set_buf_v2" in compat.check_targets([gone], "0.5.23")[0]
     # a hook SGLang failed to apply (it only logs that) refuses the window-set buffer, naming the target
     unapplied = compat.HookSpec("sglang.srt.disaggregation.utils.MetadataBuffers.get_buf", "after", print, "t")
-    monkeypatch.setattr(hooks, "PD_HOOKS", hooks.PD_HOOKS + (unapplied,))
-    role("decode")
+    monkeypatch.setattr(hooks, "pd_hooks", lambda version=None, _orig=hooks.pd_hooks: _orig(version) + (unapplied,))
+    role("decode" if PD_DECODE else "prefill")
     with pytest.raises(compat.EssUnavailableError, match=r"MetadataBuffers\.get_buf did not apply"):
         _metadata_buffers()
 
 
+ROOMS = {1: (1 << 62) + 12345, 2: 987654321, 3: (1 << 40) + 7}
+P_IDX = {1: 0, 2: 5, 3: 2}  # each request's metadata slot on the prefill instance
+
+
+def _prefill_instance_sends(role, prompts: _Prompts, fused: bool):
+    """The prefill instance with --enable-ess: its metadata buffers, the capture of every prompt's prefill, and
+    SGLang's set_buf for each request (the ESS hook writes its slot). Returns the metadata buffers."""
+    from ess_sglang.sglang_plugin import pd_windows
+
+    layout = pd_windows.WireLayout(LAYERS, 2 * TOPK)
+    role("prefill")
+    mb_p = _metadata_buffers()
+    sender = pd_windows.active_sender()
+    assert sender is not None and mb_p.ess_sender is sender and mb_p.ess_windows.shape == (8, layout.row_ints)
+    methods = _prefill_all(prompts, fused)
+    assert methods == (["RAGGED", "PAGED"] if fused else ["POSITIONS", "POSITIONS"])
+    for row in PROMPTS:
+        req = _req(row, ROOMS[row], "10.0.0.1")
+        req.metadata_buffer_index = P_IDX[row]
+        req.output_ids.append(1000 + row)
+        mb_p.set_buf(req)  # SGLang's set_buf (+ the ESS hook), as _send_kv_chunk calls it on the last chunk
+    assert sender.capture.nbytes == 0  # taken when sent
+    assert pd_windows.STATS.sent == 2 and pd_windows.STATS.unsent == 0
+    return mb_p
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-topk", "unfused-topk"])
+def test_prefill_writes_each_requests_ranked_window_sets_into_its_metadata_slot(runtime_hooks, role, fused,
+                                                                               parallel1):
+    """The prefill side alone (what a prefill instance with --enable-ess runs on every supported SGLang): each
+    request's metadata slot holds the ranked union of the windows the prefill's indexer selected, for its
+    bootstrap_room and prompt length; a short prompt's slot says it is loaded whole; SGLang's own metadata is
+    written beside it."""
+    from ess_sglang.sglang_plugin import pd_windows
+    from ess_sglang.sglang_plugin.warmup import rank_window_sets
+
+    prompts = _Prompts()
+    mb_p = _prefill_instance_sends(role, prompts, fused)
+    layout = mb_p.ess_layout
+    for row in (1, 2):
+        n = PROMPTS[row]
+        ranked, union, truncated = pd_windows.decode_row(mb_p.ess_windows[P_IDX[row]], layout, room=ROOMS[row],
+                                                         seq_len=n)
+        expected, expected_union = rank_window_sets(_windows(prompts.sel[row], n), n, layout.cap)
+        assert torch.equal(ranked, expected) and torch.equal(union, expected_union), row
+        assert truncated == int((expected_union > layout.cap).sum())
+        assert int(mb_p.output_ids[P_IDX[row]][0]) == 1000 + row  # SGLang's own field of the same slot
+    ranked, union, truncated = pd_windows.decode_row(mb_p.ess_windows[P_IDX[3]], layout, room=ROOMS[3],
+                                                     seq_len=PROMPTS[3])
+    assert ranked is None and int(union.sum()) == 0 and truncated == 0  # short prompt: loaded whole
+    assert "another request" in pd_windows.decode_row(mb_p.ess_windows[P_IDX[1]], layout, room=ROOMS[2],
+                                                      seq_len=PROMPTS[1])
+    unused = next(i for i in range(8) if i not in P_IDX.values())
+    assert "no window sets" in pd_windows.decode_row(mb_p.ess_windows[unused], layout, room=0, seq_len=1)
+
+
+@needs_pd_decode
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-topk", "unfused-topk"])
 def test_window_sets_round_trip_through_sglang_metadata(runtime_hooks, role, fused, parallel1):
     """Prefill capture -> MetadataBuffers slot -> transfer -> decode commit gives the decode side exactly the ranked
@@ -303,23 +376,10 @@ def test_window_sets_round_trip_through_sglang_metadata(runtime_hooks, role, fus
 
     prompts = _Prompts()
     layout = pd_windows.WireLayout(LAYERS, 2 * TOPK)
+    rooms, p_idx, d_idx = ROOMS, P_IDX, {1: 3, 2: 1, 3: 6}
 
     # ---- prefill instance
-    role("prefill")
-    mb_p = _metadata_buffers()
-    sender = pd_windows.active_sender()
-    assert sender is not None and mb_p.ess_sender is sender and mb_p.ess_windows.shape == (8, layout.row_ints)
-    methods = _prefill_all(prompts, fused)
-    assert methods == (["RAGGED", "PAGED"] if fused else ["POSITIONS", "POSITIONS"])
-    rooms = {1: (1 << 62) + 12345, 2: 987654321, 3: (1 << 40) + 7}
-    p_idx, d_idx = {1: 0, 2: 5, 3: 2}, {1: 3, 2: 1, 3: 6}
-    for row in PROMPTS:
-        req = _req(row, rooms[row], "10.0.0.1")
-        req.metadata_buffer_index = p_idx[row]
-        req.output_ids.append(1000 + row)
-        mb_p.set_buf(req)  # SGLang's set_buf (+ the ESS hook), as _send_kv_chunk calls it on the last chunk
-    assert sender.capture.nbytes == 0  # taken when sent
-    assert pd_windows.STATS.sent == 2 and pd_windows.STATS.unsent == 0
+    mb_p = _prefill_instance_sends(role, prompts, fused)
 
     # ---- decode instance: its metadata buffers, the transfer, SGLang's commit
     role("decode")
@@ -378,6 +438,7 @@ def test_window_sets_round_trip_through_sglang_metadata(runtime_hooks, role, fus
     set_active(None)
 
 
+@needs_pd_decode
 def test_prefill_without_ess_sends_nothing_and_decode_warms_up_recent(runtime_hooks, role, parallel1, caplog):
     """A prefill instance without ESS registers SGLang's buffers only: the ESS slot is not transferred, the decode
     side falls back to the most recent tokens and says so once."""
@@ -435,7 +496,7 @@ def test_window_capture_rules():
     assert small.take(2) is None and small.skipped_rows == 1 and small.take(1) is not None
 
 
-def test_prefill_instance_with_enable_ess(loaded_plugins, ess_env, deepseek_dir, llama_dir, sm90):
+def test_prefill_instance_with_enable_ess(loaded_plugins, ess_env, deepseek_dir, llama_dir, model_argv):
     """--enable-ess on a PD prefill instance: ESS stays off (no HiSparse, radix cache kept), the window sender is
     on, the KV dtype is the decode's; pipeline parallelism and non-DSA models are refused."""
     from sglang.srt.server_args import prepare_server_args
@@ -443,7 +504,7 @@ def test_prefill_instance_with_enable_ess(loaded_plugins, ess_env, deepseek_dir,
     from ess_sglang.sglang_plugin import settings
     from ess_sglang.sglang_plugin.compat import EssLaunchError
 
-    sa = prepare_server_args(["--model-path", "/nonexistent", "--disaggregation-mode", "prefill", "--enable-ess"])
+    sa = prepare_server_args([*model_argv, "--disaggregation-mode", "prefill", "--enable-ess"])
     s = settings.read(pickle.loads(pickle.dumps(sa)))  # what the scheduler processes read
     assert s.send_windows and not s.enabled and s.config.warmup_windows == WINDOWS
     assert not sa.enable_hisparse and not sa.disable_radix_cache and sa.kv_cache_dtype == "fp8_e4m3"
@@ -456,7 +517,7 @@ def test_prefill_instance_with_enable_ess(loaded_plugins, ess_env, deepseek_dir,
     for model, ok in ((deepseek_dir, True), (llama_dir, False)):
         sa = prepare_server_args(["--model-path", model, "--device", "cpu", "--skip-tokenizer-init",
                                   "--attention-backend", "dsa", "--disaggregation-mode", "prefill", "--enable-ess"])
-        sa.resolve_once()
+        resolve(sa)
         if ok:
             sa.check_server_args()
         else:

@@ -1,4 +1,6 @@
-"""The DSA decode seam, driven exactly as SGLang 0.5.23's DeepseekSparseAttnBackend.forward_decode drives it.
+"""The DSA decode seam, driven exactly as the installed SGLang's DeepseekSparseAttnBackend.forward_decode drives it
+(0.5.17 and 0.5.23 call it alike; the stand-in requests keep their row, KV length and prefill end where that
+version's Req does).
 
 Both runs execute the real ``DeepseekSparseAttnBackend.forward_decode`` (on an instance built without __init__, with
 the attributes that method reads), with SGLang's real pools on CPU:
@@ -27,10 +29,12 @@ import types
 
 import pytest
 import torch
+from sglang_versions import needs_pd_decode, request_fields
 
 from ess_sglang.config import EssConfig
 from ess_sglang.formats import pack_latent
 from ess_sglang.reference.dsa import sparse_mla_reference
+from ess_sglang.sglang_plugin.compat import req_allocated_len, req_row
 
 pytest.importorskip("sglang")  # CI installs sglang==0.5.23; this only guards machines without it
 
@@ -166,8 +170,7 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
     reqs = []
 
     def admit(i, row, n, rid, max_new):
-        req = types.SimpleNamespace(rid=rid, kv=types.SimpleNamespace(req_pool_idx=row, kv_allocated_len=n),
-                                    extend_end=n, origin_input_ids=[0] * n, output_ids=[],
+        req = types.SimpleNamespace(rid=rid, **request_fields(row, n, n), origin_input_ids=[0] * n, output_ids=[],
                                     sampling_params=types.SimpleNamespace(max_new_tokens=max_new),
                                     hisparse_staging=False)
         assert coord.admission.admit(req.rid, n + max_new).decision.value == "admit"
@@ -230,7 +233,7 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
             old = reqs[1]
             freed = coord.req_to_host_pool[rows[1], : int(seq[1])].clone()
             coord.request_finished(old)
-            allocator.free(req_pool.req_to_token[rows[1], : old.kv.kv_allocated_len].long())
+            allocator.free(req_pool.req_to_token[rows[1], : req_allocated_len(old)].long())
             assert int((coord.manager.loc_to_slot[:, freed] >= 0).sum()) == 0  # nothing of it stays resident
             n_new = 4000
             reqs[1], host_new = admit(1, rows[1], n_new, "r1-next", steps - step)
@@ -297,7 +300,7 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
     assert int((mapping[:-1] >= coord.new_token_base).sum()) == 0
     # SGLang's flush_cache clears the allocator: the ESS regions are reserved again, the hot pools emptied
     for req in reqs:
-        allocator.free(req_pool.req_to_token[req.kv.req_pool_idx, : req.kv.kv_allocated_len].long())
+        allocator.free(req_pool.req_to_token[req_row(req), : req_allocated_len(req)].long())
     allocator.clear()
     assert allocator.hisparse_attn_allocator.available_size() == staging
     assert int((m.slot_to_loc >= 0).sum()) == 0
@@ -333,12 +336,13 @@ def _check_cuda_graph_padding(coord, rpi, seq, sel, B):
 @pytest.mark.parametrize("mode,steps,new_tokens,resolve_impl,replace_at,level", [
     ("colocated", 64, "on_demand", "torch", None, "none"), ("colocated", 16, "insert", "torch", None, "none"),
     # a request finishes at step 8 and a new one decodes on the host slots it freed: nothing stale may be read
-    ("pd", 16, "on_demand", "torch", 8, "none"),
+    pytest.param("pd", 16, "on_demand", "torch", 8, "none", marks=needs_pd_decode),
     # the GPU's code path (fused resolve, one-launch new-token store; Triton interpreted) through the same seam
     ("colocated", 8, "on_demand", "triton", None, "none"),
     # ECHO prefetch from the indexer tap, with spare slots: still bit-identical, also across a request replaced
     # mid-run (the new token may be prefetched from its stale host row: the write-back at swap-in overwrites the slot)
-    ("colocated", 24, "on_demand", "torch", None, "full"), ("pd", 16, "on_demand", "torch", 8, "full"),
+    ("colocated", 24, "on_demand", "torch", None, "full"),
+    pytest.param("pd", 16, "on_demand", "torch", 8, "full", marks=needs_pd_decode),
     ("colocated", 12, "insert", "torch", None, "full"), ("colocated", 6, "on_demand", "triton", None, "full")])
 def test_decode_seam_bit_identical(mode, steps, new_tokens, resolve_impl, replace_at, level, parallel1):
     identical, stats = _run(mode, steps, new_tokens, resolve_impl, replace_at, level)
@@ -395,4 +399,49 @@ def test_capture_keeps_last_windows_and_skips_compressed_indexer_pool():
     warmup.forward_extend_hook(types.SimpleNamespace(use_fused_topk=False, dsa_index_kpool=4), None, None, None,
                                _layer(0), fb, topk_indices=topk)
     assert coord.capture.take(3) is None and "index_kpool" in coord.notes[0]
-    # (fused top-k, RAGGED and PAGED, is turned back into positions: tests/sglang/test_sglang_pd_windows.py)
+    # (fused top-k, RAGGED and PAGED, is turned back into positions: tests/plugin/test_sglang_pd_windows.py)
+
+
+class _DeviceRows:
+    """A request-row tensor on the device: each read back to the host is counted (each one waits for the GPU)."""
+
+    def __init__(self, rows):
+        self.rows, self.reads = list(rows), 0
+
+    def tolist(self):
+        self.reads += 1
+        return list(self.rows)
+
+
+class _ExtendBatch:
+    """What the capture hook reads of an extend ForwardBatch without a host copy of its request rows (SGLang
+    0.5.17's has no req_pool_indices_cpu)."""
+
+    def __init__(self, rows, lens):
+        self.forward_mode = types.SimpleNamespace(is_extend=lambda: True)
+        self.extend_seq_lens_cpu = lens
+        self.req_pool_indices = _DeviceRows(rows)
+
+
+def test_capture_reads_device_request_rows_once_per_forward():
+    """Without a host copy of the request rows, the capture reads the device rows back once per forward batch, not
+    once per layer, and records what it records with a host copy; a new batch reads its own rows."""
+    from ess_sglang.sglang_plugin import warmup
+    from ess_sglang.sglang_plugin.coordinator import set_active
+
+    coord = _Coord()
+    set_active(coord)
+    backend = types.SimpleNamespace(use_fused_topk=False)
+    topk = torch.arange(10 * 3, dtype=torch.int32).view(10, 3)  # two requests: 6 and 4 extend tokens
+    fb = _ExtendBatch([3, 5], [6, 4])
+    for layer in (0, 1):
+        warmup.forward_extend_hook(backend, None, None, None, _layer(layer), fb, topk_indices=topk)
+    assert fb.req_pool_indices.reads == 1
+    got3, got5 = coord.capture.take(3), coord.capture.take(5)
+    assert all(torch.equal(w, topk[2:6]) for w in got3) and all(torch.equal(w, topk[6:10]) for w in got5)
+    nxt = _ExtendBatch([5], [4])
+    warmup.forward_extend_hook(backend, None, None, None, _layer(0), nxt, topk_indices=topk[:4])
+    assert nxt.req_pool_indices.reads == 1 and fb.req_pool_indices.reads == 1
+    got5 = coord.capture.take(5)
+    assert torch.equal(got5[0], topk[:4]) and got5[1] is None
+    set_active(None)

@@ -1,4 +1,5 @@
-"""Contract tests of the plugin against SGLang 0.5.23: discovery, hooks, flags, pickling, validation, the seam."""
+"""Contract tests of the plugin against the installed SGLang (0.5.17 or 0.5.23): discovery, hooks, flags, pickling,
+validation, the seam."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
+from sglang_versions import PD_DECODE, SGLANG_VERSION, needs_pd_decode, resolve, resolved_view
 
 from ess_sglang.config import EssConfigError
 
@@ -51,7 +53,7 @@ def test_entry_point_discovered_by_load_plugins(loaded_plugins, monkeypatch):
     assert "ess" not in load_plugins_by_group(GENERAL_PLUGINS_GROUP)
 
 
-def test_plugin_does_nothing_unless_enabled(loaded_plugins):
+def test_plugin_does_nothing_unless_enabled(loaded_plugins, model_argv):
     """Loading registers only the CLI hooks; no ESS coordinator, no runtime hook until --enable-ess."""
     from ess_sglang.sglang_plugin import compat, hooks
     from ess_sglang.sglang_plugin.coordinator import active_coordinator
@@ -60,7 +62,7 @@ def test_plugin_does_nothing_unless_enabled(loaded_plugins):
     for spec in hooks.CLI_HOOKS:
         assert compat.hook_is_applied(spec), spec.target
     assert active_coordinator() is None
-    sa = _prepare(["--model-path", "/nonexistent"])
+    sa = _prepare(model_argv)
     assert not getattr(sa, "_ess_enabled", False) and not sa.enable_hisparse
 
 
@@ -73,7 +75,7 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def test_every_hook_wraps_the_real_target(loaded_plugins, ess_yaml, ess_env):
+def test_every_hook_wraps_the_real_target(loaded_plugins, ess_yaml, ess_env, model_argv):
     """Enabling ESS installs the runtime hooks; each target is SGLang's wrapper whose __wrapped__ is the original,
     and one log line per applied hook is written."""
     from ess_sglang.sglang_plugin import compat, hooks
@@ -83,7 +85,7 @@ def test_every_hook_wraps_the_real_target(loaded_plugins, ess_yaml, ess_env):
     log.addHandler(lines)  # prepare_server_args resets the root logger's handlers (basicConfig(force=True))
     log.setLevel(logging.INFO)
     try:
-        _prepare(["--model-path", "/nonexistent", "--enable-ess", "--ess-config", ess_yaml])
+        _prepare([*model_argv, "--enable-ess", "--ess-config", ess_yaml])
     finally:
         log.removeHandler(lines)
         log.setLevel(level)
@@ -150,11 +152,12 @@ def test_sglang_serve_parses_the_flags(tmp_path, deepseek_dir):
     assert "ess_config.memory_pool_size_gb: must be > 0 (got -3)" in out
 
 
-def test_server_args_round_trip_through_pickle_and_spawn(loaded_plugins, ess_yaml, ess_env):
-    """The settings live in bookkeeping attributes of the msgspec ServerArgs, which __reduce__ carries."""
+def test_server_args_round_trip_through_pickle_and_spawn(loaded_plugins, ess_yaml, ess_env, model_argv):
+    """The settings live in bookkeeping attributes of the ServerArgs record (0.5.23's msgspec record, whose
+    __reduce__ carries them; 0.5.17's dataclass, whose instance dict does), written after it was built."""
     from ess_sglang.sglang_plugin import settings
 
-    sa = _prepare(["--model-path", "/nonexistent", "--enable-ess", "--ess-config", ess_yaml])
+    sa = _prepare([*model_argv, "--enable-ess", "--ess-config", ess_yaml])
     assert sa.enable_hisparse and sa.disable_radix_cache and sa.kv_cache_dtype == "fp8_e4m3"
     copy = pickle.loads(pickle.dumps(sa))
     s = settings.read(copy)
@@ -178,6 +181,25 @@ def _child_reads_settings(server_args, q):
     s = settings.read(server_args)
     q.put((s.enabled, s.config_path, s.config.memory_pool_size_gb, s.config.warmup_windows,
            bool(server_args.enable_hisparse)))
+
+
+def test_model_config_of_a_scheduler_processs_record(loaded_plugins, model_argv):
+    """What the plugin reads in a scheduler process (pd_windows: the layer count and top-k of the metadata slots):
+    the model config of the resolved record it received. SGLang 0.5.17's record refuses to cache one once resolved
+    (ServerArgs.get_model_config would raise there), so a record without one gets a new one, left uncached."""
+    import dataclasses
+
+    from ess_sglang.sglang_plugin import compat
+
+    sa = pickle.loads(pickle.dumps(resolve(_prepare(model_argv))))
+    assert compat.hf_config_of(sa).architectures == ["DeepseekV32ForCausalLM"]
+    assert compat.model_config_of(sa).hf_text_config.index_topk == 2048
+    if dataclasses.is_dataclass(sa):  # SGLang 0.5.17
+        object.__delattr__(sa, "model_config")
+        with pytest.raises(AttributeError, match="read-only"):
+            sa.get_model_config()
+        assert compat.model_config_of(sa).hf_text_config.num_hidden_layers == 61
+        assert "model_config" not in vars(sa)
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -204,12 +226,22 @@ def test_bad_ess_config_names_the_field(loaded_plugins, tmp_path, ess_env):
     (["--enable-mixed-chunk"], "drop --enable-mixed-chunk"),
 ])
 def test_incompatible_flags_fail_with_what_to_change(loaded_plugins, ess_env, extra, expected):
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
     from ess_sglang.sglang_plugin.compat import EssLaunchError
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    if not any(extra[0] in a.option_strings for a in parser._actions):
+        pytest.skip(f"SGLang {SGLANG_VERSION} has no {extra[0]}")
 
     with pytest.raises(EssLaunchError, match=re.escape(expected)):
         _prepare(["--model-path", "/nonexistent", "--enable-ess", *extra])
 
 
+@needs_pd_decode
 def test_pd_decode_refuses_immediate_release_of_aborted_transfers(loaded_plugins, ess_env, monkeypatch):
     """With SGLang's deferred decode-side release off, an aborted request's host slots (the RDMA destination with
     ESS) would be reused while writes may still land: a PD decode instance refuses to start, naming the variable."""
@@ -226,6 +258,22 @@ def test_pd_decode_refuses_immediate_release_of_aborted_transfers(loaded_plugins
                 if "DEFERRED_DECODE_KV_RELEASE" in p]
 
 
+@pytest.mark.skipif(PD_DECODE, reason=f"SGLang {SGLANG_VERSION} serves PD decode with ESS")
+def test_pd_decode_is_refused_where_unsupported(loaded_plugins, ess_env, monkeypatch):
+    """SGLang 0.5.17 frees an aborted request's KV destination at once and has no hook for ESS's PD admission: a PD
+    decode instance with ESS refuses to start there (whatever SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE
+    says), naming the version to use; a PD prefill instance with ESS does not."""
+    from ess_sglang.sglang_plugin.cli_args import check_raw_flags
+    from ess_sglang.sglang_plugin.compat import PD_DECODE_REFUSAL_0517, EssLaunchError
+
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "true")
+    with pytest.raises(EssLaunchError, match=re.escape(PD_DECODE_REFUSAL_0517)):
+        _prepare(["--model-path", "/nonexistent", "--enable-ess", "--disaggregation-mode", "decode"])
+    assert "needs SGLang 0.5.23" in PD_DECODE_REFUSAL_0517
+    assert check_raw_flags(types.SimpleNamespace(disaggregation_mode="decode")) == [PD_DECODE_REFUSAL_0517]
+    assert check_raw_flags(types.SimpleNamespace(disaggregation_mode="prefill")) == []
+
+
 def test_ess_config_without_enable_ess(loaded_plugins, ess_yaml, ess_env):
     from ess_sglang.sglang_plugin.compat import EssLaunchError
 
@@ -236,17 +284,14 @@ def test_ess_config_without_enable_ess(loaded_plugins, ess_yaml, ess_env):
 def _resolve(argv):
     """What the engine does at launch (entrypoints/engine.py): resolve, then check_server_args, where HiSparse's
     validation pass (and so ESS's) runs."""
-    sa = _prepare(["--device", "cpu", "--skip-tokenizer-init", "--attention-backend", "dsa", *argv])
-    sa.resolve_once()
+    sa = resolve(_prepare(["--device", "cpu", "--skip-tokenizer-init", "--attention-backend", "dsa", *argv]))
     sa.check_server_args()
     return sa
 
 
 def test_resolution_accepts_deepseek_v32(loaded_plugins, deepseek_dir, ess_yaml, ess_env, sm90):
-    from sglang.srt.arg_groups.overrides import resolving_view
-
     sa = _resolve(["--model-path", deepseek_dir, "--enable-ess", "--ess-config", ess_yaml])
-    v = resolving_view(sa)
+    v = resolved_view(sa)
     assert v.enable_hisparse and v.disable_radix_cache
     assert v.kv_cache_dtype == "fp8_e4m3" and v.dsa_decode_backend == "flashmla_kv" and v.page_size == 64
 
@@ -284,7 +329,7 @@ def _sglang_src() -> Path:
 
 
 def test_coordinator_has_everything_sglang_calls():
-    """Every attribute SGLang 0.5.23 reads from `hisparse_coordinator` (DSA paths) exists on EssCoordinator."""
+    """Every attribute the installed SGLang reads from `hisparse_coordinator` (DSA paths) exists on EssCoordinator."""
     from ess_sglang.sglang_plugin.coordinator import EssCoordinator
 
     used = set()
