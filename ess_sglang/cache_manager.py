@@ -172,7 +172,8 @@ def _check_hot_entries(hot: torch.Tensor | Sequence[torch.Tensor], layers: int, 
         raise ValueError(f"hot_entries: {len(hot)} layers given, {layers} needed")
     for layer in range(layers):
         v = hot[layer]
-        if v.shape != (slots, entry_bytes) or v.dtype != torch.uint8 or not v.is_contiguous() or v.device != device:
+        if v.shape != (slots, entry_bytes) or v.dtype != torch.uint8 or not v.is_contiguous() \
+                or not _same_device(v.device, device):
             raise ValueError(f"hot_entries[{layer}]: want a contiguous uint8 [{slots}, {entry_bytes}] tensor on "
                              f"{device}, got {v.dtype} {tuple(v.shape)} on {v.device}")
 

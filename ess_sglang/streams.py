@@ -19,11 +19,16 @@ class SideStream:
         # The main stream's priority: for side work whose wide kernels must not take every SM ahead of the main
         # stream's (`on_normal`)
         self.normal = torch.cuda.Stream(device, priority=0) if self.cuda else None
+        self.queued = False
+        """Work was queued on the side stream since the main stream last waited for all of it. Waiting when nothing
+        was queued is skipped: inside a CUDA graph capture, a wait for a stream that took no captured work is an
+        error (cudaErrorStreamCaptureIsolation), as a decode layer that neither prefetches nor refills has none."""
 
     def on_side(self, after=None):
         """Work in this block runs on the side stream, after everything queued there before and everything queued
         on the main stream so far; given `after` (an event recorded on another stream), after that event instead of
         the main stream: the caller makes sure that the event follows every write the block reads."""
+        self.queued = True
         if not self.cuda:
             return contextlib.nullcontext()
         if after is None:
@@ -39,6 +44,7 @@ class SideStream:
         ordered as `on_side()` orders it (whatever is queued on the side stream later, and every wait for the side
         stream, follows it), at another priority. For work beside latency-bound main-stream kernels: a high-priority
         launch of many blocks takes every free SM before the main stream's next kernel gets one."""
+        self.queued = True
         if not self.cuda:
             yield
             return
@@ -60,9 +66,9 @@ class SideStream:
 
     def wait(self, ev=None) -> None:
         """The main stream waits for a mark (or for everything queued on the side stream)."""
-        if not self.cuda:
-            return
         if ev is None:
-            torch.cuda.current_stream().wait_stream(self.side)
-        else:
+            if self.queued and self.cuda:
+                torch.cuda.current_stream().wait_stream(self.side)
+            self.queued = False
+        elif self.cuda:
             torch.cuda.current_stream().wait_event(ev)
