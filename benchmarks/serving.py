@@ -1,0 +1,227 @@
+"""Serving benchmark: the same SGLang server three ways on one GPU, with the same KV-cache HBM budget.
+
+* ``hbm``: every latent in HBM (``--dsa-prefill-backend flashmla_kv --dsa-decode-backend flashmla_kv``), its KV pool
+  capped at ``--hbm-capacity-requests`` full-context requests (``--max-total-tokens``), as a capacity-bound decode
+  instance is;
+* ``hisparse``: SGLang's own ``--enable-hisparse`` at the same device bytes;
+* ``ess``: ``--enable-ess`` with ``max_kv_cache_gb`` set to the same device bytes.
+
+Each server gets the same requests (fixed seeds, greedy, ``ignore_eos``, token ids: the model is the DeepSeek-V3.2-
+shaped config under configs/models/ with dummy weights) at every concurrency, and reports requests running at once,
+output tok/s, TPOT and TTFT p50/p99, ESS's hit rate and H2D GB/s from ``/metrics``, and whether every request's
+output tokens equal the all-HBM server's at the same concurrency. Writes ``serving.json`` and ``serving.png`` under
+``--out`` (benchmarks/results/serving/ by default). Runs on the GPU machine inside scripts/sglang_site.sh.
+
+    scripts/sglang_site.sh python3 benchmarks/serving.py --contexts 32768 --concurrency 1,2,4,8,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sglang_server import (  # noqa: E402
+    MODEL_DIR,
+    PAGE_SIZE,
+    SYSTEMS,
+    Server,
+    ServerError,
+    ServerSpec,
+    kv_bytes_per_token,
+    make_prompts,
+    metric_sum,
+    model_layers,
+    run_requests,
+    scrape,
+)
+
+GIB = 1 << 30
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    i = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[i]
+
+
+def ess_counters(url: str) -> dict[str, float]:
+    m = scrape(url)
+    return {"lookups": metric_sum(m, "sglang:ess_lookups_total"), "hits": metric_sum(m, "sglang:ess_hits_total"),
+            "misses": metric_sum(m, "sglang:ess_misses_total"),
+            "h2d_bytes": metric_sum(m, "sglang:ess_transfer_bytes_total", 'direction="h2d"'),
+            "series": float(sum(1 for k in m if k.startswith("sglang:ess_")))}
+
+
+def spec_for(system: str, context: int, args) -> ServerSpec:
+    """The server of one system at one context length, all with the same KV HBM bytes."""
+    kv_tokens = args.hbm_capacity_requests * (context + PAGE_SIZE)
+    kv_bytes = kv_tokens * kv_bytes_per_token(args.model)
+    spec = ServerSpec(system, context_len=context + args.output_len + PAGE_SIZE,
+                      max_running_requests=max(args.concurrency), kv_tokens=kv_tokens, port=args.port,
+                      model_dir=args.model, mem_fraction_static=args.mem_fraction_static)
+    if system == "ess":
+        spec.ess_config = {"max_kv_cache_gb": kv_bytes / GIB, **json.loads(args.ess_config)}
+    elif system == "hisparse":
+        ratio = args.hisparse_ratio
+        # device latents of every device slot + indexer entries of ratio x as many logical locations
+        per_device_token = model_layers(args.model) * (656 + ratio * 132)
+        spec.hisparse_device_tokens = kv_bytes // per_device_token // PAGE_SIZE * PAGE_SIZE
+        spec.hisparse_config = {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": ratio}
+    return spec
+
+
+def run_system(system: str, context: int, args, out: Path) -> list[dict]:
+    spec = spec_for(system, context, args)
+    server = Server(spec, out / f"server_{system}_{context}.log", out)
+    rows = []
+    try:
+        up_s = server.start()
+        print(f"[{system} {context}] up in {up_s:.0f} s", flush=True)
+        # one request first: compiles and warms what the first real batch would otherwise time
+        run_requests(spec.url, make_prompts(1, 256, seed=7), 8, 1)
+        for c in args.concurrency:
+            prompts = make_prompts(c, context - args.output_len, seed=context)
+            before = ess_counters(spec.url) if system == "ess" else None
+            results, wall, running = run_requests(spec.url, prompts, args.output_len, c)
+            errors = [r.error for r in results if r.error]
+            after = ess_counters(spec.url) if system == "ess" else None
+            row = {"system": system, "context": context, "concurrency": c, "admitted": running,
+                   "requests": len(results), "errors": len(errors),
+                   "output_tok_s": sum(len(r.output_ids) for r in results) / wall,
+                   "tpot_ms_p50": _ms(percentile([r.tpot_s for r in results], 50)),
+                   "tpot_ms_p99": _ms(percentile([r.tpot_s for r in results], 99)),
+                   "ttft_ms_p50": _ms(percentile([r.ttft_s for r in results], 50)),
+                   "ttft_ms_p99": _ms(percentile([r.ttft_s for r in results], 99)),
+                   "wall_s": wall, "outputs": [r.output_ids for r in results],
+                   "logprobs": [r.logprobs for r in results],
+                   "hit_rate": None, "h2d_gbps": None}
+            if before is not None and after is not None:
+                lookups = after["lookups"] - before["lookups"]
+                row["hit_rate"] = (after["hits"] - before["hits"]) / lookups if lookups else None
+                row["h2d_gbps"] = (after["h2d_bytes"] - before["h2d_bytes"]) / wall / 1e9
+                row["ess_series"] = int(after["series"])
+            if errors:
+                row["first_error"] = errors[0][:300]
+            rows.append(row)
+            print(f"[{system} {context}] c={c}: {row['output_tok_s']:.0f} tok/s, running {running}, "
+                  f"tpot p50 {row['tpot_ms_p50']} ms, errors {len(errors)}", flush=True)
+    except ServerError as exc:
+        rows.append({"system": system, "context": context, "concurrency": None, "error": str(exc)[-2000:]})
+        print(f"[{system} {context}] FAILED: {exc}", flush=True)
+    finally:
+        server.stop()
+    return rows
+
+
+def _ms(s):
+    return None if s is None else round(s * 1000, 3)
+
+
+def mark_identity(rows: list[dict]) -> None:
+    """token_identical_to_hbm: every request's output tokens equal the all-HBM server's at the same context and
+    concurrency (the same prompts)."""
+    ref = {(r["context"], r["concurrency"]): r for r in rows if r["system"] == "hbm" and r.get("outputs") is not None}
+    for r in rows:
+        base = ref.get((r["context"], r["concurrency"]))
+        if r.get("outputs") is None or base is None:
+            r["token_identical_to_hbm"] = r["logprobs_identical_to_hbm"] = None
+            continue
+        same = [a == b for a, b in zip(r["outputs"], base["outputs"], strict=False)]
+        r["identical_requests"] = sum(same)
+        r["token_identical_to_hbm"] = all(same) and len(same) == len(base["outputs"])
+        mine, theirs = r.get("logprobs") or [], base.get("logprobs") or []
+        r["logprobs_identical_to_hbm"] = (mine == theirs) if any(mine) and any(theirs) else None
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4), squeeze=False)
+    for ax, ctx in zip(axes[0], contexts, strict=False):
+        for system in SYSTEMS:
+            pts = sorted((r["concurrency"], r["output_tok_s"]) for r in rows
+                         if r["system"] == system and r["context"] == ctx and r.get("concurrency"))
+            if pts:
+                ax.plot(*zip(*pts, strict=False), marker="o", label=system)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"context {ctx // 1024}K")
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("output tok/s")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write(rows: list[dict], args, t0: float) -> dict:
+    mark_identity(rows)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    doc = {"commit": commit, "device": device, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(sys.argv), "wall_s": round(time.time() - t0),
+           "runs": [{k: v for k, v in r.items() if k not in ("outputs", "logprobs")} for r in rows]}
+    (args.out / "serving.json").write_text(json.dumps(doc, indent=1))
+    # every request's output tokens, so that a later run on the same prompts can be checked against this one
+    (args.out / "outputs.json").write_text(json.dumps(
+        [{k: r.get(k) for k in ("system", "context", "concurrency", "outputs", "logprobs")} for r in rows
+         if r.get("outputs")]))
+    if any(r.get("concurrency") for r in rows):
+        plot(rows, args.out / "serving.png")
+    return doc
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default="hbm,hisparse,ess", help="comma-separated: hbm, hisparse, ess")
+    p.add_argument("--contexts", default="32768", help="comma-separated context lengths (prompt + output)")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated request counts sent at once")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
+    p.add_argument("--hbm-capacity-requests", type=int, default=8,
+                   help="the all-HBM KV pool holds this many full-context requests (sets every system's HBM bytes)")
+    p.add_argument("--hisparse-ratio", type=int, default=8, help="HiSparse host_to_device_ratio")
+    p.add_argument("--ess-config", default='{"sparse_memory_ratio": 0.05}', help="ESS config keys (JSON)")
+    p.add_argument("--mem-fraction-static", type=float, default=0.80, help="SGLang --mem-fraction-static")
+    p.add_argument("--model", type=Path, default=MODEL_DIR, help="model folder (config.json, dummy weights)")
+    p.add_argument("--port", type=int, default=31000, help="server port")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/serving"), help="output folder")
+    args = p.parse_args(argv)
+    args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    systems = args.systems.split(",")
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        p.error(f"--systems: unknown {', '.join(bad)} (choose from {', '.join(SYSTEMS)})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    t0 = time.time()
+    for ctx in [int(x) for x in args.contexts.split(",")]:
+        for system in systems:
+            rows += run_system(system, ctx, args, args.out)
+            doc = write(rows, args, t0)  # after every server, so that a run cut short keeps what it measured
+    print(f"{'system':9} {'ctx':>6} {'conc':>4} {'run':>4} {'tok/s':>8} {'tpot50':>7} {'ttft50':>8} {'hit':>6} "
+          f"{'GB/s':>6} {'same':>5}")
+    for r in doc["runs"]:
+        if r.get("concurrency") is None:
+            print(f"{r['system']:9} {r['context']:>6} FAILED")
+            continue
+        hit = f"{r['hit_rate']:.3f}" if r.get("hit_rate") is not None else "-"
+        gbps = f"{r['h2d_gbps']:.2f}" if r.get("h2d_gbps") is not None else "-"
+        print(f"{r['system']:9} {r['context']:>6} {r['concurrency']:>4} {r['admitted']:>4} {r['output_tok_s']:>8.0f} "
+              f"{r['tpot_ms_p50'] or 0:>7.2f} {r['ttft_ms_p50'] or 0:>8.0f} {hit:>6} {gbps:>6} "
+              f"{str(r.get('token_identical_to_hbm')):>5}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The serving benchmark's client (benchmarks/sglang_server.py) against a stand-in for SGLang's /generate and
+/metrics on loopback: streamed cumulative chunks, log-probabilities, errors, and the identity marks of
+benchmarks/serving.py."""
+
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import serving  # noqa: E402
+from sglang_server import make_prompts, run_requests  # noqa: E402
+
+
+class _Generate(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):  # /metrics
+        body = b'sglang:num_running_reqs{model_name="m"} 2\n'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if not req["input_ids"]:
+            self.send_response(400)
+            self.end_headers()
+            self.wfile.write(b'{"error": "empty prompt"}')
+            return
+        n = req["sampling_params"]["max_new_tokens"]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        ids = [t % 7 for t in req["input_ids"][:n]]
+        for i in range(1, n + 1):  # cumulative chunks, as SGLang streams without incremental output
+            meta = {"output_token_logprobs": [[-0.5 * j, ids[j], None] for j in range(i)]}
+            self.wfile.write(f"data: {json.dumps({'output_ids': ids[:i], 'meta_info': meta})}\n\n".encode())
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.fixture
+def url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Generate)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_streamed_tokens_logprobs_and_errors(url):
+    prompts = make_prompts(3, 8, seed=1) + [[]]
+    results, wall, _ = run_requests(url, prompts, 4, concurrency=2)
+    assert wall > 0
+    for p, r in zip(prompts[:3], results[:3], strict=True):
+        assert r.error is None and r.output_ids == [t % 7 for t in p[:4]]
+        assert r.logprobs == [0.0, -0.5, -1.0, -1.5]
+        assert 0 < r.ttft_s <= r.latency_s
+    assert results[3].error.startswith("HTTP 400") and results[3].output_ids == []
+
+
+def test_identity_marks_compare_tokens_and_logprobs():
+    base = dict(context=8, concurrency=2)
+    rows = [dict(base, system="hbm", outputs=[[1, 2], [3]], logprobs=[[-1.0, -2.0], [-3.0]]),
+            dict(base, system="ess", outputs=[[1, 2], [3]], logprobs=[[-1.0, -2.0], [-3.0]]),
+            dict(base, system="hisparse", outputs=[[1, 2], [3]], logprobs=[[-1.0, -2.5], [-3.0]]),
+            dict(base, system="ess", context=16, outputs=[[1]], logprobs=[[-1.0]])]  # no all-HBM run to compare
+    serving.mark_identity(rows)
+    assert rows[1]["token_identical_to_hbm"] and rows[1]["logprobs_identical_to_hbm"]
+    assert rows[2]["token_identical_to_hbm"] and rows[2]["logprobs_identical_to_hbm"] is False
+    assert rows[3]["token_identical_to_hbm"] is None
