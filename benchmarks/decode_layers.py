@@ -703,7 +703,7 @@ def main(argv=None) -> int:
                    metavar="N|kernel",
                    help="prefetchN and layerwise: the Triton indexer's tiles a program in the chunks' launches after "
                    "the first (beside an earlier chunk's claim and copy), or 'kernel' for the kernel's own (1 since "
-                   "the twenty-third session, 8 before; the whole-logits launch always runs it)")
+                   "commit 4860304 of 2026-12-01, 8 before; the whole-logits launch always runs it)")
     p.add_argument("--threshold-update", default="side", choices=["main", "side"],
                    help="prefetch: the EMA threshold update at the layer's end on the main stream, or on the side "
                    "stream beside attention")

@@ -42,8 +42,8 @@ from ess_sglang.formats import FP8, FP8_MAX, INDEXER_ENTRY_BYTES
 H, D, PAGE, TOPK = 64, 128, 64, 2048
 BATCHES = [16, 64, 128]
 CONTEXTS = [32768, 131072]
-# (positions per tile, warps, tiles per program, stages); first = the kernel's default (one tile a program since the
-# twenty-third session: with bf16 queries, which the decode stacks run, 294.9 / 1,136.3 us against 8 tiles' 307.1 /
+# (positions per tile, warps, tiles per program, stages); first = the kernel's default (one tile a program since
+# 4860304, 2026-12-01: with bf16 queries, which the decode stacks run, 294.9 / 1,136.3 us against 8 tiles' 307.1 /
 # 1,159.5 at batch 64, 32K / 128K, benchmarks/RESULTS.md), then others for comparison: the one-tile kernel of 64
 # positions the 8-tile one replaced (2026-11-30: 0.75-0.79 x its time at batch 64-128), and EIGHT_TILES, the default
 # before, timed with bf16 queries too
