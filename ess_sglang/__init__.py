@@ -1,0 +1,3 @@
+"""ESS for SGLang: lossless offload of the DeepSeek Sparse Attention latent cache to pinned host memory."""
+
+__version__ = "0.1.0"

@@ -13,10 +13,14 @@ a final `ess metrics: hit_rate=... lookups_total=...` line gives the totals the 
 from __future__ import annotations
 
 import argparse
+import math
+import re
+import socket
 import time
 from dataclasses import dataclass, field
 
 DEFAULTS = dict(batch=8, context_len=8192, steps=64, ratio=0.2, layers=4, top_k=1024, seed=0)
+MAX_SEED = 2**32 - 1
 
 
 @dataclass
@@ -31,6 +35,7 @@ class DemoResult:
     seconds: dict[str, float] = field(default_factory=dict)
     device: str = "cpu"
     attention: str = "reference"
+    top_k: int | None = None
 
     @property
     def bit_identical(self) -> bool:
@@ -84,11 +89,13 @@ def run_demo(batch: int = 8, context_len: int = 8192, steps: int = 64, ratio: fl
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     spec = DemoModelSpec(num_layers=layers, num_heads=heads, top_k=top_k, seed=seed)
 
-    # Plan the pools from an ESS config before allocating anything: a bad size fails here.
+    # Plan the pools from an ESS config before allocating anything: a bad size fails here. The host pool holds
+    # `batch` requests of the longest prompt plus their decoded tokens (the prompts drawn below are up to 1/16
+    # shorter), so that any batch, 1 included, fits as EssConfig.plan requires of a serving instance.
     g = torch.Generator().manual_seed(seed + 1)
     lengths = [context_len - int(torch.randint(0, max(context_len // 16, 1), (1,), generator=g)) for _ in range(batch)]
-    host_tokens = sum(lengths) + batch * steps
-    cfg = EssConfig(sparse_memory_ratio=ratio, top_k=top_k)
+    host_tokens = host_pool_tokens(batch, context_len, steps)
+    cfg = EssConfig.from_mapping({"sparse_memory_ratio": float(ratio), "top_k": top_k})
     plan = cfg.plan(Deployment(num_layers=layers, max_running_requests=batch, max_context_len=context_len + steps,
                                host_tokens=host_tokens))
 
@@ -166,7 +173,7 @@ def run_demo(batch: int = 8, context_len: int = 8192, steps: int = 64, ratio: fl
     rates = [1.0 - c["MISSES"] / c["LOOKUPS"] if c["LOOKUPS"] else 1.0 for c in per_layer]
     return DemoResult(steps=steps, identical_steps=identical, first_mismatch=mismatch, hit_rate_per_layer=rates,
                       counters=per_layer, hot_slots_per_layer=plan.hot_slots_per_layer, host_tokens=plan.host_tokens,
-                      seconds=seconds, device=str(dev), attention=attention)
+                      seconds=seconds, device=str(dev), attention=attention, top_k=top_k)
 
 
 def print_result(r: DemoResult, entry_bytes: int = 656) -> None:
@@ -175,7 +182,8 @@ def print_result(r: DemoResult, entry_bytes: int = 656) -> None:
 
     console = Console()
     t = Table(title=f"ESS demo: {r.steps} decode steps on {r.device} ({r.attention} attention), hot pool "
-                    f"{r.hot_slots_per_layer} slots/layer for {r.host_tokens} tokens")
+                    f"{r.hot_slots_per_layer} slots/layer for {r.host_tokens} tokens"
+                    + (f", top-k {r.top_k}" if r.top_k is not None else ""))
     for col in ("layer", "hit rate", "lookups", "misses", "warm-up entries", "H2D MB", "D2H MB", "evictions"):
         t.add_column(col, justify="right")
     for i, c in enumerate(r.counters):
@@ -194,29 +202,205 @@ def print_result(r: DemoResult, entry_bytes: int = 656) -> None:
                       f"({r.identical_steps} identical steps before it)")
 
 
+def _device(text: str) -> str:
+    """argparse type of --device: cpu, cuda or cuda:N (whether a GPU is there is checked in `run`)."""
+    if text == "cpu" or re.fullmatch(r"cuda(:\d+)?", text):
+        return text
+    raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ess_sglang.cli import float_in, int_at_least, int_in
+
     d = DEFAULTS
-    p.add_argument("--batch", type=int, default=d["batch"], help="requests decoded together (default %(default)s)")
-    p.add_argument("--context-len", type=int, default=d["context_len"], help="prompt tokens per request")
-    p.add_argument("--steps", type=int, default=d["steps"], help="decode steps")
-    p.add_argument("--ratio", type=float, default=d["ratio"], help="hot slots per layer / tokens held (default 0.2)")
-    p.add_argument("--layers", type=int, default=d["layers"])
-    p.add_argument("--top-k", type=int, default=d["top_k"])
-    p.add_argument("--seed", type=int, default=d["seed"])
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--batch", type=int_at_least(1), default=d["batch"], metavar="N", help="requests decoded together")
+    p.add_argument("--context-len", type=int_at_least(2), default=d["context_len"], metavar="TOKENS",
+                   help="prompt tokens of the longest request (the others are up to 1/16 shorter)")
+    p.add_argument("--steps", type=int_at_least(1), default=d["steps"], metavar="N", help="decode steps")
+    p.add_argument("--ratio", type=float_in(0, 1, low_open=True), default=d["ratio"],
+                   help="hot slots per layer / tokens the host pool holds, in (0, 1]")
+    p.add_argument("--layers", type=int_at_least(1), default=d["layers"], metavar="N", help="decoder layers")
+    p.add_argument("--top-k", type=int_at_least(1), default=None, metavar="K",
+                   help=f"entries the indexer selects per request and layer, below --context-len (default: "
+                        f"{d['top_k']}, halved until it is below --context-len and one step's selections fit the "
+                        f"hot pool)")
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=d["seed"], help="seed of the weights and prompts")
+    p.add_argument("--device", type=_device, default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when torch sees a GPU, else cpu)")
     p.add_argument("--attention", choices=["reference", "flashmla"], default=None,
-                   help="attention kernel (default: flashmla on cuda, the torch reference on cpu)")
-    p.add_argument("--no-progress", action="store_true")
+                   help="attention kernel; flashmla needs a GPU and the flash_mla package (default: flashmla on "
+                        "cuda, the torch reference on cpu)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     m = p.add_argument_group("metrics (Prometheus)")
-    m.add_argument("--metrics-port", type=int, default=None, metavar="N",
-                   help="serve the sglang:ess_* series on http://HOST:N/metrics while the demo runs (0: any free port)")
-    m.add_argument("--metrics-host", default="127.0.0.1", help="address to serve /metrics on (default %(default)s)")
-    m.add_argument("--metrics-hold", type=float, default=0.0, metavar="SECONDS",
+    m.add_argument("--metrics-port", type=int_in(0, 65535), default=None, metavar="N",
+                   help="serve the sglang:ess_* series on http://HOST:N/metrics while the demo runs (0: any free "
+                        "port; default: no metrics server)")
+    m.add_argument("--metrics-host", default="127.0.0.1", help="address to serve /metrics on")
+    m.add_argument("--metrics-hold", type=float_in(0), default=0.0, metavar="SECONDS",
                    help="keep serving /metrics this long after decoding, so a scraper can read the final values")
-    m.add_argument("--metrics-interval", type=int, default=None, metavar="STEPS",
+    m.add_argument("--metrics-interval", type=int_at_least(1), default=None, metavar="STEPS",
                    help="read the device counters back every this many steps (default: the config's, 16)")
     m.add_argument("--metrics-per-layer", action="store_true", help="also export per-layer series (label layer)")
     m.add_argument("--model-name", default="ess-demo", help="model_name label of the exported series")
+
+
+_METRICS_ONLY = ("metrics_host", "metrics_hold", "metrics_interval", "metrics_per_layer", "model_name")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse impossible combinations of `ess demo` flags (FlagError names the flag) before anything is allocated.
+
+    Ranges of single flags are argparse's (see `add_arguments`); this checks what depends on several flags or on
+    the machine: the device, the attention kernel, the top-k against the context, the hot pool against one step.
+    """
+    import importlib.util
+
+    from ess_sglang.cli import FlagError
+
+    if args.top_k is None:
+        args.top_k = default_top_k(args.batch, args.context_len, args.steps, args.ratio)
+    if args.top_k >= args.context_len:
+        raise FlagError("--top-k", f"{args.top_k} selects every one of --context-len {args.context_len} tokens, so "
+                                   f"nothing could be offloaded; lower --top-k below {args.context_len} or raise "
+                                   f"--context-len")
+    device = args.device
+    if device is not None and device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise FlagError("--device", f"{device}: torch sees no CUDA GPU on this machine; use --device cpu")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise FlagError("--device", f"{device}: this machine has {torch.cuda.device_count()} GPU(s); use "
+                                        f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if args.attention == "flashmla":
+        if device == "cpu" or (device is None and not _cuda_available()):
+            raise FlagError("--attention", "flashmla runs on a GPU only; use --attention reference on cpu")
+        if importlib.util.find_spec("flash_mla") is None:
+            raise FlagError("--attention", "flashmla needs the flash_mla package, which is not installed; install "
+                                           "FlashMLA or use --attention reference")
+    if args.metrics_port is None:
+        given = [f"--{k.replace('_', '-')}" for k in _METRICS_ONLY if getattr(args, k, None) != _DEFAULT_METRICS[k]]
+        if given:
+            raise FlagError(given[0], "has no effect without --metrics-port; add --metrics-port N (0: any free port)")
+    needed, slots = hot_pool_sizes(args.batch, args.context_len, args.steps, args.ratio, args.top_k)
+    if slots < needed:
+        host = host_pool_tokens(args.batch, args.context_len, args.steps)
+        raise FlagError("--ratio", f"{args.ratio:g} gives a hot pool of {slots:,} slots per layer, but one decode "
+                                   f"step selects up to --batch {args.batch} x (--top-k {args.top_k} + 1 new token) = "
+                                   f"{needed:,}; raise --ratio to at least {math.ceil(needed / host * 1000) / 1000:.3f}"
+                                   f" or lower --batch or --top-k")
+    check_memory(args)
+
+
+_DEFAULT_METRICS = dict(metrics_host="127.0.0.1", metrics_hold=0.0, metrics_interval=None, metrics_per_layer=False,
+                        model_name="ess-demo")
+
+
+def default_top_k(batch: int, context_len: int, steps: int, ratio: float) -> int:
+    """`ess demo`'s top-k when --top-k is not given: DEFAULTS["top_k"], halved (down to 1) until it is below the
+    context and one decode step's selections fit the hot pool `ratio` gives (a short --context-len then still runs)."""
+    def fits(top_k: int) -> bool:
+        needed, slots = hot_pool_sizes(batch, context_len, steps, ratio, top_k)
+        return top_k < context_len and needed <= slots
+
+    top_k = DEFAULTS["top_k"]
+    while top_k > 1 and not fits(top_k):
+        top_k //= 2
+    return top_k
+
+
+def memory_bytes(batch: int, context_len: int, steps: int, layers: int) -> int:
+    """A lower bound of the memory the demo allocates: the host pool and the all-in-device reference store (one
+    656-B latent entry per layer and token location each), and the prompts' hidden states (float32, 256 wide)."""
+    from ess_sglang.formats import LATENT_ENTRY_BYTES
+
+    return 2 * layers * host_pool_tokens(batch, context_len, steps) * LATENT_ENTRY_BYTES + 2 * batch * context_len \
+        * 256 * 4
+
+
+def available_memory_bytes(device: str) -> int | None:
+    """Free memory where the demo allocates: the GPU's (torch.cuda.mem_get_info) on cuda, else the host's
+    MemAvailable (/proc/meminfo); None where it cannot be read."""
+    if device.startswith("cuda"):
+        import torch
+
+        try:
+            return int(torch.cuda.mem_get_info(torch.device(device))[0])
+        except Exception:  # no GPU to ask: nothing to compare against
+            return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _largest_size_flag(args: argparse.Namespace) -> str:
+    """The size flag furthest above its default (the one to lower first)."""
+    d = DEFAULTS
+    share = {"--batch": args.batch / d["batch"], "--context-len": args.context_len / d["context_len"],
+             "--layers": args.layers / d["layers"], "--steps": args.steps / d["steps"]}
+    return max(share, key=share.get)
+
+
+def _memory_message(args: argparse.Namespace, need: int, free: int | None, where: str) -> str:
+    have = f"{free / 2**30:,.1f} GiB is free" if free is not None else "the allocation failed"
+    return (f"the demo needs at least {need / 2**30:,.1f} GiB of {where} memory (--layers {args.layers} x --batch "
+            f"{args.batch} x (--context-len {args.context_len} + --steps {args.steps}) latent entries, twice), but "
+            f"{have}; lower --batch, --context-len, --layers or --steps")
+
+
+def check_memory(args: argparse.Namespace) -> None:
+    """Refuse sizes whose pools cannot fit the free memory (FlagError naming the size flag furthest above its
+    default), before anything is allocated."""
+    from ess_sglang.cli import FlagError
+
+    device = args.device or ("cuda" if _cuda_available() else "cpu")
+    need = memory_bytes(args.batch, args.context_len, args.steps, args.layers)
+    free = available_memory_bytes(device)
+    if free is not None and need > free:
+        where = "GPU" if device.startswith("cuda") else "host"
+        raise FlagError(_largest_size_flag(args), _memory_message(args, need, free, where))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def host_pool_tokens(batch: int, context_len: int, steps: int) -> int:
+    """Token locations per layer of the demo's host pool: `batch` requests at their longest (prompt + steps)."""
+    return batch * (context_len + steps)
+
+
+def hot_pool_sizes(batch: int, context_len: int, steps: int, ratio: float, top_k: int) -> tuple[int, int]:
+    """(slots one decode step needs, slots `ratio` gives), as `EssConfig.plan` computes them for the demo."""
+    from ess_sglang.config import EssConfig, round_up
+
+    page = EssConfig.model_fields["page_size"].default
+    needed = batch * (min(top_k, context_len + steps) + 1)
+    slots = round_up(math.ceil(ratio * host_pool_tokens(batch, context_len, steps) - 1e-9), page)
+    return needed, slots
+
+
+# EssConfig / Deployment keys as `ess demo` flags, for errors raised by the config's own checks.
+_CONFIG_FLAGS = [("ess_config.sparse_memory_ratio", "--ratio"), ("ess_config.top_k", "--top-k"),
+                 ("deployment.max_running_requests", "--batch"), ("deployment.num_layers", "--layers"),
+                 ("deployment.max_context_len", "--context-len"), ("deployment.host_tokens", "--context-len"),
+                 ("max_running_requests", "--batch"), ("top_k", "--top-k"), ("max_context_len", "--context-len")]
+
+
+def config_error_as_flags(exc) -> str:
+    """One line from an EssConfigError, with the config keys it names replaced by the demo's flags."""
+    text = "; ".join(exc.problems)
+    for key, flag in _CONFIG_FLAGS:
+        text = re.sub(rf"(?<![\w.-]){re.escape(key)}\b", flag, text)
+    return text.replace(" (default 0.2)", "")
 
 
 class TransferTimer:
@@ -267,33 +451,61 @@ class TransferTimer:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ess_sglang.cli import FlagError
     from ess_sglang.config import EssConfigError
+    from ess_sglang.host_pool import PinnedMemoryError
 
+    check_args(args)
     demo_kwargs = dict(batch=args.batch, context_len=args.context_len, steps=args.steps, ratio=args.ratio,
                        layers=args.layers, top_k=args.top_k, seed=args.seed, device=args.device,
                        attention=args.attention, progress=not args.no_progress)
-    if getattr(args, "metrics_port", None) is not None:
-        return _run_with_metrics(args, demo_kwargs)
     try:
+        if getattr(args, "metrics_port", None) is not None:
+            return _run_with_metrics(args, demo_kwargs)
         r = run_demo(**demo_kwargs)
     except EssConfigError as e:
-        print(f"ess demo: {e}")
-        return 2
+        text = config_error_as_flags(e)
+        flag, sep, rest = text.partition(": ")
+        raise (FlagError(flag, rest) if sep and flag.startswith("--") else FlagError(None, text)) from None
+    except (MemoryError, PinnedMemoryError, _out_of_memory_error()) as e:
+        # more than check_memory's lower bound, or pinned memory above the locked-memory limit (ulimit -l)
+        need = memory_bytes(args.batch, args.context_len, args.steps, args.layers)
+        detail = " (pinned host memory: see ulimit -l)" if isinstance(e, PinnedMemoryError) else ""
+        raise FlagError(_largest_size_flag(args), _memory_message(args, need, None, "host or GPU") + detail) \
+            from None
     print_result(r)
     return 0 if r.bit_identical else 1
+
+
+def _out_of_memory_error() -> type[BaseException]:
+    import torch
+
+    return getattr(torch, "OutOfMemoryError", MemoryError)
 
 
 def _run_with_metrics(args: argparse.Namespace, demo_kwargs: dict) -> int:
     """`ess demo --metrics-port N`: the demo, with EssMetrics publishing to /metrics while it runs."""
     from prometheus_client import CollectorRegistry
 
-    from ess_sglang.config import EssConfigError, MetricsConfig
+    from ess_sglang.config import MetricsConfig
     from ess_sglang.metrics import EssMetrics, serve_metrics, sglang_labels
 
     cfg = MetricsConfig(per_layer=args.metrics_per_layer,
                         **({"readout_interval_steps": args.metrics_interval} if args.metrics_interval else {}))
     registry = CollectorRegistry()  # not the global one: only the ESS series, and in-process reruns don't collide
-    server = serve_metrics(args.metrics_port, args.metrics_host, registry)  # text format: keeps the colons
+    try:
+        server = serve_metrics(args.metrics_port, args.metrics_host, registry)  # text format: keeps the colons
+    except socket.gaierror as exc:
+        from ess_sglang.cli import FlagError
+
+        raise FlagError("--metrics-host", f"{args.metrics_host}: not an address of this machine "
+                                          f"({exc.strerror or exc}); use e.g. 127.0.0.1 or 0.0.0.0") from None
+    except OSError as exc:
+        from ess_sglang.cli import FlagError
+
+        raise FlagError("--metrics-port", f"cannot serve on {args.metrics_host}:{args.metrics_port} "
+                                          f"({exc.strerror or exc}); choose another port, or 0 for any free one, "
+                                          f"or another --metrics-host") from None
     port = server.server_address[1]
     print(f"ess demo: serving metrics on http://{args.metrics_host}:{port}/metrics", flush=True)
     state: dict = {}
@@ -311,9 +523,6 @@ def _run_with_metrics(args: argparse.Namespace, demo_kwargs: dict) -> int:
     try:
         try:
             r = run_demo(**demo_kwargs, on_step=on_step, on_manager=on_manager)
-        except EssConfigError as e:
-            print(f"ess demo: {e}")
-            return 2
         finally:
             if "timer" in state:
                 state["timer"].uninstall()
