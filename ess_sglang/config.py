@@ -177,6 +177,11 @@ class EssConfig(BaseModel):
     """GiB of GPU memory for the hot pools of all layers together."""
     memory_pool_size_gb: PositiveSize | None = None
     """GiB of pinned host memory for the host total pool (all layers)."""
+    max_kv_cache_gb: PositiveSize | None = None
+    """SGLang plugin: GiB of GPU memory per rank for all of ESS's KV pools together (indexer cache, hot pools,
+    new-token and prefill-staging slots, maps); unset: the KV budget SGLang profiles from --mem-fraction-static.
+    The ESS counterpart of --max-total-tokens (which ESS refuses): a token's KV in an all-HBM DSA pool takes
+    layers x (656 + 132) bytes."""
     sparse_memory_ratio: Ratio | None = None
     """Hot slots per layer as a fraction of the latent tokens the instance holds (0 < r <= 1)."""
     hot_slots_per_layer: PositiveInt | None = None
@@ -215,8 +220,8 @@ class EssConfig(BaseModel):
     misses. None: the interval the overlap profile's spare-slot runs were measured with (4 in the shipped
     SGLang-top-k profile) where a profile is loaded (not with prefetch_overlap_level none), else 1. In the decode
     harness on the H200 (prefetch in three segments, hit 0.95, batch 64), K = 4 with twice the spare slots took
-    9.4-11.3 us a layer less than refilling every step at 128K, 1.9-4.1 at 32K (benchmarks/RESULTS.md, twenty-fourth
-    session); not measured inside SGLang."""
+    9.4-11.3 us a layer less than refilling every step at 128K, 1.9-4.1 at 32K (docs/design.md, "Resolve");
+    not measured inside SGLang."""
     new_tokens: Literal[NEW_TOKEN_MODES] = DEFAULT_NEW_TOKENS
     """Each decoded token's latent entry is written back to the host pool; "on_demand": fetched like any miss when
     a later selection names it (no resolve of its own: measured faster); "insert": also given a protected hot slot."""
