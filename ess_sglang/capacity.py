@@ -60,7 +60,7 @@ class ModelSpec(BaseModel):
 
 
 MODEL_PRESETS: dict[str, ModelSpec] = {
-    # DESIGN.md section 2: 61 layers, kv_lora_rank 512 + rope 64 (V32 fp8), index head dim 128, top-k 2048.
+    # design brief (docs/design.md): 61 layers, kv_lora_rank 512 + rope 64 (V32 fp8), index head dim 128, top-k 2048.
     "deepseek-v3.2-exp": ModelSpec(name="deepseek-v3.2-exp", num_layers=61, top_k=2048),
     # GLM-5 / GLM-5.1 (GlmMoeDsaForCausalLM): 78 layers (3 dense + 75 MoE), kv_lora_rank 512, rope 64,
     # index head dim 128, index_topk 2048 (GLM-5 technical report; NVIDIA Megatron-Bridge model notes).

@@ -16,7 +16,7 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
        serial, each launch after the first with programmatic dependent launch on sm_90+, so that its blocks fill the
        previous launch's last wave before the side stream's claim kernel for that launch's segment takes the SMs);
        the launches after the first score `chunk_indexer_tiles` tiles a program (default 1, the first launch the
-       kernel's own, also 1 since the twenty-third session), so that their short programs free SM slots for the
+       kernel's own, also 1: docs/design.md, "Indexer"), so that their short programs free SM slots for the
        side stream's claim and copy; on sm_90+ a chunk's candidate kernels after the first (and, with spare slots
        and the resolve's PDL, its three claim launches) use programmatic dependent launch
        (`EchoPrefetcher(pdl=...)`); `last_chunk_priority="normal"`
@@ -147,7 +147,7 @@ class StackOptions:
     # scheduled once the previous launch's have all started, and end after it: `indexer_logits_triton(chain=...)`)
     chunk_indexer_tiles: int | None = 1  # prefetch in chunks, the Triton indexer: tiles a program in the launches
     # of the chunks after the first (those beside an earlier chunk's claim and copy on the side stream), None: the
-    # kernel's default (`kernels.indexer.TILES`: 1 since the twenty-third session, 8 before); the logits do not
+    # kernel's default (`kernels.indexer.TILES`: 1, formerly 8; docs/design.md, "Indexer"); the logits do not
     # depend on it. 1 measured fastest at batch 64, hit 0.95, 3 position segments launched chained
     # (benchmarks/RESULTS.md): 32K 488-522 us a layer (4 processes) against 542-568 with 8 (2) and 525-529 with 2 (2);
     # 128K, one process: 1,387-1,397 against 1,405-1,413 with 8, 1,482 with 2. It applies to chunks by rows and on
@@ -178,7 +178,7 @@ class StackOptions:
     # kernels) on the high-priority side stream ("high"), or on a stream at the main stream's priority joined into
     # the side stream ("normal": its scans' thousands of programs then share the SMs with the main stream's kernels
     # instead of taking every free one first; measured no faster: 1,394.4 / 1,411.5 us a layer against 1,380.7 /
-    # 1,406.2 at 128K / 64, within the repeats at 32K / 64: benchmarks/RESULTS.md, twenty-second session)
+    # 1,406.2 at 128K / 64, within the repeats at 32K / 64: H200, 2026-11-30, not kept: docs/design.md)
     prefetch_claim: str = "one_launch"  # prefetch with spare slots on the fused path: "one_launch" (each chunk's
     # candidates found and their spare slots claimed in one kernel, then a one-program close,
     # `HotPoolCacheManager.prefetch_above`) or

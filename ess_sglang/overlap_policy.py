@@ -76,8 +76,9 @@ requests, I(16, 32K) = 75 us): sync at every miss count. DA hides at most 0.44 x
 184 us overhead, so it stays at least 142.2 us behind sync. DBA hides at most 0.8 x 75 = 60 us (half B's window is
 full from 0.75 (T + 40) = 75, T = 60 us, 3,842 misses), less than its 130 us overhead (mostly the split's second
 torch.topk), so it stays at least 70 us behind sync (exactly 70 from 3,842 misses). The measured decode stack ranks
-them the same way (benchmarks/results/decode_layers_1454.json, 2026-11-29 14:54 UTC, hit 0.95, per layer: all-HBM 561.5
-us, sync 697.9, dba 732.1, da 917.6; the model predicts dba +70 and da +145 over sync, measured +34 and +220).
+them the same way (benchmarks/results/decode_layers/decode_layers_1454.json, 2026-11-29 14:54 UTC, H200, hit 0.95,
+per layer: all-HBM 561.5 us, sync 697.9, dba 732.1, da 917.6; the model predicts dba +70 and da +145 over sync,
+measured +34 and +220).
 
 DBA beats sync only where 0.8 x I((1 - f) B, C) exceeds 130 us (half B's window above 162.5 us, B x C above
 4,543,829 tokens: batch 64 from 70,998 tokens of context, batch 128 from 35,499, 32K context from batch 139), and then
@@ -88,16 +89,16 @@ only above T = 418.2 us (26,774 misses). At 32K context the model therefore pick
 until half B's window fills, 0.8 I - 130 after) exceeds DA's (0.44 min(T, A(B)) - 184). DA wins only at short contexts
 and large batches (2K or 8K context from batch 305, above 26,774 misses).
 
-Checked against the measured decode stack (benchmarks/results/decode_layers_1454.json: 4 layers, 32K and 128K context,
-batch 16 / 64 / 128, hit 0.90 / 0.95 / 0.99, dba at split 0.75): with each layer's mode chosen from the sync row's
-misses per layer, the model picks the fastest measured of sync / da / dba at 15 of the 18 configurations. The three
-misses are sync where dba was faster, at 32K: batch 128 hit 0.90 (+4.4%) and 0.95 (+4.9%), batch 64 hit 0.90
+Checked against the measured decode stack (benchmarks/results/decode_layers/decode_layers_1454.json: 4 layers, 32K and
+128K context, batch 16 / 64 / 128, hit 0.90 / 0.95 / 0.99, dba at split 0.75): with each layer's mode chosen from the
+sync row's misses per layer, the model picks the fastest measured of sync / da / dba at 15 of the 18 configurations.
+The three misses are sync where dba was faster, at 32K: batch 128 hit 0.90 (+4.4%) and 0.95 (+4.9%), batch 64 hit 0.90
 (+0.3%); the measured DBA hides more than the linear window I((1 - f) B, C) allows (half B's torch.topk is
-latency-bound, ~120 us at any row count; dba - sync measured -63 us at 32K, batch 128, hit 0.90, predicted +10).
-In that run ECHO prefetch (then in one chunk only) was the fastest measured mode in 6 of those 18 configurations
-(batch 16, and 64 at 32K), by 0.4-6.6%; the analytic model does not offer it (above), a calibration does.
-With the previous constants (da_overhead_us 45, dba_split 0.5) the same check gave 12 of 18 and a worst loss of 26.4%
-(da at 32K, batch 128, hit 0.95).
+latency-bound, ~120 us at any row count; dba - sync measured -63 us at 32K, batch 128, hit 0.90, predicted +10). In
+that run ECHO prefetch (then in one chunk only) was the fastest measured mode in 6 of those 18 configurations (batch
+16, and 64 at 32K), by 0.4-6.6%; the analytic model does not offer it (above), a calibration does. With the previous
+constants (da_overhead_us 45, dba_split 0.5) the same check gave 12 of 18 and a worst loss of 26.4% (da at 32K, batch
+128, hit 0.95).
 
 File layout (`save_profile` writes it, `load_profile` validates it)::
 

@@ -11,7 +11,9 @@ written as YAML::
     ess profile --trace benchmarks/traces/smollm2-135m_sample.npz --ratio 0.2 --out configs/overlap/x.yaml
     ess profile --synthetic --gen-layers 16 --batch 64 --context 32768 --top-k 2048
     ess profile --demo --slots-per-layer 4096
-    ess profile --synthetic --batch 64 --context 32768 --top-k 2048 --calibration benchmarks/results/decode_layers.json
+    ess profile --synthetic --batch 64 --context 32768 --top-k 2048 --calibration-spare \
+        --calibration configs/overlap/calibration/h200_sglang-topk_margin0.json \
+        --calibration-margin configs/overlap/calibration/h200_sglang-topk_margin0.01.json
 
 The cost model runs at --batch / --context / --top-k (default: the trace's own); when they differ from the trace's,
 the measured misses are scaled by (batch / trace batch) x (top_k / trace top-k), i.e. the measured miss rate per
@@ -348,7 +350,7 @@ def print_table(profile: OverlapProfile, stderr: bool = False) -> None:
                      if (refill := getattr(profile.device.measured, "spare_refill_interval", None)) else ""),
                   highlight=False)
     plugin = Counter(profile.modes_within(ONE_CALL_MODES))
-    console.print("the SGLang plugin (one indexer call and one attention call a layer) runs: "
+    console.print("the SGLang plugin (one indexer launch and one attention launch per layer) runs: "
                   + ", ".join(f"{n} {m}" for m, n in plugin.items()), highlight=False)
     if profile.device.measured is not None:
         where = "inside" if profile.device.measured.covers(h.batch, h.context) else "outside (analytic model used)"

@@ -323,7 +323,7 @@ def _chunking(meta: Mapping, where: str) -> PrefetchChunking:
 
 
 LEGACY_INDEXER = {"split": "serial"}
-"""`meta.prefetch_indexer` values of runs from before its current names (the eleventh session's "split": one indexer
+"""`meta.prefetch_indexer` values of runs from before its current names ("split", the name before "serial": one indexer
 launch per chunk, one after the other on the main stream)."""
 _CHUNKING_META = {"fractions": "prefetch_fractions", "split": "prefetch_split", "indexer": "prefetch_indexer",
                   "last_chunk_prefetch": "last_chunk_prefetch", "indexer_tiles": "chunk_indexer_tiles"}

@@ -50,9 +50,9 @@ from ess_sglang.reference.dsa import causal_lengths, topk_positions
 
 ENTRY_WORDS = INDEXER_ENTRY_BYTES // 4  # 33: 32 words of fp8 keys, then the scale
 BLOCK_T = 128  # positions per tile
-# tiles per program: 1 since the twenty-third session. The decode stacks run bf16 queries; there one tile a program
+# tiles per program: 1 (docs/design.md, "Indexer"). The decode stacks run bf16 queries; there one tile a program
 # measured 294.9 / 1,136.3 us at batch 64, 32K / 128K, against 8 tiles' 307.1 / 1,159.5, and the all-HBM decode
-# stack 425.6 / 1,268.6 us a layer against 446.2 / 1,321.8 (H200, benchmarks/RESULTS.md, twenty-third session)
+# stack 425.6 / 1,268.6 us a layer against 446.2 / 1,321.8 (H200, 2026-12-01)
 TILES = 1
 STAGES = 2  # tiles a program keeps in flight (the compiler's software pipelining of its loop over them)
 NUM_WARPS = 4

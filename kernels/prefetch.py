@@ -225,7 +225,7 @@ def _claim_above_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr
     # the words a program with candidates reads after its scan, loaded before it (no program of the launch changes
     # them; the close launch moves the spare slots taken): their latency overlaps the logits' instead of adding to
     # the program's chain of dependent loads and atomics (128K / 64: 3-11 us a layer less, 32K / 64: 2-4; H200,
-    # benchmarks/NOTES.md, twenty-fourth session)
+    # 2026-12-01; docs/design.md, "Prefetch")
     taken = tl.load(taken_ptr)
     stamp = tl.load(clock_ptr) - 1  # the newest entries, yet evictable in this step (a prefetch protects nothing)
     cap = _segment_cap(seq_ptr, b, cap_fraction_ptr, cap_min, width, first_pos, T)
@@ -278,7 +278,7 @@ def _claim_close_kernel(ctr_ptr, B, taken_ptr, num_spare, count_ptr, cnt_ptr, C_
     # one program after the claim launch: the list's count (its spare-slot winners), the spare slots taken, the fetch
     # counters, and the claim counters back to zero for the next launch. (The claim's last program did this before,
     # found by a counter every program incremented with acq_rel: at 128K / 64 the claim kernel is now 13-14% shorter,
-    # 8-9% counting this launch: benchmarks/NOTES.md, twenty-third session)
+    # 8-9% counting this launch: H200, 2026-12-01; docs/design.md, "Prefetch")
     total = tl.load(ctr_ptr + B).to(tl.int64)
     taken = tl.load(taken_ptr)
     listed = tl.minimum(total, tl.maximum(num_spare - taken, 0))

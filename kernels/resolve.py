@@ -48,7 +48,7 @@ Three launches instead of five beside the indexer and the top-k, none of them ov
 With spare slots, K2-K4 are one launch (`_tail_kernel`, over `FusedResolver.tail_programs` programs, all resident at
 once): its programs build the histogram, wait for one another (a counter in the scratch), list the victims, wait
 again and walk the winners; where no victims are needed (every program reads that alike from K1's counts) they skip
-straight to the walk. On the H200 at batch 64 (benchmarks/RESULTS.md, twenty-sixth session) the one launch ran
+straight to the walk. On the H200 at batch 64 (2026-12-01; docs/design.md, "Resolve") the one launch ran
 1.8-5.0 us a layer faster than the three at 32K, and from 11.9 faster to 7.1 slower at 128K. The grid-wide waits
 assume every program of the tail is resident at once (2 x SMs programs of 2 warps, or the assign walk's, up to 4 x
 SMs): true on a whole GPU, not guaranteed where the GPU is shared by SM limits (MPS), which this does not check;
@@ -85,8 +85,8 @@ ROWS = ROWS_PER_PROGRAM  # misses assigned (and copied, those K1 does not copy) 
 LOOKUP_COPY_ROWS = 16  # spare-slot winners a lookup program copies at a time (few: most programs have none)
 # Misses (by rank) the lookup copies itself; K4 copies the rest. Few misses (after a prefetch) are then in flight while
 # the lookup runs; many (a resolve with no prefetch) would put all of them in flight at once: without the cap, sync
-# with spare slots ran 14-31 us a layer slower on the H200 than K4's persistent walk (benchmarks/NOTES.md,
-# seventeenth session)
+# with spare slots ran 14-31 us a layer slower on the H200 than K4's persistent walk (2026-11-30;
+# docs/design.md, "Resolve")
 LOOKUP_COPY_CAP = 1024
 NEW_TOKEN_ROWS = 4  # this step's tokens a write-back program of the finish kernel stores (one per request)
 AGE_BUCKETS = 256
@@ -591,11 +591,11 @@ class FusedResolver:
         # programs of the refill's evictions per step of its interval: few, since it runs beside attention and the
         # next indexer (which want the SMs); a refill every K-th step evicts K steps' victims, over K times as many
         # (16 a step: at 128K / 64 with K = 4, 64 programs took 2.1-2.3 us a layer less than 16, whose evictions
-        # ran 31 us, after attention in the last layer: H200, benchmarks/NOTES.md, twenty-fourth session)
+        # ran 31 us, after attention in the last layer: H200, 2026-12-01; docs/design.md, "Resolve")
         self.refill_programs = 16 if device.type == "cuda" else 2
         self.max_refill_programs = max(self.refill_programs, sms)
         # Slots per block and warps of the two launches over the pool (age histogram, victim scan), the best of a
-        # sweep over pools of 164K-3.4M slots at batch 64 (benchmarks/NOTES.md): small blocks, now that blocks
+        # sweep over pools of 164K-3.4M slots at batch 64 (H200, 2026-11-29): small blocks, now that blocks
         # without ages or victims of their own skip the shared atomics
         self.age_block, self.age_warps = 1024, 4
         self.victim_block, self.victim_warps = 512, (4 if num_slots < 1 << 20 else 2)
@@ -603,7 +603,7 @@ class FusedResolver:
         # `_scans`' where `tail_programs` is None)
         self.scan_programs = 2 * sms
         # programs of a refill's age and victim scans (None: one per block, measured faster than 2 x SMs for both:
-        # benchmarks/NOTES.md, twenty-first session; victims over 8 x SMs measured no faster: twenty-second session)
+        # H200, 2026-11-30; victims over 8 x SMs measured no faster; docs/design.md, "Resolve")
         self.refill_age_programs: int | None = None
         self.refill_victim_programs: int | None = None
         # With spare slots, K2-K4 of a resolve run as one launch (`_tail_kernel`) over this many programs (at least
@@ -649,7 +649,7 @@ class FusedResolver:
         program walking consecutive blocks), so that the usual no-victim launch is a wave of programs that return at
         once rather than thousands. When such a resolve does need victims (a layer's first resolve, before its first
         refill; misses beyond the spare slots left) the short grid scans the pool with fewer programs at once: that
-        case is not timed (benchmarks/NOTES.md, twentieth session)."""
+        case is not timed (docs/design.md, "Resolve")."""
         S = self.num_slots
         resolve_grid = self.scan_programs if self.num_spare > 0 else None  # (a resolve's: short with spare slots)
 

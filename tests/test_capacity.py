@@ -43,7 +43,7 @@ def test_config_and_capacity_do_not_import_torch():
 def test_presets():
     assert (DSV32.num_layers, DSV32.latent_bytes_per_token_layer, DSV32.indexer_bytes_per_token_layer,
             DSV32.top_k) == (61, 656, 132, 2048)
-    assert DSV32.latent_bytes_per_token == 40_016 and DSV32.indexer_bytes_per_token == 8_052  # DESIGN.md section 2
+    assert DSV32.latent_bytes_per_token == 40_016 and DSV32.indexer_bytes_per_token == 8_052  # docs/design.md
     assert MODEL_PRESETS["glm-5"].num_layers == 78
 
 

@@ -59,7 +59,7 @@ def paper_data() -> dict:
 def test_byte_constants_match_formats():
     formats = pytest.importorskip("ess_sglang.formats")
     assert (LATENT_ENTRY_BYTES, INDEXER_ENTRY_BYTES) == (formats.LATENT_ENTRY_BYTES, formats.INDEXER_ENTRY_BYTES)
-    # DESIGN.md section 2: 40,016 B latent + 8,052 B indexer per token over the 61 layers
+    # design brief (docs/design.md): 40,016 B latent + 8,052 B indexer per token over the 61 layers
     assert DSV32.num_layers * LATENT_ENTRY_BYTES == 40016 and DSV32.num_layers * INDEXER_ENTRY_BYTES == 8052
 
 

@@ -36,11 +36,15 @@ from ess_sglang.stack_calibration import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_1819 = ROOT / "benchmarks" / "results" / "decode_layers_1819.json"
-RUN_2104 = ROOT / "benchmarks" / "results" / "decode_layers_2104.json"  # 21:04 UTC: modes without, with spare slots
+CALIBRATION = ROOT / "configs" / "overlap" / "calibration"  # the shipped decode-stack runs (configs/overlap/README.md)
+RUN_1819 = CALIBRATION / "h200_torch-topk_no-spare.json"  # 2026-11-29 18:19 UTC, H200, torch.topk
+RUN_2104 = CALIBRATION / "h200_torch-topk_spare-auto.json"  # 21:04 UTC: modes without, with spare slots
 # 2026-11-30 01:35 / 01:37 UTC, one H200: the whole table (no layerwise) at prefetch margin 0 and 0.01, spare 0 / 0.1
-RUN_M0 = ROOT / "benchmarks" / "results" / "margin_calibration" / "m0" / "decode_layers.json"
-RUN_M001 = ROOT / "benchmarks" / "results" / "margin_calibration" / "m001" / "decode_layers.json"
+RUN_M0 = CALIBRATION / "h200_torch-topk_spare0.1_margin0.json"
+RUN_M001 = CALIBRATION / "h200_torch-topk_spare0.1_margin0.01.json"
+# SGLang's top-k: equal chunks by rows (2026-11-30 06:26 UTC); the shipped pair's margin-0 run (2026-12-01 02:16 UTC)
+RUN_SGLANG_EQUAL = CALIBRATION / "h200_sglang-topk_equal-chunks_margin0.json"
+RUN_SGLANG_M0 = CALIBRATION / "h200_sglang-topk_margin0.json"
 ONE_RUN_MODES = ("sync", "da", "dba", "prefetch", "prefetch2")  # what a run at one margin measures
 RUN_MODES = tuple(m for m in MODES if not m.startswith("prefetch3"))  # what the committed pair measured (no prefetch3)
 
@@ -182,7 +186,7 @@ def test_a_run_whose_chunks_were_launched_otherwise_is_refused_when_the_launch_i
     with pytest.raises(CalibrationError, match=r"run\.json: its prefetch chunks were launched overlapped "
                                                r"\(meta\.prefetch_indexer\), this run's serial"):
         calibration_from_decode_layers(run, "run.json", prefetch_indexer="serial")
-    run["meta"]["prefetch_indexer"] = "split"  # (the eleventh session's name of serial launches)
+    run["meta"]["prefetch_indexer"] = "split"  # (the former name of serial launches)
     assert calibration_from_decode_layers(run, "run.json", prefetch_indexer="serial").prefetch_chunking.indexer == \
         "serial"
     with pytest.raises(CalibrationError, match=r"launched serial \(meta\.prefetch_indexer\), this run's overlapped"):
@@ -375,7 +379,7 @@ def test_a_run_without_spare_slots_is_no_spare_calibration(tmp_path, capsys):
 
 
 def test_ess_profile_with_a_calibration_measured_with_sglangs_top_k_says_nothing_of_it(tmp_path, capsys):
-    run = ROOT / "benchmarks" / "results" / "sglang_topk_calibration" / "m0" / "decode_layers.json"
+    run = RUN_SGLANG_EQUAL
     argv = ["profile", "--synthetic", "--gen-layers", "2", "--gen-steps", "8", "--batch", "64", "--context", "32768",
             "--top-k", "2048", "--calibration", str(run), "--out", str(tmp_path / "p.yaml")]
     assert main(argv) == 0
@@ -388,15 +392,14 @@ def test_ess_profile_records_a_calibration_whose_last_chunk_did_not_prefetch(tmp
     """A run that left its last chunk's misses to the resolve measured the prefetchN modes so: the profile records
     it, and the harness's layers run it (`profile_stack_options`); the plugin runs one-chunk prefetch, which has no
     last chunk to leave out."""
-    run = json.loads((ROOT / "benchmarks" / "results" / "sglang_topk_calibration" / "m0" / "decode_layers.json")
-                     .read_text())
+    run = json.loads(RUN_SGLANG_EQUAL.read_text())
     run["meta"]["last_chunk_prefetch"] = False
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(run))
     assert main(["profile", "--synthetic", "--gen-layers", "2", "--gen-steps", "8", "--batch", "64", "--context",
                  "32768", "--top-k", "2048", "--calibration", str(path), "--out", str(tmp_path / "p.yaml")]) == 0
     out = capsys.readouterr().out
-    assert "the SGLang plugin (one indexer call and one attention call a layer) runs: 2 " in out
+    assert "the SGLang plugin (one indexer launch and one attention launch per layer) runs: 2 " in out
     prof = load_profile(tmp_path / "p.yaml", num_layers=2)
     assert prof.device.measured.prefetch_chunking.last_chunk_prefetch is False
     assert profile_stack_options(prof, 2)["last_chunk_prefetch"] is False
@@ -465,7 +468,7 @@ def test_committed_calibrated_example_is_valid_and_reproducible():
 
     path = ROOT / "configs" / "overlap" / "smollm2-135m_ratio0.2_h200-measured.yaml"
     prof = load_profile(path, num_layers=30)
-    assert prof.device.measured is not None and "decode_layers_1819.json" in prof.device.measured.source
+    assert prof.device.measured is not None and RUN_1819.name in prof.device.measured.source
     assert prof.modes().count("prefetch") == 2 and prof.modes().count("prefetch2") == 28
     argv = shlex.split(prof.header.command)
     assert "--calibration" in argv
@@ -477,7 +480,7 @@ def test_committed_calibrated_example_is_valid_and_reproducible():
 
 
 def test_committed_sglang_topk_profile_records_its_chunks_and_is_reproducible(tmp_path):
-    """The profile from the twenty-third session's calibration pair (SGLang's top-k, spare slots, the indexer in
+    """The profile from the shipped SGLang-top-k calibration pair (SGLang's top-k, spare slots, the indexer in
     segments of 0.5 / 0.3 / 0.2 by positions, chained launches of 1 tile a program after the first, the last segment
     left to the resolve): every layer prefetches in chunks as measured, and the SGLang plugin, which runs one-chunk
     prefetch or none, runs sync in every layer (one-chunk prefetch measured slower than sync at this profile's
@@ -491,7 +494,7 @@ def test_committed_sglang_topk_profile_records_its_chunks_and_is_reproducible(tm
     name = "smollm2-135m_ratio0.2_h200-sglang-topk.yaml"
     prof = load_profile(ROOT / "configs" / "overlap" / name, num_layers=30)
     m = prof.device.measured
-    assert m.topk == "sglang" and m.prefetch_margin == 0.01 and "session32" in m.source
+    assert m.topk == "sglang" and m.prefetch_margin == 0.01 and "h200_sglang-topk_margin0.01.json" in m.source
     assert m.spare_refill_interval == 4  # (its runs with spare slots refilled every 4th step)
     assert m.prefetch_chunking == PrefetchChunking(fractions=(0.5, 0.3, 0.2), split="positions", indexer="chained",
                                                    last_chunk_prefetch=False, indexer_tiles=1)
@@ -649,7 +652,7 @@ def test_a_calibration_refilled_at_another_interval_is_refused():
     (`meta.refill_interval`, 1 where absent); without `refill_interval` nothing is checked."""
     from ess_sglang.stack_calibration import load_calibration
 
-    every4 = ROOT / "benchmarks" / "results" / "session32" / "call_E" / "m0" / "decode_layers.json"
+    every4 = RUN_SGLANG_M0
     assert load_calibration(every4, spare_slots=True, refill_interval=4).spare_refill_interval == 4
     assert load_calibration(RUN_M0, spare_slots=True, refill_interval=1).spare_refill_interval == 1
     with pytest.raises(CalibrationError, match=r"refilled every 1 steps \(meta.refill_interval\), this run's every 4"):

@@ -6,9 +6,10 @@ PCIe (measured fetch rates) are not scaled by it. It is fitted once, on the base
 table (batch 52, pool ratio 1.0, 23.19 tokens/s per request, configs/scenarios/paper-32k.yaml), by bisection
 on the per-request rate, which falls monotonically as eta falls. Every scenario uses it unchanged.
 
-Cross-check, not used in the fit: FlashMLA sparse decode measured on the project's H200 (DESIGN.md section 2)
-takes 95 us at 64 and 181 us at 128 query tokens per layer, i.e. 0.39-0.41 of the bf16 peak (570 MFLOP per
-token); the fitted eta is a little lower because it also absorbs launch gaps and the small-M GEMMs of decode.
+Cross-check, not used in the fit: FlashMLA sparse decode measured on the project's H200 (the design brief's figures,
+docs/design.md) takes 95 us at 64 and 181 us at 128 query tokens per layer, i.e. 0.39-0.41 of the bf16 peak
+(570 MFLOP per token); the fitted eta is a little lower because it also absorbs launch gaps and the small-M GEMMs
+of decode.
 
 The issue allows two constants; one suffices (tests/test_simulator.py pins the paper's five rows within 10%).
 """

@@ -47,7 +47,7 @@ OVERLAP_MODES = ("sync", "da", "dba", "auto")
 
 @dataclass(frozen=True)
 class ModelArch:
-    """DeepSeek-V3.2-Exp (config.json of deepseek-ai/DeepSeek-V3.2-Exp; DESIGN.md section 2)."""
+    """DeepSeek-V3.2-Exp (config.json of deepseek-ai/DeepSeek-V3.2-Exp; docs/design.md, from the design brief)."""
 
     hidden: int = 7168
     num_layers: int = 61

@@ -9,7 +9,7 @@ Model (used to move a reference profile to another pool ratio r and context L)::
     misses_l(r, L) = misses_l(r_ref, L_ref) * s(r, L) / s(r_ref, L_ref),   s(r, L) = (1 - r) / (r L)^alpha
 
 clipped to [0, q x min(k, L)]. It is 0 at r = 1 (everything resident), grows as the pool shrinks, and falls
-as context grows at a fixed ratio (the pool, r L slots, grows while the top-k stays 2048): DESIGN.md section 1.
+as context grows at a fixed ratio (the pool, r L slots, grows while the top-k stays 2048): design brief, docs/design.md.
 ``alpha = 1`` (misses inversely proportional to the pool size) is an assumption, not a measurement.
 
 Reference without a profile: ESS reports 17 to 605 misses per layer at ratio 0.2 and 32K context; the

@@ -150,8 +150,8 @@ def reference(world):
     # the calibrated plan: segments launched one after the other, the last one's misses left to the exact resolve
     ("sync", 3, "whole", "spare, positions, lastoff"), ("sync", 2, "whole", "lastoff"),
     ("sync", 3, "whole", "overlapped, lastoff"), ("dba", 2, "whole", "spare, positions, lastoff"),
-    # the segments' indexer launches chained by programmatic dependent launch (the table's plan since the nineteenth
-    # session), by positions and by rows, and in DBA's chunks
+    # the segments' indexer launches chained by programmatic dependent launch (the current table's plan,
+    # benchmarks/RESULTS.md), by positions and by rows, and in DBA's chunks
     ("sync", 3, "whole", "spare, chained, positions, lastoff"), ("sync", 3, "whole", "chained"),
     ("dba", 2, "whole", "spare, chained, positions"),
     # the refill of the spare slots at the main stream's priority
@@ -219,7 +219,7 @@ def test_modes_against_all_in_hbm(world, reference, mode, prefetch, dba_attentio
     (["sync", "sync"], 3, 1024, "overlapped, positions"), (["dba", "sync"], 2, 1024, "overlapped, positions"),
     # the last segment's misses left to the exact resolve
     (["sync", "sync"], 3, 1024, "serial, positions, lastoff"),
-    # the segments' indexer launches chained (the table's plan since the nineteenth session)
+    # the segments' indexer launches chained (the current table's plan, benchmarks/RESULTS.md)
     (["sync", "sync"], 3, 1024, "chained, positions, lastoff"), (["dba", "sync"], 2, 1024, "chained")])
 def test_whole_step_in_one_cuda_graph(world, reference, modes, prefetch_chunks, spare, indexer):
     """Capture a step with prefetch and mixed modes; replaying it over later steps gives what the all-HBM stack and
