@@ -24,6 +24,7 @@ import types
 
 import pytest
 import torch
+from sglang_pools import cpu_coordinator
 from sglang_versions import PD_DECODE, needs_pd_decode, resolve, set_extend_end, set_req_row
 
 from ess_sglang.config import EssConfig
@@ -237,24 +238,9 @@ def _commit(queue, req, idx: int) -> None:
 
 def _coordinator(mode: str):
     """An ESS coordinator over SGLang's HiSparse pools (CPU), as the decode seam test builds it."""
-    from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
-    from ess_sglang.sglang_plugin.coordinator import EssCoordinator
-
     staging = -(-max(PROMPTS.values()) // PAGE) * PAGE * len(PROMPTS) if mode == "colocated" else 0
-    device_tokens = HOT + PAGE + staging
-    kw = dict(page_size=PAGE, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64, layer_num=LAYERS,
-              device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656)
-    pool = HiSparseDSATokenToKVPool(size=device_tokens, host_to_device_ratio=2, **kw)
-    allocator = HiSparseTokenToKVPoolAllocator(device_tokens, page_size=PAGE, dtype=torch.float8_e4m3fn, device="cpu",
-                                               kvcache=pool, need_sort=False, host_to_device_ratio=2)
-    req_pool = ReqToTokenPool(size=ROWS, max_context_len=1024, device="cpu", enable_memory_saver=False)
-    coord = EssCoordinator(req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
-                           config=EssConfig(top_k=TOPK, warmup_windows=WINDOWS), hot_slots_per_layer=HOT,
-                           host_tokens=allocator.size_full, device="cpu", top_k=TOPK, max_running_requests=ROWS,
-                           pin_memory=False, copy_impl="torch")
+    coord, allocator, req_pool = cpu_coordinator(page=PAGE, layers=LAYERS, rows=ROWS, top_k=TOPK, hot=HOT,
+                                                 staging=staging, config=EssConfig(top_k=TOPK, warmup_windows=WINDOWS))
     assert coord.warmup_budget(10 ** 6) == BUDGET
     return coord, allocator, req_pool
 

@@ -18,6 +18,7 @@ import inspect
 
 import pytest
 import torch
+from sglang_pools import cpu_coordinator
 from sglang_versions import SGLANG_VERSION, scheduler_context, set_extend_end
 
 from ess_sglang.config import EssConfig
@@ -48,28 +49,16 @@ def served(loaded_plugins, ess_env, model_argv, parallel1):
     """The runtime hooks applied as in an ESS scheduler process, with a scheduler's runtime context published (SGLang's
     release path reads it) and an ESS coordinator over SGLang's HiSparse pools; yields (coordinator, allocator,
     request pool, tree cache)."""
-    from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.chunk_cache import ChunkCache
-    from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.server_args import prepare_server_args
 
     from ess_sglang.sglang_plugin import hooks
-    from ess_sglang.sglang_plugin.coordinator import EssCoordinator, set_active
+    from ess_sglang.sglang_plugin.coordinator import set_active
 
     hooks.install_runtime_hooks()
-    device_tokens = HOT + PAGE + STAGING  # hot pool, new-token slots (one page for the rows), prefill staging
-    kw = dict(page_size=PAGE, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64, layer_num=LAYERS,
-              device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656)
-    pool = HiSparseDSATokenToKVPool(size=device_tokens, host_to_device_ratio=2, **kw)
-    allocator = HiSparseTokenToKVPoolAllocator(device_tokens, page_size=PAGE, dtype=torch.float8_e4m3fn, device="cpu",
-                                               kvcache=pool, need_sort=False, host_to_device_ratio=2)
-    req_pool = ReqToTokenPool(size=ROWS, max_context_len=1024, device="cpu", enable_memory_saver=False)
-    coord = EssCoordinator(req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
-                           config=EssConfig(top_k=TOPK, warmup_windows=0), hot_slots_per_layer=HOT,
-                           host_tokens=allocator.size_full, device="cpu", top_k=TOPK, max_running_requests=ROWS,
-                           pin_memory=False, copy_impl="torch")
+    coord, allocator, req_pool = cpu_coordinator(page=PAGE, layers=LAYERS, rows=ROWS, top_k=TOPK, hot=HOT,
+                                                 staging=STAGING, config=EssConfig(top_k=TOPK, warmup_windows=0))
     assert coord.staging_capacity == STAGING
     tree = ChunkCache(CacheInitParams(disable=True, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
                                       page_size=PAGE))

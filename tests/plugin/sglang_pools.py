@@ -1,0 +1,30 @@
+"""An ESS coordinator over SGLang's own HiSparse pools on CPU (fp8 latents, 656-byte V32 entries, ratio 2), as the
+plugin's seam, warm-up and release tests build it."""
+
+from __future__ import annotations
+
+import torch
+
+from ess_sglang.config import EssConfig
+
+
+def cpu_coordinator(*, page: int, layers: int, rows: int, top_k: int, hot: int, staging: int, config: EssConfig):
+    """(coordinator, allocator, request pool): a device pool of `hot` + one page of new-token slots + `staging`
+    prefill slots, a logical space twice that, `rows` request rows of 1,024 tokens."""
+    from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from ess_sglang.sglang_plugin.coordinator import EssCoordinator
+
+    device_tokens = hot + page + staging
+    pool = HiSparseDSATokenToKVPool(size=device_tokens, host_to_device_ratio=2, page_size=page, kv_lora_rank=512,
+                                    dtype=torch.float8_e4m3fn, qk_rope_head_dim=64, layer_num=layers, device="cpu",
+                                    index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656)
+    allocator = HiSparseTokenToKVPoolAllocator(device_tokens, page_size=page, dtype=torch.float8_e4m3fn, device="cpu",
+                                               kvcache=pool, need_sort=False, host_to_device_ratio=2)
+    req_pool = ReqToTokenPool(size=rows, max_context_len=1024, device="cpu", enable_memory_saver=False)
+    coord = EssCoordinator(req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, config=config,
+                           hot_slots_per_layer=hot, host_tokens=allocator.size_full, device="cpu", top_k=top_k,
+                           max_running_requests=rows, pin_memory=False, copy_impl="torch")
+    return coord, allocator, req_pool
