@@ -204,3 +204,23 @@ def test_never_fitting_request_is_rejected_not_queued(context):
                        hot_slots_per_layer=pools.hot_slots_per_layer, top_k=2048)
     v = adm.admit("huge", pools.host_tokens + 1)
     assert v.decision is Decision.REJECT and "raise ess_config.memory_pool_size_gb" in v.reason
+
+
+def test_the_schedulers_token_capacity_is_the_logical_locations(monkeypatch):
+    """With ESS the allocator reports free logical locations (indexer entries backed by the host pool) to SGLang; the
+    model runner's max_total_num_tokens, which SGLang's pool statistics divide that by and which caps a request's
+    length, must count the same locations, not the device slots the pool configurator sized. A real SGLang 0.5.17
+    server otherwise asserted on a negative token usage at its first idle step."""
+    from ess_sglang.sglang_plugin import coordinator, decode_topk
+
+    enabled = settings.EssSettings(True, EssConfig(), None)
+    monkeypatch.setattr(coordinator.settings_mod, "current", lambda *a: enabled)
+    monkeypatch.setattr(coordinator.compat, "verify_applied", lambda *a: None)
+    monkeypatch.setattr(coordinator.EssCoordinator, "from_model_runner", classmethod(lambda cls, *a: "coordinator"))
+    monkeypatch.setattr(decode_topk, "log_startup", lambda *a: None)
+    allocator = types.SimpleNamespace(size=10 * 17_472)  # logical locations: ratio 10 over the device slots
+    runner = types.SimpleNamespace(server_args=None, enable_hisparse=True, max_total_num_tokens=17_472,
+                                   token_to_kv_pool_allocator=allocator)
+    assert coordinator.maybe_init_hisparse_coordinator_hook(lambda *a: None, runner) is None
+    assert runner.hisparse_coordinator == "coordinator"
+    assert runner.max_total_num_tokens == 174_720
