@@ -192,7 +192,7 @@ class StackOptions:
     indexer: str = "auto"  # "triton", "torch", or "auto"
     topk: str | TopK = "auto"  # "triton" (Triton radix select), "torch" (torch.topk), "auto" (torch: faster so far),
     # or a callable (scores [B, Q, T], k, seq_lens [B]) -> (positions [B, Q, k] int32, k-th best score [B, Q]), e.g.
-    # SGLang's own decode top-k (benchmarks/NOTES.md); both stacks of a comparison must use the same one
+    # SGLang's own decode top-k (docs/design.md); both stacks of a comparison must use the same one
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]

@@ -30,7 +30,7 @@ batch x context x hit rate, interpolated; `ess_sglang.stack_calibration`) wherev
 batch and context; elsewhere, and always without a calibration, from the analytic cost model below, which covers
 sync / da / dba only (prefetch's gain depends on how long the top-k and the second chunk's indexer run beside its
 candidate kernels, and on how much of what it fetches the top-k then selects: a three-constant term fitted to one
-run predicted the better of sync and prefetch in 10 of 18 configurations, benchmarks/NOTES.md, so it is not
+run predicted the better of sync and prefetch in 10 of 18 configurations, docs/design.md, so it is not
 modelled).
 
 `ess profile` (ess_sglang/profile_cmd.py) replays top-k traces through the cache manager to count every layer's

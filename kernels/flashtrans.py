@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS_PER_PROGRAM = 4  # with NUM_WARPS and the masked variant: the best of the sweep (benchmarks/NOTES.md)
+ROWS_PER_PROGRAM = 4  # with NUM_WARPS and the masked variant: the best of the sweep (docs/design.md)
 NUM_WARPS = 2
 
 

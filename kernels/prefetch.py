@@ -218,7 +218,7 @@ def _claim_above_kernel(logits_ptr, l_stride_b, l_stride_q, Q, T, first_pos, thr
     # the shared rank mostly follows it: each request's candidates come out together in the fetch list, which keeps
     # the copy's host reads near each other (a request's entries are near each other in the host pool); x-fastest
     # dispatch of a (B, tiles) grid interleaved the requests, and the copy of 128 / 32K's first segment took 194 us
-    # against 161 (H200, benchmarks/NOTES.md)
+    # against 161 (H200, docs/design.md)
     me = tl.program_id(0).to(tl.int64)
     b = me // tiles
     p = me % tiles

@@ -755,7 +755,7 @@ class FusedResolver:
                     S, pend_src, pend_dst, pend_count, out, 0, REFILL=False, SPARE_ONLY=True, PEND=pend, CLOSE=close,
                     STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block, **self._pdl(chained))
             return out
-        # the inline copy is fastest with one program per SM, the bookkeeping alone with four (benchmarks/NOTES.md;
+        # the inline copy is fastest with one program per SM, the bookkeeping alone with four (docs/design.md;
         # measured when K4 copied every miss, before K1 copied the first ones)
         assign = min(triton.cdiv(n, ROWS), self.assign_programs[1 if copy else 0])
         walk = dict(COPY=copy, PEND=pend, WORDS=words, BLOCK_WORDS=triton.next_power_of_2(words), C_FETCH_A=fa,

@@ -1,7 +1,7 @@
 """Top-k of indexer scores for decode: the positions of each row's k largest scores, and the k-th largest score.
 
 torch.topk (k = 2048 over 32K-128K scores) is a chain of ~30 small kernels that takes ~120 us on the H200 whether the
-batch has 16 or 48 rows (benchmarks/NOTES.md); the decode stack runs it once per layer (twice in dual-batch mode).
+batch has 16 or 48 rows (docs/design.md); the decode stack runs it once per layer (twice in dual-batch mode).
 Two variants of one radix selection (four 8-bit passes of histograms, each narrowing the prefix of the k-th largest
 key, then the selected positions are written): "row", one program per row in one launch (slower than torch.topk on
 the H200: one SM reads the row five times), and "tiles", many programs per row with per-row histograms in global

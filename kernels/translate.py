@@ -18,7 +18,7 @@ import triton.language as tl
 def block_for(n: int, lo: int, hi: int, programs: int) -> int:
     """Entries per program for a launch over n entries: a power of two in [lo, hi] giving about `programs` programs,
     so that a small selection is spread over many SMs (these kernels are latency-bound chains of dependent loads)
-    and a large one does not pay for thousands of tiny programs. Measured on the H200 (benchmarks/NOTES.md)."""
+    and a large one does not pay for thousands of tiny programs. Measured on the H200 (docs/design.md)."""
     return max(lo, min(hi, triton.next_power_of_2(max(1, n // programs))))
 
 
