@@ -8,9 +8,12 @@
 
 Each server gets the same requests (fixed seeds, greedy, ``ignore_eos``, token ids: the model is the DeepSeek-V3.2-
 shaped config under configs/models/ with dummy weights) at every concurrency, and reports requests running at once,
-output tok/s, TPOT and TTFT p50/p99, ESS's hit rate and H2D GB/s from ``/metrics``, and whether every request's
-output tokens equal the all-HBM server's at the same concurrency. Writes ``serving.json`` and ``serving.png`` under
-``--out`` (benchmarks/results/serving/ by default). Runs on the GPU machine inside scripts/sglang_site.sh.
+output tok/s (client: every output token over the wall time, prefills included), decode tok/s (the server's own
+``gen throughput`` at its fullest decode batch: what a decode instance delivers), TPOT and TTFT p50/p99, ESS's hit
+rate and H2D GB/s from ``/metrics``, and whether every request's output tokens equal the all-HBM server's at the same
+concurrency. A system that runs fewer requests than were sent at one concurrency is capacity-bound and is not sent
+more. Writes ``serving.json`` and ``serving.png`` under ``--out`` (benchmarks/results/serving/ by default). Runs on
+the GPU machine inside scripts/sglang_site.sh.
 
     scripts/sglang_site.sh python3 benchmarks/serving.py --contexts 32768 --concurrency 1,2,4,8,16
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +37,7 @@ from sglang_server import (  # noqa: E402
     Server,
     ServerError,
     ServerSpec,
+    decode_rate,
     kv_bytes_per_token,
     make_prompts,
     metric_sum,
@@ -85,15 +90,19 @@ def run_system(system: str, context: int, args, out: Path) -> list[dict]:
     try:
         up_s = server.start()
         print(f"[{system} {context}] up in {up_s:.0f} s", flush=True)
-        # one request first: compiles and warms what the first real batch would otherwise time
-        run_requests(spec.url, make_prompts(1, 256, seed=7), 8, 1)
+        # one full-length request first: compiles and warms what the first real batch would otherwise time
+        run_requests(spec.url, make_prompts(1, context - args.output_len, seed=7), 8, 1)
         for c in args.concurrency:
             prompts = make_prompts(c, context - args.output_len, seed=context)
             before = ess_counters(spec.url) if system == "ess" else None
+            log_at = len(server.log_text())
             results, wall, running = run_requests(spec.url, prompts, args.output_len, c)
             errors = [r.error for r in results if r.error]
             after = ess_counters(spec.url) if system == "ess" else None
+            rate = decode_rate(server.log_text()[log_at:])
+            running = max(running, rate.running)
             row = {"system": system, "context": context, "concurrency": c, "admitted": running,
+                   "decode_tok_s": rate.tok_s, "decode_windows": rate.windows,
                    "requests": len(results), "errors": len(errors),
                    "output_tok_s": sum(len(r.output_ids) for r in results) / wall,
                    "tpot_ms_p50": _ms(percentile([r.tpot_s for r in results], 50)),
@@ -111,8 +120,11 @@ def run_system(system: str, context: int, args, out: Path) -> list[dict]:
             if errors:
                 row["first_error"] = errors[0][:300]
             rows.append(row)
-            print(f"[{system} {context}] c={c}: {row['output_tok_s']:.0f} tok/s, running {running}, "
-                  f"tpot p50 {row['tpot_ms_p50']} ms, errors {len(errors)}", flush=True)
+            print(f"[{system} {context}] c={c}: {row['output_tok_s']:.0f} tok/s, decode {rate.tok_s} tok/s, running "
+                  f"{running}, tpot p50 {row['tpot_ms_p50']} ms, hit {row['hit_rate']}, errors {len(errors)}",
+                  flush=True)
+            if running < c:  # capacity-bound: more requests at once only queue
+                break
     except ServerError as exc:
         rows.append({"system": system, "context": context, "concurrency": None, "error": str(exc)[-2000:]})
         print(f"[{system} {context}] FAILED: {exc}", flush=True)
@@ -203,14 +215,16 @@ def main(argv=None) -> int:
     if bad:
         p.error(f"--systems: unknown {', '.join(bad)} (choose from {', '.join(SYSTEMS)})")
     args.out.mkdir(parents=True, exist_ok=True)
+    # a run stopped from outside (timeout, Ctrl-C) still stops its server: it runs in a session of its own
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows: list[dict] = []
     t0 = time.time()
     for ctx in [int(x) for x in args.contexts.split(",")]:
         for system in systems:
             rows += run_system(system, ctx, args, args.out)
             doc = write(rows, args, t0)  # after every server, so that a run cut short keeps what it measured
-    print(f"{'system':9} {'ctx':>6} {'conc':>4} {'run':>4} {'tok/s':>8} {'tpot50':>7} {'ttft50':>8} {'hit':>6} "
-          f"{'GB/s':>6} {'same':>5}")
+    print(f"{'system':9} {'ctx':>6} {'conc':>4} {'run':>4} {'tok/s':>8} {'decode':>8} {'tpot50':>7} {'ttft50':>8} "
+          f"{'hit':>6} {'GB/s':>6} {'same':>5}")
     for r in doc["runs"]:
         if r.get("concurrency") is None:
             print(f"{r['system']:9} {r['context']:>6} FAILED")
@@ -218,7 +232,8 @@ def main(argv=None) -> int:
         hit = f"{r['hit_rate']:.3f}" if r.get("hit_rate") is not None else "-"
         gbps = f"{r['h2d_gbps']:.2f}" if r.get("h2d_gbps") is not None else "-"
         print(f"{r['system']:9} {r['context']:>6} {r['concurrency']:>4} {r['admitted']:>4} {r['output_tok_s']:>8.0f} "
-              f"{r['tpot_ms_p50'] or 0:>7.2f} {r['ttft_ms_p50'] or 0:>8.0f} {hit:>6} {gbps:>6} "
+              f"{r['decode_tok_s'] or 0:>8.0f} {r['tpot_ms_p50'] or 0:>7.2f} {r['ttft_ms_p50'] or 0:>8.0f} {hit:>6} "
+              f"{gbps:>6} "
               f"{str(r.get('token_identical_to_hbm')):>5}")
     return 0
 

@@ -30,6 +30,7 @@ PAGE_SIZE = 64
 LATENT_BYTES = 656
 INDEXER_BYTES = 132
 SYSTEMS = ("hbm", "hisparse", "ess")
+DECODE_LOG_INTERVAL = 16
 SERVER_ENV = {
     # Without HiSparse, SGLang's DSA prefill runs a dense "MHA one-shot" kernel through FA3 for sequences up to this
     # many tokens (DeepseekSparseAttnBackend.set_dsa_prefill_impl); HiSparse and ESS never take it. 0 keeps every
@@ -62,9 +63,11 @@ class ServerSpec:
     hisparse_config: dict = field(default_factory=dict)
     hisparse_device_tokens: int | None = None
     """HiSparse's device pool in tokens (--max-total-tokens there); None: kv_tokens."""
-    extra_args: list[str] = field(default_factory=lambda: ["--disable-prefill-cuda-graph"])
+    extra_args: list[str] = field(default_factory=lambda: ["--disable-prefill-cuda-graph",
+                                                          "--decode-log-interval", str(DECODE_LOG_INTERVAL)])
     """Every system runs without SGLang's prefill CUDA graphs (capturing 42 token counts took 200 s at start-up on an
-    H100, most of it JIT); decode runs in CUDA graphs as it does in production."""
+    H100, most of it JIT); decode runs in CUDA graphs as it does in production. Decode batches are logged every
+    DECODE_LOG_INTERVAL steps (SGLang's default is 40), so that a few hundred output tokens give a decode rate."""
 
     @property
     def url(self) -> str:
@@ -261,6 +264,32 @@ def scrape(url: str) -> dict[str, list[tuple[str, float]]]:
         if m:
             out.setdefault(m.group(1), []).append((m.group(2) or "", float(m.group(3))))
     return out
+
+
+_DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)")
+
+
+@dataclass
+class DecodeRate:
+    """The server's decode rate at its fullest batch, from its own ``Decode batch`` log lines (what SGLang reports as
+    ``gen throughput`` and exports as ``sglang:gen_throughput``)."""
+
+    running: int
+    """The most requests one decode batch held."""
+    tok_s: float | None
+    """Median gen throughput over the log windows with that many requests running, less the first (it may span the
+    prefill that admitted the last request); None when there were none."""
+    windows: int
+
+
+def decode_rate(log_text: str) -> DecodeRate:
+    lines = [(int(m.group(1)), float(m.group(2))) for m in _DECODE_LINE.finditer(log_text)]
+    if not lines:
+        return DecodeRate(0, None, 0)
+    peak = max(n for n, _ in lines)
+    rates = sorted(x for n, x in lines if n == peak)[1:] or [x for n, x in lines if n == peak]
+    rates = sorted(rates)
+    return DecodeRate(peak, rates[len(rates) // 2], len(rates))
 
 
 def metric_sum(metrics: dict, name: str, label: str | None = None) -> float:

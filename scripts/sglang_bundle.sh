@@ -59,7 +59,8 @@ for whl in sorted(cache.glob("*.whl")):
         continue
     chosen[key] = whl  # sorted: a later (newer-sorting) version of an unpinned name wins
 drop = re.compile(r"^(sgl_kernel/(flash_ops[^/]*\.so|sm100/.*)|sglang/multimodal_gen/.*|sglang/srt/grpc/.*|"
-                  r"sglang/test/.*|zstandard/_cffi[^/]*\.so|.*\.a|"
+                  r"sglang/test/.*|zstandard/_cffi[^/]*\.so|.*\.a|.*\.cpython-3(?!12)\d+-[^/]*\.so|"
+                  r"torch_memory_saver_[^/]*_cu12\.abi3\.so|"
                   r".*/__pycache__/.*)$")
 for key, whl in sorted(chosen.items()):
     with zipfile.ZipFile(whl) as z:
@@ -76,7 +77,7 @@ for key, whl in sorted(chosen.items()):
     print(f"sglang_bundle: {whl.name}")
 EOF
 rm -f .bundle/site.tar.xz.part-*
-tar -C "$site" -cf - . | xz -6 -T2 | split -b "${PART_MIB}M" -d - .bundle/site.tar.xz.part-
+tar -C "$site" -cf - . | xz -9 -T2 | split -b "${PART_MIB}M" -d - .bundle/site.tar.xz.part-
 ls .bundle/site.tar.xz.part-* | wc -l > .bundle/site.count
 du -sh "$site"
 ls -l .bundle

@@ -74,3 +74,22 @@ def test_identity_marks_compare_tokens_and_logprobs():
     assert rows[1]["token_identical_to_hbm"] and rows[1]["logprobs_identical_to_hbm"]
     assert rows[2]["token_identical_to_hbm"] and rows[2]["logprobs_identical_to_hbm"] is False
     assert rows[3]["token_identical_to_hbm"] is None
+
+
+def test_decode_rate_is_the_median_of_the_fullest_batches_after_the_first():
+    from sglang_server import decode_rate
+
+    log = "\n".join([
+        "[2026-12-06 10:00:00] Prefill batch, #new-seq: 1, #new-token: 8192, #queue-req: 2",
+        "[2026-12-06 10:00:01] Decode batch, #running-req: 2, #token: 16448, token usage: 0.10, cuda graph: True, "
+        "gen throughput (token/s): 50.00, #queue-req: 1",
+        "[2026-12-06 10:00:02] Decode batch, #running-req: 3, #token: 24640, token usage: 0.15, cuda graph: True, "
+        "gen throughput (token/s): 40.00, #queue-req: 0",  # spans the prefill that admitted the third request
+        *[f"[2026-12-06 10:00:0{3 + i}] Decode batch, #running-req: 3, #token: 24700, token usage: 0.15, "
+          f"cuda graph: True, gen throughput (token/s): {x:.2f}, #queue-req: 0" for i, x in enumerate((600, 580, 620))],
+        "[2026-12-06 10:00:09] Decode batch, #running-req: 1, #token: 8300, token usage: 0.05, cuda graph: True, "
+        "gen throughput (token/s): 210.00, #queue-req: 0",
+    ])
+    rate = decode_rate(log)
+    assert (rate.running, rate.tok_s, rate.windows) == (3, 600.0, 3)
+    assert decode_rate("no decode here").tok_s is None
