@@ -153,6 +153,19 @@ def mark_identity(rows: list[dict]) -> None:
         r["logprobs_identical_to_hbm"] = (mine == theirs) if any(mine) and any(theirs) else None
 
 
+def earlier_rows(out: Path) -> list[dict]:
+    """The rows an earlier run wrote to `out` (serving.json), each with its requests' outputs (outputs.json)."""
+    if not (out / "serving.json").exists():
+        return []
+    runs = [r for r in json.loads((out / "serving.json").read_text())["runs"] if r.get("concurrency")]
+    outputs = {(o["system"], o["context"], o["concurrency"]): o
+               for o in json.loads((out / "outputs.json").read_text())} if (out / "outputs.json").exists() else {}
+    for r in runs:
+        o = outputs.get((r["system"], r["context"], r["concurrency"]), {})
+        r["outputs"], r["logprobs"] = o.get("outputs"), o.get("logprobs")
+    return runs
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -179,8 +192,11 @@ def plot(rows: list[dict], path: Path) -> None:
 def write(rows: list[dict], args, t0: float) -> dict:
     mark_identity(rows)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    try:
+        device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                text=True).stdout.strip() or "unknown"
+    except FileNotFoundError:
+        device = "unknown (no nvidia-smi)"
     doc = {"commit": commit, "device": device, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(sys.argv), "wall_s": round(time.time() - t0),
            "runs": [{k: v for k, v in r.items() if k not in ("outputs", "logprobs")} for r in rows]}
@@ -208,6 +224,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", type=Path, default=MODEL_DIR, help="model folder (config.json, dummy weights)")
     p.add_argument("--port", type=int, default=31000, help="server port")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/serving"), help="output folder")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the systems and contexts --out already measured (with their outputs, for the identity "
+                        "marks) and run only the others")
     args = p.parse_args(argv)
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     systems = args.systems.split(",")
@@ -217,10 +236,13 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     # a run stopped from outside (timeout, Ctrl-C) still stops its server: it runs in a session of its own
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    rows: list[dict] = []
+    rows: list[dict] = earlier_rows(args.out) if args.resume else []
     t0 = time.time()
     for ctx in [int(x) for x in args.contexts.split(",")]:
         for system in systems:
+            if any(r["system"] == system and r["context"] == ctx and r.get("concurrency") for r in rows):
+                print(f"[{system} {ctx}] measured earlier in {args.out}: kept")
+                continue
             rows += run_system(system, ctx, args, args.out)
             doc = write(rows, args, t0)  # after every server, so that a run cut short keeps what it measured
     print(f"{'system':9} {'ctx':>6} {'conc':>4} {'run':>4} {'tok/s':>8} {'decode':>8} {'tpot50':>7} {'ttft50':>8} "

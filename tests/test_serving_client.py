@@ -93,3 +93,12 @@ def test_decode_rate_is_the_median_of_the_fullest_batches_after_the_first():
     rate = decode_rate(log)
     assert (rate.running, rate.tok_s, rate.windows) == (3, 600.0, 3)
     assert decode_rate("no decode here").tok_s is None
+
+
+def test_resume_keeps_earlier_rows_with_their_outputs(tmp_path):
+    rows = [{"system": "hbm", "context": 1024, "concurrency": 2, "outputs": [[1, 2], [3, 4]], "logprobs": [[-1.0]] * 2},
+            {"system": "ess", "context": 1024, "concurrency": None, "error": "start-up failed"}]
+    args = serving.argparse.Namespace(out=tmp_path)
+    serving.write(rows, args, serving.time.time())
+    kept = serving.earlier_rows(tmp_path)
+    assert [(r["system"], r["outputs"]) for r in kept] == [("hbm", [[1, 2], [3, 4]])]  # failed starts are retried
