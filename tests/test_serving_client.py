@@ -96,7 +96,8 @@ def test_decode_rate_is_the_median_of_the_fullest_batches_after_the_first():
 
 
 def test_resume_keeps_earlier_rows_with_their_outputs(tmp_path):
-    rows = [{"system": "hbm", "context": 1024, "concurrency": 2, "outputs": [[1, 2], [3, 4]], "logprobs": [[-1.0]] * 2},
+    rows = [{"system": "hbm", "context": 1024, "concurrency": 2, "output_tok_s": 9.0, "outputs": [[1, 2], [3, 4]],
+             "logprobs": [[-1.0]] * 2},
             {"system": "ess", "context": 1024, "concurrency": None, "error": "start-up failed"}]
     args = serving.argparse.Namespace(out=tmp_path)
     serving.write(rows, args, serving.time.time())
