@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -191,7 +192,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def write(rows: list[dict], args, t0: float) -> dict:
     mark_identity(rows)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # ESS_COMMIT: the commit of a working tree that travelled without its own git history
+    commit = os.environ.get("ESS_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                            capture_output=True, text=True).stdout.strip()
     try:
         device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                                 text=True).stdout.strip() or "unknown"

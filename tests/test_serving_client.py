@@ -103,3 +103,21 @@ def test_resume_keeps_earlier_rows_with_their_outputs(tmp_path):
     serving.write(rows, args, serving.time.time())
     kept = serving.earlier_rows(tmp_path)
     assert [(r["system"], r["outputs"]) for r in kept] == [("hbm", [[1, 2], [3, 4]])]  # failed starts are retried
+
+
+def test_profile_kernel_table_groups_kernels_per_step(tmp_path):
+    import gzip
+
+    from serving_profile import kernel_table
+
+    events = [{"cat": "kernel", "name": "attn", "ts": 0, "dur": 30}, {"cat": "kernel", "name": "attn", "ts": 50,
+                                                                     "dur": 30},
+              {"cat": "kernel", "name": "resolve", "ts": 100, "dur": 100}, {"cat": "cpu_op", "name": "x", "ts": 0,
+                                                                            "dur": 999}]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    t = kernel_table(path, steps=2)
+    assert t["gpu_ms_per_step"] == 0.08 and t["window_ms_per_step"] == 0.1
+    assert [(k["name"], k["us_per_step"], k["calls_per_step"]) for k in t["kernels"]] == [("resolve", 50, 0.5),
+                                                                                           ("attn", 30, 1.0)]

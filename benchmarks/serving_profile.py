@@ -1,0 +1,112 @@
+"""Where a decode step's time goes inside a real SGLang server: one system at one context and batch, profiled with
+SGLang's own profiler (``/start_profile``, torch profiler with CUDA activity, kernels inside CUDA graphs included)
+once every request is decoding. Prints and writes (``profile_<system>.json`` under ``--out``) the decode step time,
+the GPU time per step summed over kernels, and the kernels that take it, grouped by name.
+
+    scripts/sglang_site.sh python3 benchmarks/serving_profile.py --systems ess,hbm --context 32768 --batch 4
+
+Uses the same server settings as benchmarks/serving.py (``--hbm-capacity-requests`` sets every system's KV HBM bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import threading
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serving  # noqa: E402
+from sglang_server import MODEL_DIR, Server, make_prompts, metric_sum, run_requests, scrape  # noqa: E402
+
+
+def kernel_table(trace_path: Path, steps: int) -> dict:
+    """Kernel time per decode step from a torch-profiler chrome trace, grouped by kernel name."""
+    opener = gzip.open if trace_path.suffix == ".gz" else open
+    with opener(trace_path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    if not kernels:
+        return {"steps": steps, "gpu_ms_per_step": None, "window_ms_per_step": None, "kernels": []}
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        by_name[e["name"]].append(e["dur"])
+    start = min(e["ts"] for e in kernels)
+    end = max(e["ts"] + e["dur"] for e in kernels)
+    rows = sorted(({"name": n[:160], "calls_per_step": len(d) / steps, "us_per_step": sum(d) / steps}
+                   for n, d in by_name.items()), key=lambda r: -r["us_per_step"])
+    return {"steps": steps, "gpu_ms_per_step": sum(e["dur"] for e in kernels) / steps / 1000,
+            "window_ms_per_step": (end - start) / steps / 1000, "kernels": rows[:40]}
+
+
+def profile_system(system: str, args) -> dict:
+    spec = serving.spec_for(system, args.context, args)
+    out = args.out
+    server = Server(spec, out / f"server_profile_{system}.log", out)
+    trace_dir = out / f"trace_{system}"
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        server.start()
+        run_requests(spec.url, make_prompts(1, args.context - args.output_len, seed=7), 8, 1)  # warm-up
+        prompts = make_prompts(args.batch, args.context - args.output_len, seed=args.context)
+        done: list = []
+        sender = threading.Thread(target=lambda: done.append(run_requests(spec.url, prompts, args.output_len,
+                                                                          args.batch)), daemon=True)
+        sender.start()
+        t0 = time.time()
+        while time.time() - t0 < 600 and metric_sum(scrape(spec.url), "sglang:num_running_reqs") < args.batch:
+            time.sleep(0.2)
+        time.sleep(1.0)  # past the first decode windows (warm-up misses)
+        body = json.dumps({"output_dir": str(trace_dir), "num_steps": args.steps, "activities": ["CPU", "GPU"],
+                           "profile_prefix": system}).encode()
+        req = urllib.request.Request(spec.url + "/start_profile", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            r.read()
+        sender.join()
+        traces = sorted(trace_dir.rglob("*.json*"), key=lambda p: p.stat().st_size)
+        if not traces:
+            raise RuntimeError(f"{system}: no trace written under {trace_dir}")
+        table = kernel_table(traces[-1], args.steps)
+        results = done[0][0] if done else []
+        table.update(system=system, context=args.context, batch=args.batch, trace=str(traces[-1].name),
+                     errors=sum(1 for r in results if r.error))
+        return table
+    finally:
+        server.stop()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default="ess,hbm")
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--batch", type=int, default=4, help="requests decoding at once while profiled")
+    p.add_argument("--steps", type=int, default=20, help="decode steps profiled")
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--hbm-capacity-requests", type=int, default=12)
+    p.add_argument("--hisparse-ratio", type=int, default=8)
+    p.add_argument("--ess-config", default='{"sparse_memory_ratio": 0.02}')
+    p.add_argument("--mem-fraction-static", type=float, default=0.80)
+    p.add_argument("--max-running", type=int, default=48, help="--max-running-requests (as in the serving run)")
+    p.add_argument("--model", type=Path, default=MODEL_DIR)
+    p.add_argument("--port", type=int, default=31000)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/serving"))
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for system in args.systems.split(","):
+        args.concurrency = [args.max_running]
+        table = profile_system(system, args)
+        (args.out / f"profile_{system}.json").write_text(json.dumps(table, indent=1))
+        print(f"\n{system}: {table['batch']} requests at {table['context']}: GPU {table['gpu_ms_per_step']} ms/step "
+              f"over a window of {table['window_ms_per_step']} ms/step")
+        for k in table["kernels"][:25]:
+            print(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['name'][:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
