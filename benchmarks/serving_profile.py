@@ -68,7 +68,12 @@ def profile_system(system: str, args) -> dict:
         with urllib.request.urlopen(req, timeout=300) as r:
             r.read()
         sender.join()
-        traces = sorted(trace_dir.rglob("*.json*"), key=lambda p: p.stat().st_size)
+        traces: list[Path] = []
+        for _ in range(120):  # the profiler writes its trace after the profiled steps, in the scheduler process
+            traces = sorted(trace_dir.rglob("*.json*"), key=lambda p: p.stat().st_size)
+            if traces and time.time() - traces[-1].stat().st_mtime > 3:
+                break
+            time.sleep(1)
         if not traces:
             raise RuntimeError(f"{system}: no trace written under {trace_dir}")
         table = kernel_table(traces[-1], args.steps)
