@@ -25,23 +25,42 @@ import serving  # noqa: E402
 from sglang_server import MODEL_DIR, Server, make_prompts, metric_sum, run_requests, scrape  # noqa: E402
 
 
+HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
+"""Trace categories of host-side spans (inclusive times: a Python function contains the ops it calls)."""
+
+
 def kernel_table(trace_path: Path, steps: int) -> dict:
-    """Kernel time per decode step from a torch-profiler chrome trace, grouped by kernel name."""
+    """Kernel time per decode step from a torch-profiler chrome trace, grouped by kernel name; the GPU's busy share of
+    the kernels' window (the rest is the GPU waiting for the host); and the host spans (inclusive) per step."""
     opener = gzip.open if trace_path.suffix == ".gz" else open
     with opener(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     if not kernels:
-        return {"steps": steps, "gpu_ms_per_step": None, "window_ms_per_step": None, "kernels": []}
-    by_name: dict[str, list[float]] = defaultdict(list)
-    for e in kernels:
-        by_name[e["name"]].append(e["dur"])
+        return {"steps": steps, "gpu_ms_per_step": None, "window_ms_per_step": None, "gpu_busy_share": None,
+                "kernels": [], "host": []}
     start = min(e["ts"] for e in kernels)
     end = max(e["ts"] + e["dur"] for e in kernels)
+    busy, reach = 0.0, start
+    for e in sorted(kernels, key=lambda e: e["ts"]):  # union of kernel intervals (streams overlap)
+        lo, hi = max(e["ts"], reach), e["ts"] + e["dur"]
+        if hi > lo:
+            busy += hi - lo
+            reach = hi
+    host = [e for e in events if e.get("cat") in HOST_CATEGORIES and "dur" in e]
+    return {"steps": steps, "gpu_ms_per_step": sum(e["dur"] for e in kernels) / steps / 1000,
+            "window_ms_per_step": (end - start) / steps / 1000,
+            "gpu_busy_share": busy / (end - start) if end > start else None,
+            "kernels": _per_step(kernels, steps, 40), "host": _per_step(host, steps, 60)}
+
+
+def _per_step(events: list, steps: int, top: int) -> list[dict]:
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        by_name[e["name"]].append(e["dur"])
     rows = sorted(({"name": n[:160], "calls_per_step": len(d) / steps, "us_per_step": sum(d) / steps}
                    for n, d in by_name.items()), key=lambda r: -r["us_per_step"])
-    return {"steps": steps, "gpu_ms_per_step": sum(e["dur"] for e in kernels) / steps / 1000,
-            "window_ms_per_step": (end - start) / steps / 1000, "kernels": rows[:40]}
+    return rows[:top]
 
 
 def profile_system(system: str, args) -> dict:
@@ -108,7 +127,11 @@ def main(argv=None) -> int:
         (args.out / f"profile_{system}.json").write_text(json.dumps(table, indent=1))
         print(f"\n{system}: {table['batch']} requests at {table['context']}: GPU {table['gpu_ms_per_step']} ms/step "
               f"over a window of {table['window_ms_per_step']} ms/step")
+        print(f"  GPU busy {table['gpu_busy_share']} of the window; kernels per step:")
         for k in table["kernels"][:25]:
+            print(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['name'][:110]}")
+        print("  host spans per step (inclusive):")
+        for k in table["host"][:30]:
             print(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['name'][:110]}")
     return 0
 

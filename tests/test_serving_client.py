@@ -118,6 +118,7 @@ def test_profile_kernel_table_groups_kernels_per_step(tmp_path):
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     t = kernel_table(path, steps=2)
-    assert t["gpu_ms_per_step"] == 0.08 and t["window_ms_per_step"] == 0.1
+    assert t["gpu_ms_per_step"] == 0.08 and t["window_ms_per_step"] == 0.1 and t["gpu_busy_share"] == 0.8
+    assert t["host"] == [{"name": "x", "calls_per_step": 0.5, "us_per_step": 499.5}]
     assert [(k["name"], k["us_per_step"], k["calls_per_step"]) for k in t["kernels"]] == [("resolve", 50, 0.5),
                                                                                            ("attn", 30, 1.0)]
