@@ -74,8 +74,8 @@ def profile_system(system: str, args) -> dict:
         run_requests(spec.url, make_prompts(1, args.context - args.output_len, seed=7), 8, 1)  # warm-up
         prompts = make_prompts(args.batch, args.context - args.output_len, seed=args.context)
         done: list = []
-        sender = threading.Thread(target=lambda: done.append(run_requests(spec.url, prompts, args.output_len,
-                                                                          args.batch)), daemon=True)
+        sender = threading.Thread(target=lambda: done.append(run_requests(
+            spec.url, prompts, args.output_len, args.batch, logprobs=serving.LOGPROBS[system])), daemon=True)
         sender.start()
         t0 = time.time()
         while time.time() - t0 < 600 and metric_sum(scrape(spec.url), "sglang:num_running_reqs") < args.batch:

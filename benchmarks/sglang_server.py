@@ -188,9 +188,11 @@ class RequestResult:
         return (self.latency_s - self.ttft_s) / (n - 1) if n > 1 else None
 
 
-def _one(url: str, prompt: list[int], max_new_tokens: int, timeout_s: float = 3600) -> RequestResult:
-    """One streamed /generate request; TTFT is the time to the first chunk that carries output tokens."""
-    body = json.dumps({"input_ids": prompt, "stream": True, "return_logprob": True,
+def _one(url: str, prompt: list[int], max_new_tokens: int, timeout_s: float = 3600,
+         logprobs: bool = True) -> RequestResult:
+    """One streamed /generate request; TTFT is the time to the first chunk that carries output tokens. `logprobs`:
+    ask for each output token's log-probability (``return_logprob``)."""
+    body = json.dumps({"input_ids": prompt, "stream": True, "return_logprob": logprobs,
                        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens,
                                            "ignore_eos": True}}).encode()
     host, port = url.removeprefix("http://").split(":")
@@ -227,9 +229,10 @@ def _one(url: str, prompt: list[int], max_new_tokens: int, timeout_s: float = 36
     return RequestResult(out, ttft or 0.0, time.perf_counter() - t0, logprobs=logprobs)
 
 
-def run_requests(url: str, prompts, max_new_tokens: int, concurrency: int):
+def run_requests(url: str, prompts, max_new_tokens: int, concurrency: int, logprobs: bool = True):
     """Send `prompts` with at most `concurrency` in flight; (results, wall seconds, most requests seen running,
-    read from SGLang's ``sglang:num_running_reqs`` every half second)."""
+    read from SGLang's ``sglang:num_running_reqs`` every half second). `logprobs`: each request asks for its output
+    tokens' log-probabilities."""
     running = [0]
     done = threading.Event()
 
@@ -242,7 +245,7 @@ def run_requests(url: str, prompts, max_new_tokens: int, concurrency: int):
     poller.start()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        results = list(pool.map(lambda p: _one(url, p, max_new_tokens), prompts))
+        results = list(pool.map(lambda p: _one(url, p, max_new_tokens, logprobs=logprobs), prompts))
     wall = time.perf_counter() - t0
     done.set()
     poller.join()
