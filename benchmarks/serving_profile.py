@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving  # noqa: E402
 from sglang_server import MODEL_DIR, Server, make_prompts, metric_sum, run_requests, scrape  # noqa: E402
 
-
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
 """Trace categories of host-side spans (inclusive times: a Python function contains the ops it calls)."""
 

@@ -13,8 +13,16 @@ from __future__ import annotations
 
 import logging
 
-from ess_sglang.sglang_plugin import (admission, cli_args, coordinator, decode_batch, indexer_tap, pd_windows, sizing,
-                                     warmup)
+from ess_sglang.sglang_plugin import (
+    admission,
+    cli_args,
+    coordinator,
+    decode_batch,
+    indexer_tap,
+    pd_windows,
+    sizing,
+    warmup,
+)
 from ess_sglang.sglang_plugin.compat import HookSpec
 
 logger = logging.getLogger("ess_sglang.sglang_plugin")
