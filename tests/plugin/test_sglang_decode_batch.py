@@ -24,7 +24,7 @@ def test_sglang_still_asks_for_the_prompts_logprobs():
     """What the hook undoes is still in SGLang (when this fails, SGLang fixed it: the hook can go)."""
     from sglang.srt.managers.scheduler import Scheduler
 
-    src = inspect.getsource(Scheduler._build_hisparse_decode_batch)
+    src = inspect.getsource(inspect.unwrap(Scheduler._build_hisparse_decode_batch))  # (hooked or not)
     assert "token_ids_logprobs = [list(r.origin_input_ids) for r in reqs]" in src
 
 
