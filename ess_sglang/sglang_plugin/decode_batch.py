@@ -18,16 +18,6 @@ what the requests asked for, after SGLang built it. SGLang's HiSparse without ES
 
 from __future__ import annotations
 
-from typing import Any
-
-
-def requested_token_ids(req: Any) -> Any:
-    """The token ids whose log-probabilities a request asked for (None: none), as SGLang's other batches read them."""
-    logprob = getattr(req, "logprob", None)
-    if logprob is not None and hasattr(logprob, "token_ids_logprob"):
-        return logprob.token_ids_logprob
-    return getattr(req, "token_ids_logprob", None)
-
 
 def build_hisparse_decode_batch_hook(batch, scheduler, reqs, *args, **kwargs):
     """AFTER Scheduler._build_hisparse_decode_batch(reqs): the batch's token-id log-probabilities are those the
@@ -38,5 +28,5 @@ def build_hisparse_decode_batch_hook(batch, scheduler, reqs, *args, **kwargs):
         return None  # HiSparse without ESS: SGLang's own batch
     if batch is not None and getattr(batch, "return_logprob", False) and \
             getattr(batch, "token_ids_logprobs", None) is not None:
-        batch.token_ids_logprobs = [requested_token_ids(r) for r in reqs]
+        batch.token_ids_logprobs = [r.logprob.token_ids_logprob for r in reqs]  # as SGLang's other batches
     return None
