@@ -16,6 +16,15 @@ more. Writes ``serving.json`` and ``serving.png`` under ``--out`` (benchmarks/re
 the GPU machine inside scripts/sglang_site.sh.
 
     scripts/sglang_site.sh python3 benchmarks/serving.py --contexts 32768 --concurrency 1,2,4,8,16
+
+``--plan FILE`` (JSON, benchmarks/plans/) runs named servers instead, each with its own concurrency list and sizing
+knobs, so that one run holds each system's best configuration beside the baselines it is compared with::
+
+    {"servers": [{"name": "hbm", "system": "hbm", "concurrency": [1, 2, 48]},
+                 {"name": "ess-pool15", "system": "ess", "concurrency": [48],
+                  "ess_config": {"sparse_memory_ratio": 0.15}}]}
+
+Rows carry the server's ``name`` beside its ``system``; identity is always marked against the all-HBM rows.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,6 +56,8 @@ from sglang_server import (  # noqa: E402
     run_requests,
     scrape,
 )
+
+from ess_sglang.config import EssConfig, EssConfigError, validate_mapping  # noqa: E402
 
 GIB = 1 << 30
 
@@ -66,17 +78,62 @@ def ess_counters(url: str) -> dict[str, float]:
             "series": float(sum(1 for k in m if k.startswith("sglang:ess_")))}
 
 
-def spec_for(system: str, context: int, args) -> ServerSpec:
-    """The server of one system at one context length, all with the same KV HBM bytes."""
+@dataclass(frozen=True)
+class Setup:
+    """One server of a run: a system with its sizing knobs, and the request counts sent to it at once."""
+
+    name: str
+    system: str
+    concurrency: tuple[int, ...]
+    ess_config: dict = field(default_factory=dict)
+    hisparse_ratio: int = 8
+
+
+PLAN_KEYS = {"name", "system", "concurrency", "ess_config", "hisparse_ratio"}
+
+
+def load_plan(path: Path) -> list[Setup]:
+    """The servers of a plan file; a bad entry fails here, naming what is wrong, before any server starts."""
+    try:
+        servers = json.loads(path.read_text())["servers"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--plan {path}: not a JSON object with a 'servers' list ({exc})") from None
+    setups = []
+    for i, s in enumerate(servers):
+        where = f"--plan {path}: servers[{i}]"
+        if not isinstance(s, dict) or set(s) - PLAN_KEYS or not {"name", "system", "concurrency"} <= set(s):
+            raise ValueError(f"{where}: needs name, system and concurrency (optional: ess_config, hisparse_ratio); "
+                             f"got {s!r}")
+        if s["system"] not in SYSTEMS:
+            raise ValueError(f"{where}: system {s['system']!r} is not one of {', '.join(SYSTEMS)}")
+        if s.get("ess_config") is not None and s["system"] != "ess":
+            raise ValueError(f"{where}: ess_config on a {s['system']} server")
+        try:
+            validate_mapping(EssConfig, s.get("ess_config") or {}, f"{where}.ess_config")
+        except EssConfigError as exc:
+            raise ValueError(str(exc)) from None
+        conc = s["concurrency"]
+        if not conc or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in conc):
+            raise ValueError(f"{where}: concurrency must be a list of positive integers, got {conc!r}")
+        setups.append(Setup(str(s["name"]), s["system"], tuple(conc), dict(s.get("ess_config") or {}),
+                            int(s.get("hisparse_ratio", 8))))
+    names = [x.name for x in setups]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--plan {path}: server names repeat ({', '.join(names)})")
+    return setups
+
+
+def spec_for(setup: Setup, context: int, args) -> ServerSpec:
+    """The server of one setup at one context length; every system gets the same KV HBM bytes."""
     kv_tokens = args.hbm_capacity_requests * (context + PAGE_SIZE)
     kv_bytes = kv_tokens * kv_bytes_per_token(args.model)
-    spec = ServerSpec(system, context_len=context + args.output_len + PAGE_SIZE,
-                      max_running_requests=max(args.concurrency), kv_tokens=kv_tokens, port=args.port,
+    spec = ServerSpec(setup.system, context_len=context + args.output_len + PAGE_SIZE,
+                      max_running_requests=max(setup.concurrency), kv_tokens=kv_tokens, port=args.port,
                       model_dir=args.model, mem_fraction_static=args.mem_fraction_static)
-    if system == "ess":
-        spec.ess_config = {"max_kv_cache_gb": kv_bytes / GIB, **json.loads(args.ess_config)}
-    elif system == "hisparse":
-        ratio = args.hisparse_ratio
+    if setup.system == "ess":
+        spec.ess_config = {"max_kv_cache_gb": kv_bytes / GIB, **setup.ess_config}
+    elif setup.system == "hisparse":
+        ratio = setup.hisparse_ratio
         # device latents of every device slot + indexer entries of ratio x as many logical locations
         per_device_token = model_layers(args.model) * (656 + ratio * 132)
         spec.hisparse_device_tokens = kv_bytes // per_device_token // PAGE_SIZE * PAGE_SIZE
@@ -91,16 +148,17 @@ host time per request per step at 32K, ess_sglang/sglang_plugin/decode_batch.py;
 that bug instead of HiSparse. Its outputs are compared token by token."""
 
 
-def run_system(system: str, context: int, args, out: Path) -> list[dict]:
-    spec = spec_for(system, context, args)
-    server = Server(spec, out / f"server_{system}_{context}.log", out)
+def run_setup(setup: Setup, context: int, args, out: Path) -> list[dict]:
+    spec = spec_for(setup, context, args)
+    server = Server(spec, out / f"server_{setup.name}_{context}.log", out)
+    system, name = setup.system, setup.name
     rows = []
     try:
         up_s = server.start()
-        print(f"[{system} {context}] up in {up_s:.0f} s", flush=True)
+        print(f"[{name} {context}] up in {up_s:.0f} s", flush=True)
         # one full-length request first: compiles and warms what the first real batch would otherwise time
         run_requests(spec.url, make_prompts(1, context - args.output_len, seed=7), 8, 1)
-        for c in args.concurrency:
+        for c in setup.concurrency:
             prompts = make_prompts(c, context - args.output_len, seed=context)
             before = ess_counters(spec.url) if system == "ess" else None
             log_at = len(server.log_text())
@@ -109,7 +167,7 @@ def run_system(system: str, context: int, args, out: Path) -> list[dict]:
             after = ess_counters(spec.url) if system == "ess" else None
             rate = decode_rate(server.log_text()[log_at:])
             running = max(running, rate.running)
-            row = {"system": system, "context": context, "concurrency": c, "admitted": running,
+            row = {"system": system, "name": name, "context": context, "concurrency": c, "admitted": running,
                    "decode_tok_s": rate.tok_s, "decode_windows": rate.windows,
                    "requests": len(results), "errors": len(errors),
                    "output_tok_s": sum(len(r.output_ids) for r in results) / wall,
@@ -119,7 +177,7 @@ def run_system(system: str, context: int, args, out: Path) -> list[dict]:
                    "ttft_ms_p99": _ms(percentile([r.ttft_s for r in results], 99)),
                    "wall_s": wall, "outputs": [r.output_ids for r in results],
                    "logprobs": [r.logprobs for r in results],
-                   "hit_rate": None, "h2d_gbps": None}
+                   "hit_rate": None, "h2d_gbps": None, "ess_config": setup.ess_config or None}
             if before is not None and after is not None:
                 lookups = after["lookups"] - before["lookups"]
                 row["hit_rate"] = (after["hits"] - before["hits"]) / lookups if lookups else None
@@ -128,14 +186,15 @@ def run_system(system: str, context: int, args, out: Path) -> list[dict]:
             if errors:
                 row["first_error"] = errors[0][:300]
             rows.append(row)
-            print(f"[{system} {context}] c={c}: {row['output_tok_s']:.0f} tok/s, decode {rate.tok_s} tok/s, running "
+            print(f"[{name} {context}] c={c}: {row['output_tok_s']:.0f} tok/s, decode {rate.tok_s} tok/s, running "
                   f"{running}, tpot p50 {row['tpot_ms_p50']} ms, hit {row['hit_rate']}, errors {len(errors)}",
                   flush=True)
             if running < c:  # capacity-bound: more requests at once only queue
                 break
     except ServerError as exc:
-        rows.append({"system": system, "context": context, "concurrency": None, "error": str(exc)[-2000:]})
-        print(f"[{system} {context}] FAILED: {exc}", flush=True)
+        rows.append({"system": system, "name": name, "context": context, "concurrency": None,
+                     "error": str(exc)[-2000:]})
+        print(f"[{name} {context}] FAILED: {exc}", flush=True)
     finally:
         server.stop()
     return rows
@@ -166,10 +225,11 @@ def earlier_rows(out: Path) -> list[dict]:
     if not (out / "serving.json").exists():
         return []
     runs = [r for r in json.loads((out / "serving.json").read_text())["runs"] if r.get("concurrency")]
-    outputs = {(o["system"], o["context"], o["concurrency"]): o
+    outputs = {(o.get("name") or o["system"], o["context"], o["concurrency"]): o
                for o in json.loads((out / "outputs.json").read_text())} if (out / "outputs.json").exists() else {}
     for r in runs:
-        o = outputs.get((r["system"], r["context"], r["concurrency"]), {})
+        r.setdefault("name", r["system"])
+        o = outputs.get((r["name"], r["context"], r["concurrency"]), {})
         r["outputs"], r["logprobs"] = o.get("outputs"), o.get("logprobs")
     return runs
 
@@ -183,11 +243,12 @@ def plot(rows: list[dict], path: Path) -> None:
     contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4), squeeze=False)
     for ax, ctx in zip(axes[0], contexts, strict=False):
-        for system in SYSTEMS:
+        names = dict.fromkeys(r.get("name", r["system"]) for r in rows)
+        for name in names:
             pts = sorted((r["concurrency"], r["output_tok_s"]) for r in rows
-                         if r["system"] == system and r["context"] == ctx and r.get("concurrency"))
+                         if r.get("name", r["system"]) == name and r["context"] == ctx and r.get("concurrency"))
             if pts:
-                ax.plot(*zip(*pts, strict=False), marker="o", label=system)
+                ax.plot(*zip(*pts, strict=False), marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_title(f"context {ctx // 1024}K")
         ax.set_xlabel("concurrency")
@@ -213,7 +274,8 @@ def write(rows: list[dict], args, t0: float) -> dict:
     (args.out / "serving.json").write_text(json.dumps(doc, indent=1))
     # every request's output tokens, so that a later run on the same prompts can be checked against this one
     (args.out / "outputs.json").write_text(json.dumps(
-        [{k: r.get(k) for k in ("system", "context", "concurrency", "outputs", "logprobs")} for r in rows
+        [{**{k: r.get(k) for k in ("system", "context", "concurrency", "outputs", "logprobs")},
+          "name": r.get("name") or r["system"]} for r in rows
          if r.get("outputs")]))
     if any(r.get("concurrency") for r in rows):
         plot(rows, args.out / "serving.png")
@@ -235,38 +297,50 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=31000, help="server port")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/serving"), help="output folder")
     p.add_argument("--resume", action="store_true",
-                   help="keep the systems and contexts --out already measured (with their outputs, for the identity "
+                   help="keep the servers and contexts --out already measured (with their outputs, for the identity "
                         "marks) and run only the others")
+    p.add_argument("--plan", type=Path, help="JSON file of named servers, each with its own concurrency and sizing "
+                                             "knobs (replaces --systems, --concurrency, --ess-config, "
+                                             "--hisparse-ratio)")
     args = p.parse_args(argv)
-    args.concurrency = [int(x) for x in args.concurrency.split(",")]
-    systems = args.systems.split(",")
-    bad = [s for s in systems if s not in SYSTEMS]
-    if bad:
-        p.error(f"--systems: unknown {', '.join(bad)} (choose from {', '.join(SYSTEMS)})")
+    if args.plan is not None:
+        try:
+            setups = load_plan(args.plan)
+        except ValueError as exc:
+            p.error(str(exc))
+    else:
+        systems = args.systems.split(",")
+        bad = [s for s in systems if s not in SYSTEMS]
+        if bad:
+            p.error(f"--systems: unknown {', '.join(bad)} (choose from {', '.join(SYSTEMS)})")
+        conc = tuple(int(x) for x in args.concurrency.split(","))
+        setups = [Setup(s, s, conc, json.loads(args.ess_config) if s == "ess" else {}, args.hisparse_ratio)
+                  for s in systems]
     args.out.mkdir(parents=True, exist_ok=True)
     # a run stopped from outside (timeout, Ctrl-C) still stops its server: it runs in a session of its own
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows: list[dict] = earlier_rows(args.out) if args.resume else []
     t0 = time.time()
     for ctx in [int(x) for x in args.contexts.split(",")]:
-        for system in systems:
-            if any(r["system"] == system and r["context"] == ctx and r.get("concurrency") for r in rows):
-                print(f"[{system} {ctx}] measured earlier in {args.out}: kept")
+        for setup in setups:
+            if any(r.get("name", r["system"]) == setup.name and r["context"] == ctx and r.get("concurrency")
+                   for r in rows):
+                print(f"[{setup.name} {ctx}] measured earlier in {args.out}: kept")
                 continue
-            rows += run_system(system, ctx, args, args.out)
-            doc = write(rows, args, t0)  # after every server, so that a run cut short keeps what it measured
-    print(f"{'system':9} {'ctx':>6} {'conc':>4} {'run':>4} {'tok/s':>8} {'decode':>8} {'tpot50':>7} {'ttft50':>8} "
+            rows += run_setup(setup, ctx, args, args.out)
+            write(rows, args, t0)  # after every server, so that a run cut short keeps what it measured
+    doc = write(rows, args, t0)
+    print(f"{'server':12} {'ctx':>6} {'conc':>4} {'run':>4} {'tok/s':>8} {'decode':>8} {'tpot50':>7} {'ttft50':>8} "
           f"{'hit':>6} {'GB/s':>6} {'same':>5}")
     for r in doc["runs"]:
         if r.get("concurrency") is None:
-            print(f"{r['system']:9} {r['context']:>6} FAILED")
+            print(f"{r.get('name', r['system']):12} {r['context']:>6} FAILED")
             continue
         hit = f"{r['hit_rate']:.3f}" if r.get("hit_rate") is not None else "-"
         gbps = f"{r['h2d_gbps']:.2f}" if r.get("h2d_gbps") is not None else "-"
-        print(f"{r['system']:9} {r['context']:>6} {r['concurrency']:>4} {r['admitted']:>4} {r['output_tok_s']:>8.0f} "
-              f"{r['decode_tok_s'] or 0:>8.0f} {r['tpot_ms_p50'] or 0:>7.2f} {r['ttft_ms_p50'] or 0:>8.0f} {hit:>6} "
-              f"{gbps:>6} "
-              f"{str(r.get('token_identical_to_hbm')):>5}")
+        print(f"{r.get('name', r['system']):12} {r['context']:>6} {r['concurrency']:>4} {r['admitted']:>4} "
+              f"{r['output_tok_s']:>8.0f} {r['decode_tok_s'] or 0:>8.0f} {r['tpot_ms_p50'] or 0:>7.2f} "
+              f"{r['ttft_ms_p50'] or 0:>8.0f} {hit:>6} {gbps:>6} {str(r.get('token_identical_to_hbm')):>5}")
     return 0
 
 

@@ -3,6 +3,7 @@
 benchmarks/serving.py."""
 
 import json
+import re
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import serving  # noqa: E402
 from sglang_server import make_prompts, run_requests  # noqa: E402
 
@@ -122,3 +124,36 @@ def test_profile_kernel_table_groups_kernels_per_step(tmp_path):
     assert t["host"] == [{"name": "x", "calls_per_step": 0.5, "us_per_step": 499.5}]
     assert [(k["name"], k["us_per_step"], k["calls_per_step"]) for k in t["kernels"]] == [("resolve", 50, 0.5),
                                                                                            ("attn", 30, 1.0)]
+
+
+def test_plan_files_name_servers_with_their_own_concurrency_and_knobs(tmp_path):
+    plans = sorted((ROOT / "benchmarks" / "plans").glob("serving_*.json"))
+    assert plans
+    for path in plans:
+        setups = serving.load_plan(path)
+        assert "hbm" in [s.system for s in setups]  # identity and ratios need the all-HBM baseline in the same run
+    s32 = {s.name: s for s in serving.load_plan(ROOT / "benchmarks" / "plans" / "serving_32k.json")}
+    assert s32["ess-pool15"].ess_config == {"sparse_memory_ratio": 0.15} and s32["ess-pool15"].concurrency == (48,)
+    args = serving.argparse.Namespace(hbm_capacity_requests=12, model=serving.MODEL_DIR, output_len=256, port=1,
+                                      mem_fraction_static=0.8)
+    spec = serving.spec_for(s32["ess-pool15"], 32768, args)
+    assert spec.max_running_requests == 48 and spec.ess_config["sparse_memory_ratio"] == 0.15
+    assert spec.ess_config["max_kv_cache_gb"] > 2
+
+
+@pytest.mark.parametrize("server, says", [
+    ({"name": "x", "system": "vllm", "concurrency": [1]}, "system 'vllm'"),
+    ({"name": "x", "system": "ess", "concurrency": [0]}, "positive integers"),
+    ({"name": "x", "system": "ess", "concurrency": [1], "ess_config": {"sparse_memory_ratio": 7}},
+     "sparse_memory_ratio"),
+    ({"name": "x", "system": "hbm", "concurrency": [1], "ess_config": {}}, "ess_config on a hbm server"),
+    ({"name": "x", "system": "hbm"}, "needs name, system and concurrency"),
+])
+def test_a_bad_plan_entry_fails_before_any_server_starts(tmp_path, server, says):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"servers": [server]}))
+    with pytest.raises(ValueError, match=re.escape(says)):
+        serving.load_plan(path)
+    with pytest.raises(SystemExit):
+        serving.main(["--plan", str(path), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
