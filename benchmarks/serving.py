@@ -87,9 +87,12 @@ class Setup:
     concurrency: tuple[int, ...]
     ess_config: dict = field(default_factory=dict)
     hisparse_ratio: int = 8
+    max_running_requests: int | None = None
+    """--max-running-requests (None: the largest concurrency); it sizes ESS's layout and warm-up share, so setups
+    compared at a few requests keep the one their full-load run has."""
 
 
-PLAN_KEYS = {"name", "system", "concurrency", "ess_config", "hisparse_ratio"}
+PLAN_KEYS = {"name", "system", "concurrency", "ess_config", "hisparse_ratio", "max_running_requests"}
 
 
 def load_plan(path: Path) -> list[Setup]:
@@ -102,8 +105,8 @@ def load_plan(path: Path) -> list[Setup]:
     for i, s in enumerate(servers):
         where = f"--plan {path}: servers[{i}]"
         if not isinstance(s, dict) or set(s) - PLAN_KEYS or not {"name", "system", "concurrency"} <= set(s):
-            raise ValueError(f"{where}: needs name, system and concurrency (optional: ess_config, hisparse_ratio); "
-                             f"got {s!r}")
+            raise ValueError(f"{where}: needs name, system and concurrency (optional: ess_config, hisparse_ratio, "
+                             f"max_running_requests); got {s!r}")
         if s["system"] not in SYSTEMS:
             raise ValueError(f"{where}: system {s['system']!r} is not one of {', '.join(SYSTEMS)}")
         if s.get("ess_config") is not None and s["system"] != "ess":
@@ -115,8 +118,12 @@ def load_plan(path: Path) -> list[Setup]:
         conc = s["concurrency"]
         if not conc or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in conc):
             raise ValueError(f"{where}: concurrency must be a list of positive integers, got {conc!r}")
+        most = s.get("max_running_requests")
+        if most is not None and (not isinstance(most, int) or isinstance(most, bool) or most < max(conc)):
+            raise ValueError(f"{where}: max_running_requests must be an integer >= its largest concurrency "
+                             f"{max(conc)}, got {most!r}")
         setups.append(Setup(str(s["name"]), s["system"], tuple(conc), dict(s.get("ess_config") or {}),
-                            int(s.get("hisparse_ratio", 8))))
+                            int(s.get("hisparse_ratio", 8)), most))
     names = [x.name for x in setups]
     if len(set(names)) != len(names):
         raise ValueError(f"--plan {path}: server names repeat ({', '.join(names)})")
@@ -128,8 +135,8 @@ def spec_for(setup: Setup, context: int, args) -> ServerSpec:
     kv_tokens = args.hbm_capacity_requests * (context + PAGE_SIZE)
     kv_bytes = kv_tokens * kv_bytes_per_token(args.model)
     spec = ServerSpec(setup.system, context_len=context + args.output_len + PAGE_SIZE,
-                      max_running_requests=max(setup.concurrency), kv_tokens=kv_tokens, port=args.port,
-                      model_dir=args.model, mem_fraction_static=args.mem_fraction_static)
+                      max_running_requests=setup.max_running_requests or max(setup.concurrency),
+                      kv_tokens=kv_tokens, port=args.port, model_dir=args.model, mem_fraction_static=args.mem_fraction_static)
     if setup.system == "ess":
         spec.ess_config = {"max_kv_cache_gb": kv_bytes / GIB, **setup.ess_config}
     elif setup.system == "hisparse":
@@ -175,6 +182,10 @@ def run_setup(setup: Setup, context: int, args, out: Path) -> list[dict]:
                    "tpot_ms_p99": _ms(percentile([r.tpot_s for r in results], 99)),
                    "ttft_ms_p50": _ms(percentile([r.ttft_s for r in results], 50)),
                    "ttft_ms_p99": _ms(percentile([r.ttft_s for r in results], 99)),
+                   # the wait between the prefill's token and the next one, which TPOT spreads over the request
+                   "first_gap_ms_p50": _ms(percentile([r.first_gap_s for r in results], 50)),
+                   "first_gap_ms_max": _ms(max((r.first_gap_s for r in results if r.first_gap_s is not None),
+                                               default=None)),
                    "wall_s": wall, "outputs": [r.output_ids for r in results],
                    "logprobs": [r.logprobs for r in results],
                    "hit_rate": None, "h2d_gbps": None, "ess_config": setup.ess_config or None}

@@ -182,10 +182,18 @@ class RequestResult:
     systems beside the tokens. With dummy weights the greedy tokens barely depend on the input (every request may
     decode the same short cycle), so equal tokens alone say little; equal log-probabilities say the logits matched."""
 
+    second_s: float | None = None
+    """Time to the first chunk that carries a second output token: ``second_s - ttft_s`` is the wait between the
+    prefill's token and the first decode step (a prefill of another request, staging to host memory)."""
+
     @property
     def tpot_s(self) -> float | None:
         n = len(self.output_ids)
         return (self.latency_s - self.ttft_s) / (n - 1) if n > 1 else None
+
+    @property
+    def first_gap_s(self) -> float | None:
+        return None if self.second_s is None else self.second_s - self.ttft_s
 
 
 def _one(url: str, prompt: list[int], max_new_tokens: int, timeout_s: float = 3600,
@@ -197,7 +205,7 @@ def _one(url: str, prompt: list[int], max_new_tokens: int, timeout_s: float = 36
                                            "ignore_eos": True}}).encode()
     host, port = url.removeprefix("http://").split(":")
     t0 = time.perf_counter()
-    ttft = None
+    ttft = second = None
     out: list[int] = []
     logprobs: list[float] = []
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
@@ -219,6 +227,8 @@ def _one(url: str, prompt: list[int], max_new_tokens: int, timeout_s: float = 36
                 ttft = time.perf_counter() - t0
             if ids:
                 out = list(ids)  # cumulative (non-incremental streaming)
+                if len(out) >= 2 and second is None:
+                    second = time.perf_counter() - t0
             lp = (chunk.get("meta_info") or {}).get("output_token_logprobs")
             if lp:
                 logprobs = [float(x[0]) for x in lp]  # (logprob, token id, text) each
@@ -226,7 +236,7 @@ def _one(url: str, prompt: list[int], max_new_tokens: int, timeout_s: float = 36
         return RequestResult(out, ttft or 0.0, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}", logprobs)
     finally:
         conn.close()
-    return RequestResult(out, ttft or 0.0, time.perf_counter() - t0, logprobs=logprobs)
+    return RequestResult(out, ttft or 0.0, time.perf_counter() - t0, logprobs=logprobs, second_s=second)
 
 
 def run_requests(url: str, prompts, max_new_tokens: int, concurrency: int, logprobs: bool = True):

@@ -6,6 +6,7 @@ import json
 import re
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -15,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import serving  # noqa: E402
 from sglang_server import make_prompts, run_requests  # noqa: E402
+
+FIRST_GAP_S = 0.05
 
 
 class _Generate(BaseHTTPRequestHandler):
@@ -44,6 +47,8 @@ class _Generate(BaseHTTPRequestHandler):
             meta = {"output_token_logprobs": [[-0.5 * j, ids[j], None] for j in range(i)]}
             self.wfile.write(f"data: {json.dumps({'output_ids': ids[:i], 'meta_info': meta})}\n\n".encode())
             self.wfile.flush()
+            if i == 1:
+                time.sleep(FIRST_GAP_S)  # a wait between the prefill's token and the first decode step
         self.wfile.write(b"data: [DONE]\n\n")
 
 
@@ -62,7 +67,7 @@ def test_streamed_tokens_logprobs_and_errors(url):
     for p, r in zip(prompts[:3], results[:3], strict=True):
         assert r.error is None and r.output_ids == [t % 7 for t in p[:4]]
         assert r.logprobs == [0.0, -0.5, -1.0, -1.5]
-        assert 0 < r.ttft_s <= r.latency_s
+        assert 0 < r.ttft_s <= r.second_s <= r.latency_s and r.first_gap_s >= FIRST_GAP_S
     assert results[3].error.startswith("HTTP 400") and results[3].output_ids == []
 
 
@@ -139,6 +144,7 @@ def test_plan_files_name_servers_with_their_own_concurrency_and_knobs(tmp_path):
     spec = serving.spec_for(s32["ess-pool15"], 32768, args)
     assert spec.max_running_requests == 48 and spec.ess_config["sparse_memory_ratio"] == 0.15
     assert spec.ess_config["max_kv_cache_gb"] > 2
+    assert serving.spec_for(s32["ess-spare"], 32768, args).max_running_requests == 48  # as its full-load twin
 
 
 @pytest.mark.parametrize("server, says", [
@@ -148,6 +154,7 @@ def test_plan_files_name_servers_with_their_own_concurrency_and_knobs(tmp_path):
      "sparse_memory_ratio"),
     ({"name": "x", "system": "hbm", "concurrency": [1], "ess_config": {}}, "ess_config on a hbm server"),
     ({"name": "x", "system": "hbm"}, "needs name, system and concurrency"),
+    ({"name": "x", "system": "ess", "concurrency": [4], "max_running_requests": 2}, "max_running_requests must"),
 ])
 def test_a_bad_plan_entry_fails_before_any_server_starts(tmp_path, server, says):
     path = tmp_path / "plan.json"
