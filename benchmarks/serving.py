@@ -136,7 +136,8 @@ def spec_for(setup: Setup, context: int, args) -> ServerSpec:
     kv_bytes = kv_tokens * kv_bytes_per_token(args.model)
     spec = ServerSpec(setup.system, context_len=context + args.output_len + PAGE_SIZE,
                       max_running_requests=setup.max_running_requests or max(setup.concurrency),
-                      kv_tokens=kv_tokens, port=args.port, model_dir=args.model, mem_fraction_static=args.mem_fraction_static)
+                      kv_tokens=kv_tokens, port=args.port, model_dir=args.model,
+                      mem_fraction_static=args.mem_fraction_static)
     if setup.system == "ess":
         spec.ess_config = {"max_kv_cache_gb": kv_bytes / GIB, **setup.ess_config}
     elif setup.system == "hisparse":
