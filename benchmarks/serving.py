@@ -7,13 +7,14 @@
 * ``ess``: ``--enable-ess`` with ``max_kv_cache_gb`` set to the same device bytes.
 
 Each server gets the same requests (fixed seeds, greedy, ``ignore_eos``, token ids: the model is the DeepSeek-V3.2-
-shaped config under configs/models/ with dummy weights) at every concurrency, and reports requests running at once,
-output tok/s (client: every output token over the wall time, prefills included), decode tok/s (the server's own
-``gen throughput`` at its fullest decode batch: what a decode instance delivers), TPOT and TTFT p50/p99, ESS's hit
-rate and H2D GB/s from ``/metrics``, and whether every request's output tokens equal the all-HBM server's at the same
-concurrency. A system that runs fewer requests than were sent at one concurrency is capacity-bound and is not sent
-more. Writes ``serving.json`` and ``serving.png`` under ``--out`` (benchmarks/results/serving/ by default). Runs on
-the GPU machine inside scripts/sglang_site.sh.
+shaped config under configs/models/ with dummy weights) at every concurrency, and reports requests running at once
+(SGLang's fullest decode batch, from its log), output tok/s (client: every output token over the wall time, prefills
+included), decode tok/s (the server's own ``gen throughput`` at its fullest decode batch: what a decode instance
+delivers), TPOT and TTFT p50/p99, the wait between each request's first and second token, ESS's hit rate and H2D GB/s
+from ``/metrics``, and whether every request's output tokens equal the all-HBM server's at the same concurrency. A
+system that decodes fewer requests than were sent at one concurrency is capacity-bound and is not sent more. Writes
+``serving.json`` and ``serving.png`` under ``--out`` (benchmarks/results/serving/ by default). Runs on the GPU
+machine inside scripts/sglang_site.sh.
 
     scripts/sglang_site.sh python3 benchmarks/serving.py --contexts 32768 --concurrency 1,2,4,8,16
 
@@ -174,9 +175,11 @@ def run_setup(setup: Setup, context: int, args, out: Path) -> list[dict]:
             errors = [r.error for r in results if r.error]
             after = ess_counters(spec.url) if system == "ess" else None
             rate = decode_rate(server.log_text()[log_at:])
-            running = max(running, rate.running)
-            row = {"system": system, "name": name, "context": context, "concurrency": c, "admitted": running,
-                   "decode_tok_s": rate.tok_s, "decode_windows": rate.windows,
+            # admitted: the fullest decode batch in SGLang's log. SGLang's num_running_reqs (polled) also counts
+            # requests still staging to host memory: HiSparse showed 46 there at 32K while it decoded 36 at most.
+            admitted = rate.running or running
+            row = {"system": system, "name": name, "context": context, "concurrency": c, "admitted": admitted,
+                   "running_polled": running, "decode_tok_s": rate.tok_s, "decode_windows": rate.windows,
                    "requests": len(results), "errors": len(errors),
                    "output_tok_s": sum(len(r.output_ids) for r in results) / wall,
                    "tpot_ms_p50": _ms(percentile([r.tpot_s for r in results], 50)),
@@ -198,10 +201,10 @@ def run_setup(setup: Setup, context: int, args, out: Path) -> list[dict]:
             if errors:
                 row["first_error"] = errors[0][:300]
             rows.append(row)
-            print(f"[{name} {context}] c={c}: {row['output_tok_s']:.0f} tok/s, decode {rate.tok_s} tok/s, running "
-                  f"{running}, tpot p50 {row['tpot_ms_p50']} ms, hit {row['hit_rate']}, errors {len(errors)}",
+            print(f"[{name} {context}] c={c}: {row['output_tok_s']:.0f} tok/s, decode {rate.tok_s} tok/s, decoding "
+                  f"{admitted} at once, tpot p50 {row['tpot_ms_p50']} ms, hit {row['hit_rate']}, errors {len(errors)}",
                   flush=True)
-            if running < c:  # capacity-bound: more requests at once only queue
+            if admitted < c:  # capacity-bound: more requests at once only queue
                 break
     except ServerError as exc:
         rows.append({"system": system, "name": name, "context": context, "concurrency": None,

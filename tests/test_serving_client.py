@@ -144,7 +144,10 @@ def test_plan_files_name_servers_with_their_own_concurrency_and_knobs(tmp_path):
     spec = serving.spec_for(s32["ess-pool15"], 32768, args)
     assert spec.max_running_requests == 48 and spec.ess_config["sparse_memory_ratio"] == 0.15
     assert spec.ess_config["max_kv_cache_gb"] > 2
-    assert serving.spec_for(s32["ess-spare"], 32768, args).max_running_requests == 48  # as its full-load twin
+    few = tmp_path / "few.json"  # a few requests against the layout of 48
+    few.write_text(json.dumps({"servers": [{"name": "e", "system": "ess", "concurrency": [1, 2],
+                                            "max_running_requests": 48}]}))
+    assert serving.spec_for(serving.load_plan(few)[0], 32768, args).max_running_requests == 48
 
 
 @pytest.mark.parametrize("server, says", [
