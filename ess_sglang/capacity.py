@@ -22,11 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictStr
 
 from ess_sglang.config import GIB, EssConfigError, NonNegativeInt, PositiveInt, load_config, validate_mapping
-
-# Bytes per token per layer. The authoritative layouts are in ess_sglang.formats, which imports torch;
-# these copies keep this module torch-free (tests/test_capacity.py checks that they agree).
-LATENT_ENTRY_BYTES = 656  # FlashMLA "V32" FP8 latent: 512 fp8 + 4 fp32 scales + 64 bf16 rope values
-INDEXER_ENTRY_BYTES = 132  # indexer K: 128 fp8 values + one fp32 scale
+from ess_sglang.entry_sizes import INDEXER_ENTRY_BYTES, LATENT_ENTRY_BYTES  # noqa: F401  (bytes per token and layer)
 
 FACTORS = ("hbm", "host_memory", "indexer_cache", "hot_pool_min")
 """What can limit the number of requests (see ``plan_capacity``)."""

@@ -39,6 +39,8 @@ from pydantic import (
     model_validator,
 )
 
+from ess_sglang.entry_sizes import LATENT_ENTRY_BYTES
+
 GIB = 2**30
 DEFAULT_SPARSE_MEMORY_RATIO = 0.2
 SIZING_KNOBS = ("hot_slots_per_layer", "sparse_memory_ratio", "max_gpu_buffer_size_gb")
@@ -332,8 +334,6 @@ def _gib_up(nbytes: float) -> str:
 
 
 def _plan(cfg: EssConfig, dep: Deployment, host_memory_bytes: int | None) -> PoolPlan:
-    from ess_sglang.capacity import LATENT_ENTRY_BYTES  # here, not at the top: capacity imports this module
-
     entry = LATENT_ENTRY_BYTES * dep.num_layers  # bytes of one token location across all layers
     requests, q, ctx = dep.max_running_requests, dep.q_tokens_per_step, dep.max_context_len
 

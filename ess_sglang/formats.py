@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import torch
 
-KV_LORA_RANK = 512
-ROPE_DIM = 64
-LATENT_TILE = 128
-LATENT_TILES = KV_LORA_RANK // LATENT_TILE
-LATENT_ENTRY_BYTES = KV_LORA_RANK + 4 * LATENT_TILES + 2 * ROPE_DIM  # 656
-QK_HEAD_DIM = KV_LORA_RANK + ROPE_DIM  # 576: what a query head dots with a latent entry
+from ess_sglang.entry_sizes import (  # noqa: F401  (the sizes, re-exported beside the layouts that fill them)
+    INDEX_HEAD_DIM,
+    INDEXER_ENTRY_BYTES,
+    KV_LORA_RANK,
+    LATENT_ENTRY_BYTES,
+    LATENT_TILE,
+    LATENT_TILES,
+    ROPE_DIM,
+)
 
-INDEX_HEAD_DIM = 128
-INDEXER_ENTRY_BYTES = INDEX_HEAD_DIM + 4  # 132
+QK_HEAD_DIM = KV_LORA_RANK + ROPE_DIM  # 576: what a query head dots with a latent entry
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

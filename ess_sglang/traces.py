@@ -47,8 +47,10 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ess_sglang.entry_sizes import LATENT_ENTRY_BYTES
+
 FORMAT_VERSION = 1
-ENTRY_BYTES = 656  # V32 latent entry: what one miss moves over PCIe
+ENTRY_BYTES = LATENT_ENTRY_BYTES  # what one miss moves over PCIe
 
 
 class TraceError(ValueError):

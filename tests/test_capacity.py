@@ -15,8 +15,6 @@ from hypothesis import strategies as st
 from ess_sglang import capacity, cli
 from ess_sglang.capacity import (
     FACTORS,
-    INDEXER_ENTRY_BYTES,
-    LATENT_ENTRY_BYTES,
     MODEL_PRESETS,
     ModelSpec,
     parse_tokens,
@@ -27,12 +25,6 @@ from ess_sglang.config import GIB, EssConfigError
 ROOT = Path(__file__).resolve().parent.parent
 DSV32 = MODEL_PRESETS["deepseek-v3.2-exp"]
 K32 = 32 * 1024
-
-
-def test_entry_sizes_match_formats():
-    formats = pytest.importorskip("ess_sglang.formats")
-    assert LATENT_ENTRY_BYTES == formats.LATENT_ENTRY_BYTES == 656
-    assert INDEXER_ENTRY_BYTES == formats.INDEXER_ENTRY_BYTES == 132
 
 
 def test_config_and_capacity_do_not_import_torch():

@@ -16,6 +16,7 @@ def test_latent_layout_and_round_trip():
     nope, rope = torch.randn(5, 512, generator=g), torch.randn(5, 64, generator=g)
     e = pack_latent(nope, rope)
     assert e.shape == (5, LATENT_ENTRY_BYTES) and e.dtype == torch.uint8
+    assert (LATENT_ENTRY_BYTES, INDEXER_ENTRY_BYTES) == (656, 132)  # FlashMLA V32 and the indexer's K (design brief)
     scales = e[:, 512:528].contiguous().view(torch.float32)
     assert torch.allclose(scales, nope.view(5, 4, 128).abs().amax(-1) / 448.0)
     assert torch.equal(e[:, 528:].contiguous().view(torch.bfloat16), rope.to(torch.bfloat16))

@@ -7,7 +7,9 @@ tokenizer, scheduler, detokenizer, DP controller); ``SGLANG_PLUGINS=ess`` restri
 Modules, one job each:
 
 * ``compat``     supported SGLang versions, target checks, the refusal messages;
-* ``hooks``      the table of every hook (target, type, function);
+* ``hooks``      the table of every hook (target, type, function), and the checks that they took effect: the one
+                 module that imports the handlers, none of which imports it;
+* ``active``     what ESS runs in this process (its coordinator, a PD prefill's window-set sender);
 * ``cli_args``   the flags, what they imply, start-up validation;
 * ``settings``   where the settings live (bookkeeping attributes of ServerArgs, which survive pickling);
 * ``sizing``     the pool layout ESS asks SGLang for;

@@ -190,7 +190,7 @@ def request_total_tokens(req) -> int:
 
 
 def _admission():
-    from ess_sglang.sglang_plugin.coordinator import active_coordinator
+    from ess_sglang.sglang_plugin.active import active_coordinator
 
     coord = active_coordinator()
     return coord, (coord.admission if coord is not None else None)

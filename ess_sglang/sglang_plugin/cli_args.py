@@ -110,15 +110,12 @@ def enable_on_namespace(args: Any, config_path: str | None) -> settings.EssSetti
 
 
 def _activate(args: Any, s: settings.EssSettings) -> settings.EssSettings:
-    """Record the settings in this process (and on the raw arguments), and install the runtime hooks now (this
-    process loaded the plugin before the flags were known)."""
+    """Record the settings in this process (and on the raw arguments), and mark the process, so that the processes
+    SGLang spawns install the runtime hooks at plugin load. This process loaded the plugin before the flags were
+    known: the registry (hooks.py) installs them here before SGLang builds the record."""
     settings.store(args, s)
     settings.current(args)
     os.environ[ENV_ENABLED] = "1"
-    from ess_sglang.sglang_plugin import hooks
-
-    hooks.install_runtime_hooks()
-    compat.verify_applied(hooks.runtime_hooks_for(compat.installed_sglang_version()) + hooks.CLI_HOOKS)
     return s
 
 

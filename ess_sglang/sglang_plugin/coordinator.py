@@ -37,7 +37,6 @@ its own (``write_new_tokens``). ``begin_step`` advances the LRU clock on the fir
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -45,13 +44,11 @@ import torch
 from ess_sglang.cache_manager import NewTokens
 from ess_sglang.sglang_plugin import compat, echo
 from ess_sglang.sglang_plugin import settings as settings_mod
+from ess_sglang.sglang_plugin.active import active_coordinator, set_active
 from ess_sglang.sglang_plugin.admission import EssAdmission
 from ess_sglang.sglang_plugin.warmup import WindowCapture
 
 logger = logging.getLogger("ess_sglang.sglang_plugin")
-
-_ACTIVE: weakref.ref | None = None
-
 
 class StepRows(NamedTuple):
     """What a decode step's layers share about its batch (``EssCoordinator.rows_of_step``), [bs] each."""
@@ -64,16 +61,6 @@ class StepRows(NamedTuple):
     visible_lens: torch.Tensor  # lens, 0 for padding rows (positions a prefetch candidate may come from)
     new_host_loc: torch.Tensor  # host location of the token being decoded, -1 for padding rows
     new_token_rows: torch.Tensor  # device-pool row of each request's new-token slot
-
-
-def active_coordinator() -> EssCoordinator | None:
-    """The ESS coordinator of this process (one per scheduler process), or None when ESS is off here."""
-    return _ACTIVE() if _ACTIVE is not None else None
-
-
-def set_active(coord: EssCoordinator | None) -> None:
-    global _ACTIVE
-    _ACTIVE = weakref.ref(coord) if coord is not None else None
 
 
 class TokenStats(NamedTuple):  # same fields as HiSparseTokenStats (the scheduler's pool log line reads them)
@@ -616,14 +603,20 @@ class EssCoordinator:
 
 # ---------------------------------------------------------------------------------------------- hooks
 
-def maybe_init_hisparse_coordinator_hook(original, runner, *args, **kwargs):
-    """AROUND ModelRunner.maybe_init_hisparse_coordinator: the ESS coordinator instead of HiSparse's."""
-    s = settings_mod.current(getattr(runner, "server_args", None))
-    if not s.enabled or not getattr(runner, "enable_hisparse", False):
-        return original(runner, *args, **kwargs)
-    from ess_sglang.sglang_plugin import hooks, sizing
+def runs_ess(runner) -> bool:
+    """Whether this model runner serves with ESS (its settings enable it, and SGLang's HiSparse path is on)."""
+    return settings_mod.current(getattr(runner, "server_args", None)).enabled and \
+        bool(getattr(runner, "enable_hisparse", False))
 
-    compat.verify_applied(hooks.all_hooks())
+
+def maybe_init_hisparse_coordinator_hook(original, runner, *args, **kwargs):
+    """AROUND ModelRunner.maybe_init_hisparse_coordinator: the ESS coordinator instead of HiSparse's (the registry,
+    hooks.py, first checks that every ESS hook took effect)."""
+    if not runs_ess(runner):
+        return original(runner, *args, **kwargs)
+    from ess_sglang.sglang_plugin import sizing
+
+    s = settings_mod.current(getattr(runner, "server_args", None))
     runner.hisparse_coordinator = EssCoordinator.from_model_runner(runner, s, sizing.current_pools())
     # The scheduler's token capacity is the logical locations (indexer entries backed by the host pool), not the
     # device slots the pool configurator sized: ESS's allocator reports the logical free count

@@ -16,10 +16,12 @@ import logging
 from ess_sglang.sglang_plugin import (
     admission,
     cli_args,
+    compat,
     coordinator,
     decode_batch,
     indexer_tap,
     pd_windows,
+    settings,
     sizing,
     warmup,
 )
@@ -30,10 +32,46 @@ logger = logging.getLogger("ess_sglang.sglang_plugin")
 SA = "sglang.srt.server_args.ServerArgs"
 MB = "sglang.srt.disaggregation.utils.MetadataBuffers"
 
+
+# ---------------------------------------------------------------------------------------------- checked entries
+# Three hooks start ESS in a process; before each hands over to its module, the registry installs or checks the hooks
+# it depends on (the modules do not import this registry, which imports them).
+
+def from_cli_args_hook(original, cls, args, *rest, **kwargs):
+    """AROUND ServerArgs.from_cli_args: cli_args' handler; where it enabled ESS, the runtime hooks are installed and
+    checked before SGLang builds the record (0.5.17's constructor already calls hooked code)."""
+
+    def build(*a, **k):
+        s = settings.read(args)
+        if s.enabled or s.send_windows:
+            install_runtime_hooks()
+            compat.verify_applied(runtime_hooks_for(compat.installed_sglang_version()) + CLI_HOOKS)
+        return original(*a, **k)
+
+    return cli_args.from_cli_args_hook(build, cls, args, *rest, **kwargs)
+
+
+def maybe_init_hisparse_coordinator_hook(original, runner, *args, **kwargs):
+    """AROUND ModelRunner.maybe_init_hisparse_coordinator: every ESS hook checked, then the ESS coordinator."""
+    if coordinator.runs_ess(runner):
+        compat.verify_applied(all_hooks())
+    return coordinator.maybe_init_hisparse_coordinator_hook(original, runner, *args, **kwargs)
+
+
+def metadata_buffers_init_hook(result, buffers, *args, **kwargs):
+    """AFTER MetadataBuffers.__init__: the PD hooks checked (SGLang only logs a hook that failed: refuse instead),
+    then the ESS window-set buffer."""
+    if pd_windows.current_role() is not None:
+        compat.verify_applied(pd_hooks(), log=False)
+    return pd_windows.metadata_buffers_init_hook(result, buffers, *args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- the table
+
 CLI_HOOKS: tuple[HookSpec, ...] = (
     HookSpec(f"{SA}.add_cli_args", "after", cli_args.add_cli_args_hook,
              "adds --enable-ess and --ess-config to SGLang's parser", always=True),
-    HookSpec(f"{SA}.from_cli_args", "around", cli_args.from_cli_args_hook,
+    HookSpec(f"{SA}.from_cli_args", "around", from_cli_args_hook,
              "turns the flags into ESS settings on the ServerArgs record, implies --enable-hisparse", always=True),
 )
 
@@ -48,7 +86,7 @@ RUNTIME_HOOKS: tuple[HookSpec, ...] = (
     HookSpec("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.resolve_max_num_reqs", "after",
              sizing.resolve_max_num_reqs_hook, "caps max_running_requests at what ESS planned new-token slots for"),
     HookSpec("sglang.srt.model_executor.model_runner.ModelRunner.maybe_init_hisparse_coordinator", "around",
-             coordinator.maybe_init_hisparse_coordinator_hook,
+             maybe_init_hisparse_coordinator_hook,
              "builds the ESS coordinator in place of HiSparse's (its swap_in_selected_pages drives the cache manager)"),
     HookSpec("sglang.srt.managers.scheduler.Scheduler.init_hisparse_coordinator", "after",
              coordinator.init_hisparse_coordinator_hook, "attaches the scheduler: metrics labels, admission"),
@@ -70,7 +108,7 @@ RUNTIME_HOOKS: tuple[HookSpec, ...] = (
              "layer's prefetch from the logits before it, keeps the selection for its k-th best scores after it"),
     HookSpec("sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend", "before",
              warmup.forward_extend_hook, "captures the prefill's last query windows' top-k sets for warm-up"),
-    HookSpec(f"{MB}.__init__", "after", pd_windows.metadata_buffers_init_hook,
+    HookSpec(f"{MB}.__init__", "after", metadata_buffers_init_hook,
              "PD: adds the window-set buffer (one slot per metadata slot) on prefill and decode instances with ESS"),
     HookSpec(f"{MB}.get_buf_infos", "after", pd_windows.get_buf_infos_hook,
              "PD: registers the window-set buffer with the transfer engine, after SGLang's metadata buffers"),
@@ -116,7 +154,7 @@ def _installed_version() -> str | None:
 
 def pd_hooks(version: str | None = None) -> tuple[HookSpec, ...]:
     """What the PD window-set transfer needs (checked when the window-set buffer is created)."""
-    wanted = (warmup.forward_extend_hook, pd_windows.metadata_buffers_init_hook, pd_windows.get_buf_infos_hook,
+    wanted = (warmup.forward_extend_hook, metadata_buffers_init_hook, pd_windows.get_buf_infos_hook,
               pd_windows.set_buf_hook, pd_windows.clear_slot_hook, pd_windows.commit_transfer_hook)
     version = _installed_version() if version is None else version
     return tuple(h for h in runtime_hooks_for(version) if h.hook in wanted)

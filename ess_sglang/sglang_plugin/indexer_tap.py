@@ -68,7 +68,7 @@ def _batch_size(forward_batch: Any) -> int | None:
 def get_topk_paged_hook(original, indexer, *args, **kwargs):
     """AROUND Indexer._get_topk_paged: open the tap for a decode layer of an ESS instance."""
     global _OPEN
-    from ess_sglang.sglang_plugin.coordinator import active_coordinator
+    from ess_sglang.sglang_plugin.active import active_coordinator
 
     coord = active_coordinator()
     forward_batch = _arg(args, kwargs, 0, "forward_batch")

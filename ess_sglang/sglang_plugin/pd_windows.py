@@ -43,6 +43,7 @@ import torch
 
 from ess_sglang.sglang_plugin import compat
 from ess_sglang.sglang_plugin import settings as settings_mod
+from ess_sglang.sglang_plugin.active import set_sender
 from ess_sglang.sglang_plugin.warmup import WindowCapture, rank_window_sets
 
 logger = logging.getLogger("ess_sglang.sglang_plugin")
@@ -273,18 +274,6 @@ class WindowSender:
         STATS.truncated_layers += truncated
 
 
-_SENDER: WindowSender | None = None
-
-
-def active_sender() -> WindowSender | None:
-    return _SENDER
-
-
-def set_sender(sender: WindowSender | None) -> None:
-    global _SENDER
-    _SENDER = sender
-
-
 # ---------------------------------------------------------------------------------------------- hooks
 
 def metadata_buffers_init_hook(result, buffers, *args, **kwargs):
@@ -293,9 +282,6 @@ def metadata_buffers_init_hook(result, buffers, *args, **kwargs):
     role = current_role()
     if role is None:
         return None
-    from ess_sglang.sglang_plugin import hooks
-
-    compat.verify_applied(hooks.pd_hooks(), log=False)  # SGLang only logs a hook that failed: refuse instead
     try:
         hf = _hf_text_config()
         layout = layout_for(hf)

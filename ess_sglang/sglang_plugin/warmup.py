@@ -247,12 +247,12 @@ def _extend_args(args, kwargs) -> dict:
 def capture_sink():
     """Whoever collects this process's windows: the ESS coordinator (colocated / PD decode), else the PD prefill
     window sender, else None. Both have ``capture``, ``start_layer`` and ``note_capture_unavailable(why)``."""
-    from ess_sglang.sglang_plugin.coordinator import active_coordinator
+    from ess_sglang.sglang_plugin.active import active_coordinator
 
     coord = active_coordinator()
     if coord is not None:
         return coord
-    from ess_sglang.sglang_plugin.pd_windows import active_sender
+    from ess_sglang.sglang_plugin.active import active_sender
 
     return active_sender()
 

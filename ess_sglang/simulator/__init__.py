@@ -7,8 +7,8 @@ Modules, one job each:
     model.py        the decode-step cost model: per-layer rooflines, EP network, TBO, MTP, ESS exposure
     capacity.py     HBM -> largest batch without ESS; hot-pool ratio at a batch; host-memory bound with ESS
     traffic.py      ESS misses per layer (profile or miss model) -> PCIe bytes
-    calibration.py  the single fitted constant (kernel efficiency) and its fit
-    simulate.py     runs a scenario: table rows, sweep, comparison with the reference
+    calibration.py  the single fitted constant (kernel efficiency) and what it was fitted on
+    simulate.py     runs a scenario: table rows, sweep, comparison with the reference; the constant's fit
     report.py       table (rich / plain) and plot
     cli.py          ``ess simulate``
 

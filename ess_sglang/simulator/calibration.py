@@ -17,25 +17,8 @@ The issue allows two constants; one suffices (tests/test_simulator.py pins the p
 from __future__ import annotations
 
 KERNEL_EFFICIENCY = 0.3244
-"""Fitted by ``fit_kernel_efficiency(load_scenario("configs/scenarios/paper-32k.yaml"))``, rounded to 4 digits."""
+"""Fitted by ``simulate.fit_kernel_efficiency(load_scenario("configs/scenarios/paper-32k.yaml"))``, rounded to 4
+digits (the fit lives beside the simulator it runs, so that this module imports nothing)."""
 
 FIT_BATCH = 52
 FIT_PER_REQUEST = 23.19  # tokens/s, ESS paper, batch 52, ratio 1.0 (baseline, no ESS)
-
-
-def fit_kernel_efficiency(loaded, batch: int = FIT_BATCH, per_request: float = FIT_PER_REQUEST,
-                          tol: float = 1e-7) -> float:
-    """The eta at which the baseline (no ESS) per-request rate at ``batch`` equals ``per_request``."""
-    from ess_sglang.simulator.simulate import Simulator  # late import: simulate imports this module
-
-    sim = Simulator(loaded, eta=1.0)
-    lo, hi = 1e-3, 1.0
-    if sim.with_eta(hi).run_batch(batch, ess=False).per_request < per_request:
-        raise ValueError("even eta = 1 is slower than the target rate")
-    while hi - lo > tol:
-        mid = (lo + hi) / 2
-        if sim.with_eta(mid).run_batch(batch, ess=False).per_request < per_request:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2

@@ -35,12 +35,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ess_sglang.entry_sizes import INDEXER_ENTRY_BYTES, LATENT_ENTRY_BYTES  # bytes per token and layer
 from ess_sglang.simulator.hardware import Hardware
-
-# Bytes per token per layer. The authoritative layouts are in ess_sglang.formats (which imports torch);
-# these copies keep the simulator torch-free, and tests/test_simulator.py checks that they agree.
-LATENT_ENTRY_BYTES = 656  # FlashMLA "V32": 512 fp8 no-rope values + 4 fp32 scales + 64 bf16 rope values
-INDEXER_ENTRY_BYTES = 132  # indexer K: 128 fp8 values + 1 fp32 scale
 
 OVERLAP_MODES = ("sync", "da", "dba", "auto")
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ess_sglang.simulator.calibration import KERNEL_EFFICIENCY
+from ess_sglang.simulator.calibration import FIT_BATCH, FIT_PER_REQUEST, KERNEL_EFFICIENCY
 from ess_sglang.simulator.capacity import Capacity, capacity
 from ess_sglang.simulator.model import DSV32, Deployment, ModelArch, decode_step, node_throughput, per_request_rate
 from ess_sglang.simulator.scenario import LoadedScenario
@@ -174,3 +174,19 @@ def compare(reference, rows: list[Row], max_plain: int) -> dict[str, Any]:
         })
     return {"source": reference.source, "rows": comp, "max_batch_without_ess": max_plain,
             "max_batch_without_ess_ref": reference.max_batch_without_ess}
+
+
+def fit_kernel_efficiency(loaded, batch: int = FIT_BATCH, per_request: float = FIT_PER_REQUEST,
+                          tol: float = 1e-7) -> float:
+    """The eta at which the baseline (no ESS) per-request rate at ``batch`` equals ``per_request``."""
+    sim = Simulator(loaded, eta=1.0)
+    lo, hi = 1e-3, 1.0
+    if sim.with_eta(hi).run_batch(batch, ess=False).per_request < per_request:
+        raise ValueError("even eta = 1 is slower than the target rate")
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        if sim.with_eta(mid).run_batch(batch, ess=False).per_request < per_request:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2

@@ -129,7 +129,7 @@ def _drop_sglang_log_handlers():
 @pytest.fixture(autouse=True)
 def _no_active_coordinator():
     yield
-    from ess_sglang.sglang_plugin.coordinator import set_active
+    from ess_sglang.sglang_plugin.active import set_active
 
     set_active(None)
 

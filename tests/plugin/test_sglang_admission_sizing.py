@@ -151,7 +151,7 @@ def test_hooks_gate_sglangs_admission_points():
     from sglang.srt.managers.schedule_policy import AddReqResult
 
     from ess_sglang.sglang_plugin import admission as glue
-    from ess_sglang.sglang_plugin.coordinator import set_active
+    from ess_sglang.sglang_plugin.active import set_active
 
     adm = EssAdmission(host_tokens=64 * 40, indexer_tokens=64 * 40, hot_slots_per_layer=4 * 2049, top_k=2048)
     coord = _Coord(adm, staging=3000)
@@ -186,7 +186,7 @@ def test_hooks_gate_sglangs_pd_decode_admission():
     import types
 
     from ess_sglang.sglang_plugin import admission as glue
-    from ess_sglang.sglang_plugin.coordinator import set_active
+    from ess_sglang.sglang_plugin.active import set_active
 
     adm = EssAdmission(host_tokens=64 * 40, indexer_tokens=64 * 40, hot_slots_per_layer=4 * 2049, top_k=2048)
     coord = _Coord(adm)

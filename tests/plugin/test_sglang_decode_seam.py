@@ -136,7 +136,8 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
 
     from ess_sglang.sglang_plugin import warmup
-    from ess_sglang.sglang_plugin.coordinator import EssCoordinator, active_coordinator, set_active
+    from ess_sglang.sglang_plugin.active import active_coordinator, set_active
+    from ess_sglang.sglang_plugin.coordinator import EssCoordinator
     from ess_sglang.sglang_plugin.warmup import rank_window_sets
 
     lens = [9000, 1500, 12000, 5000]  # one request shorter than top-k: -1 padding
@@ -384,7 +385,7 @@ class _Coord:
 
 def test_capture_keeps_last_windows_and_skips_compressed_indexer_pool():
     from ess_sglang.sglang_plugin import warmup
-    from ess_sglang.sglang_plugin.coordinator import set_active
+    from ess_sglang.sglang_plugin.active import set_active
 
     coord = _Coord()
     set_active(coord)
@@ -427,7 +428,7 @@ def test_capture_reads_device_request_rows_once_per_forward():
     """Without a host copy of the request rows, the capture reads the device rows back once per forward batch, not
     once per layer, and records what it records with a host copy; a new batch reads its own rows."""
     from ess_sglang.sglang_plugin import warmup
-    from ess_sglang.sglang_plugin.coordinator import set_active
+    from ess_sglang.sglang_plugin.active import set_active
 
     coord = _Coord()
     set_active(coord)

@@ -159,7 +159,7 @@ def _through_hooks(meta, logits, topk=TOPK, *, fused=True, coordinator=None, dec
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     from ess_sglang.sglang_plugin import indexer_tap
-    from ess_sglang.sglang_plugin.coordinator import set_active
+    from ess_sglang.sglang_plugin.active import set_active
 
     original = _original_transform()
 
@@ -293,7 +293,7 @@ def test_other_paths_pass_through_untouched(why, kernels, caplog):
     """Prefill and verify batches, processes without ESS, an ESS instance set to HiSparse's top-k, and a top-k that
     is not forced unfused run SGLang's own call with its own arguments."""
     from ess_sglang.sglang_plugin import indexer_tap
-    from ess_sglang.sglang_plugin.coordinator import set_active
+    from ess_sglang.sglang_plugin.active import set_active
 
     attn, logits = _attn(), _logits()
     meta = _meta(attn, force_unfused=why != "fused top-k")
@@ -334,7 +334,7 @@ def test_only_the_first_top_k_of_a_layer_is_the_decode_selection(kernels):
 
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-    from ess_sglang.sglang_plugin.coordinator import set_active
+    from ess_sglang.sglang_plugin.active import set_active
 
     coord = _Coordinator()
     set_active(coord)
@@ -376,7 +376,7 @@ def test_fallback_to_sglangs_own_top_k_warns_once_naming_why(case, kernels, monk
     other arguments, no forward context to read use_fused_topk from), SGLang's own HiSparse call runs and one
     warning names why."""
     from ess_sglang.sglang_plugin import indexer_tap
-    from ess_sglang.sglang_plugin.coordinator import set_active
+    from ess_sglang.sglang_plugin.active import set_active
 
     patch, attn_kwargs, fused, message = FALLBACKS[case]
     patch(monkeypatch)

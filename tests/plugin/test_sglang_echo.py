@@ -227,7 +227,7 @@ def _call_indexer(forward_batch, unfused=True):
     (True, True, False, []),  # a fused top-k (locations, not positions): not ESS's decode path
 ])
 def test_tap_acts_only_in_decode_layers_that_prefetch(prefetching, decode, unfused, expected, caplog):
-    from ess_sglang.sglang_plugin.coordinator import set_active
+    from ess_sglang.sglang_plugin.active import set_active
 
     coord = _Coordinator(prefetching)
     set_active(coord)
@@ -258,7 +258,7 @@ def test_small_batches_do_not_prefetch():
 
 
 def test_tap_passes_through_without_ess():
-    from ess_sglang.sglang_plugin.coordinator import set_active
+    from ess_sglang.sglang_plugin.active import set_active
 
     set_active(None)
     _call_indexer(_batch(True))

@@ -54,12 +54,12 @@ PD_TARGETS = ("sglang.srt.disaggregation.utils.MetadataBuffers.__init__",
 @pytest.fixture
 def runtime_hooks(loaded_plugins, ess_env):
     """The runtime hooks applied in this process, as enabling ESS does."""
-    from ess_sglang.sglang_plugin import hooks, pd_windows
+    from ess_sglang.sglang_plugin import active, hooks, pd_windows
 
     hooks.install_runtime_hooks()
     pd_windows.STATS = pd_windows.PdWindowStats()
     yield loaded_plugins
-    pd_windows.set_sender(None)
+    active.set_sender(None)
     pd_windows.STATS = pd_windows.PdWindowStats()
 
 
@@ -300,12 +300,12 @@ P_IDX = {1: 0, 2: 5, 3: 2}  # each request's metadata slot on the prefill instan
 def _prefill_instance_sends(role, prompts: _Prompts, fused: bool):
     """The prefill instance with --enable-ess: its metadata buffers, the capture of every prompt's prefill, and
     SGLang's set_buf for each request (the ESS hook writes its slot). Returns the metadata buffers."""
-    from ess_sglang.sglang_plugin import pd_windows
+    from ess_sglang.sglang_plugin import active, pd_windows
 
     layout = pd_windows.WireLayout(LAYERS, 2 * TOPK)
     role("prefill")
     mb_p = _metadata_buffers()
-    sender = pd_windows.active_sender()
+    sender = active.active_sender()
     assert sender is not None and mb_p.ess_sender is sender and mb_p.ess_windows.shape == (8, layout.row_ints)
     methods = _prefill_all(prompts, fused)
     assert methods == (["RAGGED", "PAGED"] if fused else ["POSITIONS", "POSITIONS"])
@@ -356,7 +356,7 @@ def test_window_sets_round_trip_through_sglang_metadata(runtime_hooks, role, fus
     union of the windows the prefill's indexer selected; the PD warm-up then loads the same positions as colocated
     warm-up of the same prompt, which are the positions ess_sglang.warmup.warmup_positions chooses."""
     from ess_sglang.sglang_plugin import pd_windows
-    from ess_sglang.sglang_plugin.coordinator import set_active
+    from ess_sglang.sglang_plugin.active import set_active
     from ess_sglang.sglang_plugin.warmup import rank_window_sets
     from ess_sglang.warmup import warmup_positions
 
@@ -428,12 +428,12 @@ def test_window_sets_round_trip_through_sglang_metadata(runtime_hooks, role, fus
 def test_prefill_without_ess_sends_nothing_and_decode_warms_up_recent(runtime_hooks, role, parallel1, caplog):
     """A prefill instance without ESS registers SGLang's buffers only: the ESS slot is not transferred, the decode
     side falls back to the most recent tokens and says so once."""
-    from ess_sglang.sglang_plugin import pd_windows
-    from ess_sglang.sglang_plugin.coordinator import set_active
+    from ess_sglang.sglang_plugin import active, pd_windows
+    from ess_sglang.sglang_plugin.active import set_active
 
     role("prefill-without-ess")
     mb_p = _metadata_buffers()
-    assert getattr(mb_p, "ess_windows", None) is None and pd_windows.active_sender() is None
+    assert getattr(mb_p, "ess_windows", None) is None and active.active_sender() is None
     role("decode")
     mb_d = _metadata_buffers()
     assert len(mb_d.get_buf_infos()[0]) == len(mb_p.get_buf_infos()[0]) + 1

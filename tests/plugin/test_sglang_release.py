@@ -54,7 +54,7 @@ def served(loaded_plugins, ess_env, model_argv, parallel1):
     from sglang.srt.server_args import prepare_server_args
 
     from ess_sglang.sglang_plugin import hooks
-    from ess_sglang.sglang_plugin.coordinator import set_active
+    from ess_sglang.sglang_plugin.active import set_active
 
     hooks.install_runtime_hooks()
     coord, allocator, req_pool = cpu_coordinator(page=PAGE, layers=LAYERS, rows=ROWS, top_k=TOPK, hot=HOT,
