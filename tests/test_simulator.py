@@ -417,3 +417,51 @@ def test_rich_table_renders(paper_result, tmp_path):
     narrow = Tty()
     print_report(paper_result, file=narrow, width=80)
     assert "┃" not in "".join(narrow.parts)  # too narrow: plain text
+
+
+# ------------------------------------------------------------------------------------------- --validate
+
+def test_validate_predicts_each_measured_serving_step(tmp_path):
+    import json
+
+    from ess_sglang.simulator.hardware import load_hardware
+    from ess_sglang.simulator.validate import arch_from_hf_config, validate_serving
+
+    root = Path(__file__).resolve().parents[1]
+    arch = arch_from_hf_config(root / "configs" / "models" / "deepseek-v32-small" / "config.json")
+    assert (arch.num_layers, arch.num_dense_layers, arch.num_routed_experts, arch.weight_bytes) == (8, 1, 16, 2)
+    runs = [dict(system="hbm", name="hbm", context=32768, concurrency=1, admitted=1, decode_tok_s=250.0),
+            dict(system="ess", name="ess", context=32768, concurrency=48, admitted=48, decode_tok_s=4000.0,
+                 hit_rate=0.5),
+            dict(system="ess", name="ess-big", context=32768, concurrency=48, admitted=35, decode_tok_s=5800.0),
+            dict(system="hisparse", name="hisparse", context=32768, concurrency=1, admitted=1, decode_tok_s=240.0)]
+    path = tmp_path / "serving.json"
+    path.write_text(json.dumps({"runs": runs}))
+    hw = load_hardware("h200")
+    checks = validate_serving([path], arch, hw, 0.5)
+    assert [c.skipped is None for c in checks] == [True, True, False, False]
+    hbm, ess = checks[0], checks[1]
+    assert hbm.measured_ms == pytest.approx(4.0) and ess.measured_ms == pytest.approx(12.0)
+    assert hbm.error == pytest.approx(hbm.predicted_ms / 4.0 - 1)
+    assert ess.predicted_ms > hbm.predicted_ms  # 48 requests, half of each selection fetched over PCIe
+    assert "hit rate" in checks[2].skipped and "not modelled" in checks[3].skipped
+    with pytest.raises(SimulatorConfigError, match="not a serving.json"):
+        validate_serving([tmp_path / "missing.json"], arch, hw, 0.5)
+
+
+def test_validate_cli_on_the_committed_serving_runs(tmp_path, capsys):
+    import argparse
+
+    from ess_sglang.simulator import cli
+
+    root = Path(__file__).resolve().parents[1]
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--validate", str(root / "benchmarks/results/serving/h200_32k/serving.json"),
+                              "--out", str(tmp_path)])
+    assert cli.run(args) == 0
+    out = capsys.readouterr().out
+    assert "steps predicted" in out and (tmp_path / "validate.json").exists()
+    args = parser.parse_args(["--validate", str(tmp_path / "nothing.json"), "--out", str(tmp_path)])
+    assert cli.run(args) == 2
+    assert "not a serving.json" in capsys.readouterr().err

@@ -3,6 +3,7 @@
     ess simulate                                   # the ESS paper's setup (configs/scenarios/paper-32k.yaml)
     ess simulate --scenario configs/scenarios/paper-128k.yaml --out results/
     ess simulate --batches 64,128 --plain --no-plot
+    ess simulate --validate benchmarks/results/serving/h200_32k/serving.json   # against a real server's steps
 
 Writes ``<out>/<scenario name>.json`` (every row with its time breakdown, the capacity arithmetic, the sweep
 and the comparison with the scenario's reference numbers) and ``<out>/<scenario name>.png`` (throughput
@@ -36,10 +37,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated batches (requests per GPU) for the table, instead of the scenario's")
     parser.add_argument("--plain", action="store_true", help="plain-text table (no rich)")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    parser.add_argument("--validate", type=Path, nargs="+", default=None, metavar="SERVING_JSON",
+                        help="predict every decode step measured by benchmarks/serving.py (its serving.json files) "
+                             "and print prediction, measurement and error, instead of running a scenario")
+    parser.add_argument("--model-config", type=Path, default=None,
+                        help="with --validate: the served model's config.json (default: "
+                             "configs/models/deepseek-v32-small/config.json)")
+    parser.add_argument("--hardware", default="h200",
+                        help="with --validate: hardware preset or YAML file (default: h200)")
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    from ess_sglang.simulator.calibration import KERNEL_EFFICIENCY
+    from ess_sglang.simulator.errors import SimulatorConfigError
+    from ess_sglang.simulator.hardware import load_hardware
+    from ess_sglang.simulator.validate import arch_from_hf_config, print_checks, validate_serving
+
+    root = Path(__file__).resolve().parents[2]
+    model = args.model_config or root / "configs" / "models" / "deepseek-v32-small" / "config.json"
+    try:
+        arch = arch_from_hf_config(model)
+        hw = load_hardware(args.hardware)
+        checks = validate_serving(list(args.validate), arch, hw, KERNEL_EFFICIENCY)
+    except SimulatorConfigError as exc:
+        print(f"ess simulate: {exc}", file=sys.stderr)
+        return 2
+    print(f"model {model} ({arch.num_layers} layers, {arch.num_routed_experts} experts, "
+          f"{'fp8' if arch.weight_bytes == 1 else 'bf16'} weights), hardware {hw.name}, kernel efficiency "
+          f"{KERNEL_EFFICIENCY}")
+    print_checks(checks)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "validate.json"
+    path.write_text(json.dumps(dict(model=str(model), hardware=hw.name, kernel_efficiency=KERNEL_EFFICIENCY,
+                                    sources=[str(p) for p in args.validate],
+                                    checks=[c.to_dict() for c in checks]), indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     from ess_sglang.simulator.errors import SimulatorConfigError
+
+    if args.validate:
+        return run_validate(args)
     from ess_sglang.simulator.report import plot, print_report
     from ess_sglang.simulator.scenario import load_scenario
     from ess_sglang.simulator.simulate import run_scenario

@@ -66,6 +66,13 @@ class ModelArch:
     index_topk: int = 2048
     latent_bytes: int = LATENT_ENTRY_BYTES
     indexer_bytes: int = INDEXER_ENTRY_BYTES
+    weight_bytes: int = 1
+    """Bytes per weight of the projections, FFNs and experts: 1 (fp8, DeepSeek-V3.2's release) or 2 (bf16, e.g. a
+    model served with dummy weights and no quantisation config)."""
+
+    @property
+    def weight_precision(self) -> str:
+        return "fp8" if self.weight_bytes == 1 else "bf16"
 
     # ---- parameter counts (weights are fp8 except where noted)
     @property
@@ -243,7 +250,8 @@ def layer_cost(arch: ModelArch, hw: Hardware, roof: Roofline, dep: Deployment, r
             hbm_part += s
         return s
 
-    run("attn_proj", 2 * t * arch.attn_fp8_params, arch.attn_fp8_params, "fp8")
+    wb, wp = arch.weight_bytes, arch.weight_precision
+    run("attn_proj", 2 * t * arch.attn_fp8_params, wb * arch.attn_fp8_params, wp)
     run("attn_absorb", 2 * t * arch.absorb_bf16_params, 2 * arch.absorb_bf16_params, "bf16")
     idx = run("indexer", 2 * t * arch.index_heads * arch.index_head_dim * L,
               b * L * arch.indexer_bytes + t * L * 4, "fp8")
@@ -254,14 +262,14 @@ def layer_cost(arch: ModelArch, hw: Hardware, roof: Roofline, dep: Deployment, r
 
     network = 0.0
     if kind == "dense":
-        run("dense_ffn", 2 * t * arch.dense_ffn_params, arch.dense_ffn_params, "fp8")
+        run("dense_ffn", 2 * t * arch.dense_ffn_params, wb * arch.dense_ffn_params, wp)
     else:
         run("router", 2 * t * arch.router_params, 4 * arch.router_params, "bf16")
         copies = t * arch.experts_per_token  # token copies this GPU sends (and, balanced, receives)
         active = _active_experts(dep.experts_per_gpu, t * dep.ep, arch)
-        run("moe_experts", 2 * copies * arch.expert_params, active * arch.expert_params, "fp8")
+        run("moe_experts", 2 * copies * arch.expert_params, wb * active * arch.expert_params, wp)
         run("shared_expert", 2 * t * arch.num_shared_experts * arch.expert_params,
-            arch.num_shared_experts * arch.expert_params, "fp8")
+            wb * arch.num_shared_experts * arch.expert_params, wp)
         if dep.ep > 1:
             local_gpus = min(dep.gpus_per_node, dep.ep)
             remote = (dep.ep - local_gpus) / dep.ep
