@@ -50,6 +50,7 @@ from ess_sglang.sglang_plugin.warmup import WindowCapture
 
 logger = logging.getLogger("ess_sglang.sglang_plugin")
 
+
 class StepRows(NamedTuple):
     """What a decode step's layers share about its batch (``EssCoordinator.rows_of_step``), [bs] each."""
 
