@@ -46,7 +46,7 @@ REAL_TRACES = {  # family: (recorded trace, what it is)
              "SmolLM2-135M over pydoc topics (prose): 4 requests of 3.3K-4.1K, top-256, 30 layers, 64 steps"),
     "real-code": (ROOT / "benchmarks" / "traces" / "smollm2-135m_code_sample.npz",
                   "SmolLM2-135M over standard-library source (code): 4 requests of 3.3K-4.1K, top-256, 30 layers, "
-                  "256 steps"),
+                  "80 steps"),
 }
 POOL_FACTORS = (1.0625, 1.25, 1.5, 2.0, 3.0)
 NUMPY_POLICIES = ("lru", "lru_newest", "lru2", "decay", "belady")
@@ -75,7 +75,7 @@ def cycle_trace(cfg: SyntheticTraceConfig, shared: float = 0.25) -> TopKTrace:
     return TopKTrace(topk=topk, seq_lens=a.seq_lens, warmup_topk=a.warmup_topk, meta=meta).validate()
 
 
-def families(quick: bool) -> list[tuple[str, str, object]]:
+def families(quick: bool, traces: list[Path] = ()) -> list[tuple[str, str, object]]:
     if quick:
         base = dict(batch=2, context_len=2048, top_k=128, steps=24, num_layers=2, recent_window=128, warmup_windows=8)
     else:
@@ -93,6 +93,11 @@ def families(quick: bool) -> list[tuple[str, str, object]]:
     ]:
         cfg = SyntheticTraceConfig(**base, **knobs)
         out.append((name, describe, lambda cfg=cfg: synthetic_trace(cfg)))
+    for path in traces:  # recorded traces not kept in the repository (e.g. thousands of steps)
+        def make(path=path):
+            return TopKTrace.load(path)
+
+        out.append((path.stem, f"recorded trace {path.name}", make))
     cyc = SyntheticTraceConfig(**base, overlap=0.97, length_spread=0.0)
     out.append(("cycle", "two drifting selections (overlap 0.97 each), alternating, sharing 25%",
                 lambda: cycle_trace(cyc)))
@@ -153,17 +158,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small traces and two pool sizes (a smoke run)")
     p.add_argument("--gamma", type=float, default=DEFAULT_DECAY_GAMMA, help="the decay policy's factor per step")
     p.add_argument("--families", nargs="*", default=None, help="only these families (by name)")
+    p.add_argument("--trace", type=Path, action="append", default=[],
+                   help="a recorded trace (.npz of record_real_traces.py) as one more family, named by its file")
+    p.add_argument("--factors", default=None,
+                   help="comma-separated pool sizes as multiples of batch x top-k (default "
+                        f"{','.join(f'{f:g}' for f in POOL_FACTORS)})")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hit_rate", help="output folder")
     a = p.parse_args(argv)
     if not 0.0 < a.gamma < 1.0:
         p.error(f"--gamma must be in (0, 1), got {a.gamma}")
-    fams = families(a.quick)
+    missing = [str(t) for t in a.trace if not t.is_file()]
+    if missing:
+        p.error(f"--trace: no such file {', '.join(missing)}")
+    fams = families(a.quick, a.trace)
     if a.families:
         unknown = sorted(set(a.families) - {f[0] for f in fams})
         if unknown:
             p.error(f"--families: unknown {', '.join(unknown)} (known: {', '.join(f[0] for f in fams)})")
         fams = [f for f in fams if f[0] in a.families]
-    factors = POOL_FACTORS[:2] if a.quick else POOL_FACTORS
+    try:
+        factors = tuple(float(x) for x in a.factors.split(",")) if a.factors else \
+            (POOL_FACTORS[:2] if a.quick else POOL_FACTORS)
+    except ValueError:
+        p.error(f"--factors: expected numbers like 1.25,2, got {a.factors!r}")
+    if any(f < 1 for f in factors):
+        p.error(f"--factors: a pool must hold one step's selection (factor >= 1), got {a.factors!r}")
     t0 = time.time()
     results = [run_family(*f, factors, a.gamma) for f in fams]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
