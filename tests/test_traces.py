@@ -239,11 +239,13 @@ def test_demo_recorder_captures_the_indexer_selection():
     assert not np.array_equal(t.topk[:, 0], t.topk[:, 1])
 
 
-def test_committed_real_model_sample_is_valid():
+@pytest.mark.parametrize("name, text", [("smollm2-135m_sample.npz", "pydoc_data.topics"),
+                                        ("smollm2-135m_code_sample.npz", "the source of argparse")])
+def test_committed_real_model_samples_are_valid(name, text):
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "smollm2-135m_sample.npz"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / name
     assert path.stat().st_size < 2_000_000
     t = TopKTrace.load(path)
     assert t.meta["source"] == "real" and t.num_layers == 30 and t.top_k == 256 and t.warmup_windows == 32
-    assert t.prompt_lens.tolist() == t.meta["prompt_lens"]
+    assert t.prompt_lens.tolist() == t.meta["prompt_lens"] and t.meta["text"].startswith(text)
