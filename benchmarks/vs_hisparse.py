@@ -57,9 +57,9 @@ import numpy as np
 from hisparse_kernel import TOP_K as DEEPSEEK_TOP_K  # benchmarks/hisparse_kernel.py (numpy only at import)
 from hisparse_kernel import sizes_for
 
+from ess_sglang.entry_sizes import LATENT_ENTRY_BYTES
 from ess_sglang.hisparse_policy import replay_hisparse
 from ess_sglang.traces import (
-    ENTRY_BYTES,
     ReplayStats,
     SyntheticTraceConfig,
     TopKTrace,
@@ -243,8 +243,8 @@ def gpu_timing(batches: list[int] | None = None, families: list[str] | None = No
                 sglang=dict(version=getattr(srcs, "version", None), origin=getattr(srcs, "origin", None),
                             kernel=f"load_cache_to_device_buffer<{kernel.config.template_args()}>",
                             so=str(getattr(kernel, "so_path", "")), build_s=t_build),
-                entry_bytes=ENTRY_BYTES, top_k=DEEPSEEK_TOP_K, hot_buffer_size=H, page=P, context=context, steps=steps,
-                reps=reps, warm=warm, quick=quick, bookkeeping=bookkeeping, families=fam_info, rows=rows,
+                entry_bytes=LATENT_ENTRY_BYTES, top_k=DEEPSEEK_TOP_K, hot_buffer_size=H, page=P, context=context,
+                steps=steps, reps=reps, warm=warm, quick=quick, bookkeeping=bookkeeping, families=fam_info, rows=rows,
                 seconds=time.time() - t0)
 
 
@@ -583,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     doc = dict(what="hit rate and bytes moved, ESS shared per-layer LRU pool vs SGLang 0.5.23 HiSparse per-request "
                     "buffers (emulated), identical traces, equal GPU memory",
-               entry_bytes=ENTRY_BYTES, quick=a.quick, command=" ".join(["python", "benchmarks/vs_hisparse.py",
+               entry_bytes=LATENT_ENTRY_BYTES, quick=a.quick, command=" ".join(["python", "benchmarks/vs_hisparse.py",
                                                                           *(argv or sys.argv[1:])]),
                families=results)
     (out / "vs_hisparse_hits.json").write_text(json.dumps(doc, indent=1))

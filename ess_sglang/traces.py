@@ -50,7 +50,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ess_sglang.entry_sizes import LATENT_ENTRY_BYTES
 
 FORMAT_VERSION = 1
-ENTRY_BYTES = LATENT_ENTRY_BYTES  # what one miss moves over PCIe
 
 
 class TraceError(ValueError):
@@ -488,7 +487,7 @@ class ReplayStats:
     misses: np.ndarray
     warmup_entries: np.ndarray
     slots_per_layer: int
-    entry_bytes: int = ENTRY_BYTES
+    entry_bytes: int = LATENT_ENTRY_BYTES  # what one miss moves over PCIe
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

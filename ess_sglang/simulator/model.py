@@ -74,7 +74,7 @@ class ModelArch:
     def weight_precision(self) -> str:
         return "fp8" if self.weight_bytes == 1 else "bf16"
 
-    # ---- parameter counts (weights are fp8 except where noted)
+    # ---- parameter counts (weights of weight_bytes each, fp8 in the release, except where noted)
     @property
     def attn_fp8_params(self) -> int:
         """MLA projections (q_a, q_b, kv_a, o) plus the indexer's (wq_b, wk, weights_proj)."""
