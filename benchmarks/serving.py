@@ -215,6 +215,11 @@ def run_setup(setup: Setup, context: int, args, out: Path) -> list[dict]:
     return rows
 
 
+def row_name(r: dict) -> str:
+    """The server a row (or an outputs.json entry) belongs to: its name, or its system in runs before plans."""
+    return r.get("name") or r["system"]
+
+
 def _ms(s):
     return None if s is None else round(s * 1000, 3)
 
@@ -240,10 +245,10 @@ def earlier_rows(out: Path) -> list[dict]:
     if not (out / "serving.json").exists():
         return []
     runs = [r for r in json.loads((out / "serving.json").read_text())["runs"] if r.get("concurrency")]
-    outputs = {(o.get("name") or o["system"], o["context"], o["concurrency"]): o
+    outputs = {(row_name(o), o["context"], o["concurrency"]): o
                for o in json.loads((out / "outputs.json").read_text())} if (out / "outputs.json").exists() else {}
     for r in runs:
-        r.setdefault("name", r["system"])
+        r["name"] = row_name(r)
         o = outputs.get((r["name"], r["context"], r["concurrency"]), {})
         r["outputs"], r["logprobs"] = o.get("outputs"), o.get("logprobs")
     return runs
@@ -258,10 +263,10 @@ def plot(rows: list[dict], path: Path) -> None:
     contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4), squeeze=False)
     for ax, ctx in zip(axes[0], contexts, strict=False):
-        names = dict.fromkeys(r.get("name", r["system"]) for r in rows)
+        names = dict.fromkeys(row_name(r) for r in rows)
         for name in names:
             pts = sorted((r["concurrency"], r["output_tok_s"]) for r in rows
-                         if r.get("name", r["system"]) == name and r["context"] == ctx and r.get("concurrency"))
+                         if row_name(r) == name and r["context"] == ctx and r.get("concurrency"))
             if pts:
                 ax.plot(*zip(*pts, strict=False), marker="o", label=name)
         ax.set_xscale("log", base=2)
@@ -290,7 +295,7 @@ def write(rows: list[dict], args, t0: float) -> dict:
     # every request's output tokens, so that a later run on the same prompts can be checked against this one
     (args.out / "outputs.json").write_text(json.dumps(
         [{**{k: r.get(k) for k in ("system", "context", "concurrency", "outputs", "logprobs")},
-          "name": r.get("name") or r["system"]} for r in rows
+          "name": row_name(r)} for r in rows
          if r.get("outputs")]))
     if any(r.get("concurrency") for r in rows):
         plot(rows, args.out / "serving.png")
@@ -338,7 +343,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     for ctx in [int(x) for x in args.contexts.split(",")]:
         for setup in setups:
-            if any(r.get("name", r["system"]) == setup.name and r["context"] == ctx and r.get("concurrency")
+            if any(row_name(r) == setup.name and r["context"] == ctx and r.get("concurrency")
                    for r in rows):
                 print(f"[{setup.name} {ctx}] measured earlier in {args.out}: kept")
                 continue
@@ -349,11 +354,11 @@ def main(argv=None) -> int:
           f"{'hit':>6} {'GB/s':>6} {'same':>5}")
     for r in doc["runs"]:
         if r.get("concurrency") is None:
-            print(f"{r.get('name', r['system']):12} {r['context']:>6} FAILED")
+            print(f"{row_name(r):12} {r['context']:>6} FAILED")
             continue
         hit = f"{r['hit_rate']:.3f}" if r.get("hit_rate") is not None else "-"
         gbps = f"{r['h2d_gbps']:.2f}" if r.get("h2d_gbps") is not None else "-"
-        print(f"{r.get('name', r['system']):12} {r['context']:>6} {r['concurrency']:>4} {r['admitted']:>4} "
+        print(f"{row_name(r):12} {r['context']:>6} {r['concurrency']:>4} {r['admitted']:>4} "
               f"{r['output_tok_s']:>8.0f} {r['decode_tok_s'] or 0:>8.0f} {r['tpot_ms_p50'] or 0:>7.2f} "
               f"{r['ttft_ms_p50'] or 0:>8.0f} {hit:>6} {gbps:>6} {str(r.get('token_identical_to_hbm')):>5}")
     return 0
