@@ -63,7 +63,9 @@ def _per_step(events: list, steps: int, top: int) -> list[dict]:
 
 
 def profile_system(system: str, args) -> dict:
-    spec = serving.spec_for(system, args.context, args)
+    setup = serving.Setup(system, system, (args.batch,), json.loads(args.ess_config) if system == "ess" else {},
+                          args.hisparse_ratio, args.max_running)
+    spec = serving.spec_for(setup, args.context, args)
     out = args.out
     server = Server(spec, out / f"server_profile_{system}.log", out)
     trace_dir = out / f"trace_{system}"
@@ -121,7 +123,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     for system in args.systems.split(","):
-        args.concurrency = [args.max_running]
         table = profile_system(system, args)
         (args.out / f"profile_{system}.json").write_text(json.dumps(table, indent=1))
         print(f"\n{system}: {table['batch']} requests at {table['context']}: GPU {table['gpu_ms_per_step']} ms/step "
