@@ -9,6 +9,9 @@ wrap-around costs one step in 64). The achieved hit rate is read from the manage
     python benchmarks/cache_manager.py --out benchmarks/results     (table; cache_manager.json / .png)
     python benchmarks/cache_manager.py --profile --batches 64 --pool-slots 163840,419840,1703936,3407872
                                                                     (per-kernel times over pools of these sizes)
+    python benchmarks/cache_manager.py --new-tokens on_demand,insert --batches 1,2,48 --hits 0.99 --q-tokens 1
+        (the resolve that also writes each request's token back, as the SGLang plugin's does; "insert" gives the
+         token a hot slot in the same launches; a new token location every step)
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import statistics
 import torch
 from timing import replay_us, run_info  # benchmarks/timing.py (run these files as scripts)
 
-from ess_sglang.cache_manager import Counter, HotPoolCacheManager
+from ess_sglang.cache_manager import Counter, HotPoolCacheManager, NewTokens
 from ess_sglang.host_pool import HostTotalPool
 
 ENTRY, TOP_K, CONTEXT = 656, 2048, 32768
@@ -47,7 +50,7 @@ def selections(batch, q_tokens, hit, gen, context=CONTEXT):
     return out
 
 
-def bench_one(host, batch, q_tokens, hit, copy_impl, gen, reps=2):
+def bench_one(host, batch, q_tokens, hit, copy_impl, gen, reps=2, new_tokens=None):
     dev = torch.device("cuda")
     tokens = batch * CONTEXT
     slots = (batch * q_tokens * TOP_K * 5 // 4 + 63) // 64 * 64
@@ -57,13 +60,20 @@ def bench_one(host, batch, q_tokens, hit, copy_impl, gen, reps=2):
     seq = torch.full((batch,), CONTEXT, device=dev)
     sels = selections(batch, q_tokens, hit, gen)
     static = sels[0].clone()
+    # this step's token of each request (new_tokens): a location of its own every step, its entry in a device table
+    new_locs = [rpi * CONTEXT + CONTEXT - 1 - s for s in range(SEQUENCE)]
+    static_new = new_locs[0].clone()
+    entries = torch.randint(0, 256, (batch, ENTRY), device=dev, dtype=torch.uint8)
 
     def step():
         m.begin_step()
-        return m.resolve(0, static, req_to_token, rpi, seq)
+        new = None if new_tokens is None else NewTokens(static_new, entries, rpi, insert=new_tokens == "insert")
+        return m.resolve(0, static, req_to_token, rpi, seq, new_tokens=new)
 
-    for s in sels:  # eager warm-up: compiles kernels and fills the pool to its steady state
+    # eager warm-up: compiles kernels and fills the pool to its steady state
+    for s, nl in zip(sels, new_locs, strict=True):
         static.copy_(s)
+        static_new.copy_(nl)
         step()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -72,15 +82,17 @@ def bench_one(host, batch, q_tokens, hit, copy_impl, gen, reps=2):
     m.counters.zero_()
     times = []
     for _ in range(reps):
-        for s in sels:
+        for s, nl in zip(sels, new_locs, strict=True):
             static.copy_(s)
+            static_new.copy_(nl)
             times.append(replay_us(g))
     c = m.counters[0].cpu()
     hit_rate = 1 - c[Counter.MISSES].item() / max(c[Counter.LOOKUPS].item(), 1)
     misses_per_step = c[Counter.MISSES].item() / len(times)
     us = statistics.median(times)
     torch.cuda.empty_cache()
-    return dict(batch=batch, q_tokens=q_tokens, target_hit=hit, copy=copy_impl != "none", us=us,
+    return dict(batch=batch, q_tokens=q_tokens, target_hit=hit, copy=copy_impl != "none", new_tokens=new_tokens,
+                us=us,
                 hit_rate=hit_rate, misses_per_step=misses_per_step, slots=slots,
                 gbps=misses_per_step * ENTRY / us / 1e3)
 
@@ -92,6 +104,9 @@ def main(argv=None):
     p.add_argument("--hits", default=",".join(map(str, HIT_RATES)))
     p.add_argument("--q-tokens", default="1,2")
     p.add_argument("--profile", action="store_true", help="per-kernel times of one resolve (torch.profiler), then exit")
+    p.add_argument("--new-tokens", default="",
+                   help="comma-separated on_demand, insert: time the resolve that writes each request's token back "
+                        "(with the copy only), in the same run")
     p.add_argument("--pool-slots", default="",
                    help="with --profile: hot-pool sizes (slots) to profile instead of 1.25 selections, pools filled")
     args = p.parse_args(argv)
@@ -103,6 +118,24 @@ def main(argv=None):
     host = HostTotalPool(1, max(batches) * CONTEXT, device="cuda")  # one pinned pool (2.7 GiB at batch 128)
     host.entries.random_(0, 256)
     rows = []
+    modes = [x for x in args.new_tokens.split(",") if x]
+    if modes:
+        bad = [x for x in modes if x not in ("on_demand", "insert")]
+        if bad:
+            p.error(f"--new-tokens: {', '.join(bad)} (choose from on_demand, insert)")
+        for q in [int(x) for x in args.q_tokens.split(",")]:
+            for batch in batches:
+                for hit in [float(x) for x in args.hits.split(",")]:
+                    for mode in modes:
+                        rows.append(bench_one(host, batch, q, hit, "auto", gen, new_tokens=mode))
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "cache_manager_new_tokens.json"), "w") as f:
+            json.dump(dict(info=run_info(), rows=rows), f, indent=1)
+        print(f"\n{'q':>2} {'batch':>5} {'target':>6} {'new tokens':>10} {'hit':>6} {'misses':>8} {'us':>8}")
+        for r in rows:
+            print(f"{r['q_tokens']:>2} {r['batch']:>5} {r['target_hit']:>6} {r['new_tokens']:>10} "
+                  f"{r['hit_rate']:>6.3f} {r['misses_per_step']:>8.0f} {r['us']:>8.1f}")
+        return 0
     for q in [int(x) for x in args.q_tokens.split(",")]:
         for batch in batches:
             for hit in [float(x) for x in args.hits.split(",")]:

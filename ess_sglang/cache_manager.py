@@ -115,6 +115,11 @@ class NewTokens(NamedTuple):
     locs: torch.Tensor  # [batch] ints: the token's host location, -1 for none (e.g. a CUDA-graph padding row)
     entries: torch.Tensor  # [rows, entry_bytes] uint8 on the device: a table holding the tokens' entries
     entry_rows: torch.Tensor  # [batch] ints: the token's row of `entries`, read in place (outside it: skipped)
+    # True (``new_tokens: insert``): the token also takes a hot slot in the resolve itself, as a miss would but
+    # neither copied nor counted as a lookup (NEW_TOKENS): resident from the step that computes it, with no launch
+    # of its own; a selection naming it counts a hit. False (``on_demand``): only its host row is written (and a
+    # slot it already has); a later selection naming it fetches it
+    insert: bool = False
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -333,8 +338,10 @@ class HotPoolCacheManager:
         # the write-back in the resolve's last launch, where write_new_tokens itself would be one launch
         fused_new = new_tokens is not None and self._fused is not None and self.on_transfer is None \
             and self.copy_impl != "none" and topk_pos.numel() > 0
+        insert = new_tokens is not None and new_tokens.insert and topk_pos.numel() > 0
+        ins_locs = new_tokens.locs.to(self.device, torch.int64).contiguous() if insert else None
         if fetch_list is not None:
-            fetch_list.check_holds(topk_pos.numel(), "resolve", "selection")
+            fetch_list.check_holds(topk_pos.numel() + (B if insert else 0), "resolve", "selection")
             if self._unsettled_prefetch is not None and \
                     any(_lists_share_memory(r, fetch_list) for r in self._unsettled_prefetch[1]):
                 raise ValueError("resolve: the fetch list is the unsettled prefetch's own list; the resolve would "
@@ -348,22 +355,34 @@ class HotPoolCacheManager:
                                     table_offset=slot_offset, new_tokens=(
                                         new_tokens.locs.to(self.device, torch.int64).contiguous(),
                                         new_tokens.entry_rows.to(self.device).contiguous(), new_tokens.entries,
-                                        self.host.layer(layer)) if fused_new else None)
+                                        self.host.layer(layer)) if fused_new else None, insert_locs=ins_locs)
         else:
             locs, bad = self.translate(topk_pos, req_to_token, req_pool_indices, seq_lens)
             flat = locs.reshape(-1)
             cnt = self.counters[layer]
             cnt[Counter.BAD_INDICES] += bad.sum()
             cnt[Counter.LOOKUPS] += (flat >= 0).sum()
-            slots, hits, fetched = self._make_resident(layer, flat, copy=fetch_list is None, record=fetch_list)
+            n = flat.shape[0]
+            if insert:  # this step's tokens after the selection; a selected entry naming its own one reads its slot
+                own = ins_locs.repeat_interleave(n // B)
+                newest = (flat >= 0) & (flat == own)
+                ins = self._valid_locations(ins_locs)
+                slots, hits, fetched = self._make_resident(layer, torch.cat([torch.where(newest, -1, flat), ins]),
+                                                           copy=fetch_list is None, record=fetch_list,
+                                                           fresh_from=n)
+                cnt[Counter.NEW_TOKENS] += ((slots[n:] >= 0) & (ins >= 0)).sum() - hits[1]
+                slots = torch.where(newest, self._lookup(layer, flat), slots[:n])
+                hits = hits[0] + newest.sum()
+            else:
+                slots, hits, fetched = self._make_resident(layer, flat, copy=fetch_list is None, record=fetch_list)
             cnt[Counter.HITS] += hits
             cnt[Counter.MISSES] += fetched
             cnt[Counter.H2D_ENTRIES] += fetched
             slots = slots.to(torch.int32)
             if slot_offset is not None:
                 slots = torch.where(slots >= 0, slots + slot_offset, -1).to(torch.int32)
-        if new_tokens is not None and not fused_new:
-            self.write_new_tokens(layer, new_tokens.locs, new_tokens.entries, insert=False,
+        if new_tokens is not None and not fused_new:  # (an empty selection inserts the tokens here, if asked)
+            self.write_new_tokens(layer, new_tokens.locs, new_tokens.entries, insert=new_tokens.insert and not insert,
                                   entry_rows=new_tokens.entry_rows)
         if settle_prefetch:
             self.settle_prefetch(layer)
@@ -734,13 +753,15 @@ class HotPoolCacheManager:
                                         self.clock.expand(slot.shape[0]))
 
     def _make_resident(self, layer: int, flat: torch.Tensor, copy: bool = True, record: FetchList | None = None,
-                       protect: bool = True,
-                       spare_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       protect: bool = True, spare_only: bool = False,
+                       fresh_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Lookup, protect, deduplicate and fetch the misses of `flat` (int64 locations, -1 skipped).
 
         `copy`: copy the misses now; `record`: also write their (location, slot) pairs to this fetch list;
         `protect` False (prefetch): hits keep their stamps, new entries are stamped clock - 1 (evictable);
-        `spare_only`: misses take spare slots only (see `_insert`).
+        `spare_only`: misses take spare slots only (see `_insert`); `fresh_from`: the entries from this index on are
+        this step's tokens (`NewTokens.insert`): they get slots but are neither copied, recorded nor counted, and the
+        hits are returned as (the selection's, the tokens').
 
         Returns (slot of every entry, number of hits, number of distinct entries fetched), counts as device tensors.
         """
@@ -765,15 +786,20 @@ class HotPoolCacheManager:
                                 spare_only=spare_only)
         l2s.scatter_(0, torch.where(rep & (new_slot < 0), flat, sink), -1)  # overflowed claims: back to "absent"
         slot = torch.where(miss, l2s[miss_at].long().clamp(min=-1), slot)
-        fetch_src = torch.where(new_slot >= 0, flat, -1)
+        fetched = new_slot >= 0
+        if fresh_from is not None:
+            fetched[fresh_from:] = False
+            hit = torch.stack([hit[:fresh_from].sum(), hit[fresh_from:].sum()])
+        fetch_src = torch.where(fetched, flat, -1)
+        fetch_dst = torch.where(fetched, new_slot, -1)
         if record is not None:
             record.src[:n].copy_(fetch_src)
-            record.dst[:n].copy_(new_slot)
+            record.dst[:n].copy_(fetch_dst)
             record.clear_from(n)
             record.count.fill_(n)
         if copy:
-            self._copy(self.host.layer(layer), self.hot_entries[layer], fetch_src, new_slot, direction="h2d")
-        return slot, hit.sum(), (new_slot >= 0).sum()
+            self._copy(self.host.layer(layer), self.hot_entries[layer], fetch_src, fetch_dst, direction="h2d")
+        return slot, hit if fresh_from is not None else hit.sum(), fetched.sum()
 
     def _insert(self, layer: int, flat: torch.Tensor, stamp_back: int = 0, spare_only: bool = False) -> torch.Tensor:
         """Give each location in `flat` (distinct, not resident; -1 skipped) a slot: the layer's spare slots first,

@@ -143,7 +143,7 @@ class MetricsConfig(BaseModel):
 
 
 NEW_TOKEN_MODES = ("on_demand", "insert")
-DEFAULT_NEW_TOKENS = "on_demand"
+DEFAULT_NEW_TOKENS = "insert"
 
 
 def new_token_mode(mode: str | None) -> str:
@@ -225,8 +225,9 @@ class EssConfig(BaseModel):
     9.4-11.3 us a layer less than refilling every step at 128K, 1.9-4.1 at 32K (docs/design.md, "Resolve");
     not measured inside SGLang."""
     new_tokens: Literal[NEW_TOKEN_MODES] = DEFAULT_NEW_TOKENS
-    """Each decoded token's latent entry is written back to the host pool; "on_demand": fetched like any miss when
-    a later selection names it (no resolve of its own: measured faster); "insert": also given a protected hot slot."""
+    """Each decoded token's latent entry is written back to the host pool; "insert": also given a protected hot slot
+    by the same resolve (no launch of its own), so it is resident from the step that computes it, as LRU with the
+    newest token keeps it (benchmarks/hit_rate.py); "on_demand": fetched like any miss when a selection names it."""
     resolve_pdl: StrictBool | None = None
     """The fused resolve's kernels after its lookup with programmatic dependent launch (each one's programs are
     scheduled while the one before runs), and so the ECHO prefetch's candidate kernels after the first and its

@@ -79,7 +79,7 @@ from dataclasses import dataclass
 import torch
 
 from ess_sglang.cache_manager import FetchList, HotPoolCacheManager, positions_to_locations
-from ess_sglang.config import DEFAULT_NEW_TOKENS, new_token_mode
+from ess_sglang.config import new_token_mode
 from ess_sglang.formats import QK_HEAD_DIM
 from ess_sglang.prefetch import EchoPrefetcher, is_margin
 from ess_sglang.reference.dsa import latent_store_rows, sparse_mla_flashmla, sparse_mla_reference
@@ -185,9 +185,11 @@ class StackOptions:
     # "separate" (the candidate kernels, then the spare-only claim: six launches); the same state under the
     # interpreter, on a GPU the same entries wherever no cap binds
     sync_copy: str = "inline"  # sync mode: "inline" (in the resolve's own kernels: measured faster) or "counted"
-    new_tokens: str = DEFAULT_NEW_TOKENS  # "on_demand": only written back, and fetched like any miss when selected
-    # (one resolve fewer a layer: 1.243 against 1.261 x all-HBM at batch 64 / 32K, 1.122 against 1.127 at 128 / 128K,
-    # benchmarks/RESULTS.md); "insert": each new token gets a hot slot (a resolve of its own on the side stream)
+    # The harness writes each token on the side stream before its selection exists, so its "insert" is a resolve of
+    # its own there; "on_demand" (only written back, fetched like any miss when selected) measured faster here: 1.243
+    # against 1.261 x all-HBM at batch 64 / 32K, 1.122 against 1.127 at 128 / 128K (benchmarks/RESULTS.md). The
+    # plugin's resolve inserts the token in its own launches (EssConfig.new_tokens, default "insert")
+    new_tokens: str = "on_demand"
     attention: str = "auto"  # "flashmla", "reference", or "auto" (FlashMLA on CUDA)
     indexer: str = "auto"  # "triton", "torch", or "auto"
     topk: str | TopK = "auto"  # "triton" (Triton radix select), "torch" (torch.topk), "auto" (torch: faster so far),

@@ -132,24 +132,43 @@ def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, wid
                    PROTECT: tl.constexpr, LIST: tl.constexpr, SPARE_ONLY: tl.constexpr,
                    C_LOOKUPS: tl.constexpr, C_HITS: tl.constexpr, C_BAD: tl.constexpr, C_FETCH_A: tl.constexpr,
                    C_FETCH_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, COPY: tl.constexpr = False,
-                   WORDS: tl.constexpr = 4, BLOCK_WORDS: tl.constexpr = 4, COPY_ROWS: tl.constexpr = 16):
+                   WORDS: tl.constexpr = 4, BLOCK_WORDS: tl.constexpr = 4, COPY_ROWS: tl.constexpr = 16,
+                   ins_ptr=None, n_sel=0, INSERT: tl.constexpr = False, C_NEW: tl.constexpr = -1):
     _pdl_enter(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
+    sel = m
+    if INSERT:  # entries from n_sel on are this step's tokens (`insert`), one per batch entry, at ins_ptr
+        sel = m & (i < n_sel)
     if MODE == 0:  # positions within each request, translated through its own row of the request table
         pos, loc, valid, ok = position_to_location(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, width,
-                                                   per_batch, num_locations, i, m)
-        bad = m & (((pos != -1) & ~valid) | (valid & ~ok))
+                                                   per_batch, num_locations, i, sel)
+        bad = sel & (((pos != -1) & ~valid) | (valid & ~ok))
     else:  # KV locations given directly (new tokens, warm-up, prefetch)
-        loc = tl.load(src_ptr + i, mask=m, other=-1).to(tl.int64)
-        ok = m & (loc >= 0) & (loc < num_locations)
-        bad = m & (loc != -1) & ~ok
+        loc = tl.load(src_ptr + i, mask=sel, other=-1).to(tl.int64)
+        ok = sel & (loc >= 0) & (loc < num_locations)
+        bad = sel & (loc != -1) & ~ok
+    fresh = m & ~sel  # (all false without INSERT)
+    newest = fresh
+    if INSERT:
+        # a selected entry naming its own request's token does not claim it: the token's entry (`fresh`) does, and
+        # K5 reads the slot from there, as for any entry whose location another entry won; the selection finds it
+        # resident, as it would had the token been inserted before the resolve
+        own_token = tl.load(ins_ptr + i // per_batch, mask=sel, other=-1).to(tl.int64)
+        newest = ok & (loc == own_token)
+        ins = tl.load(ins_ptr + (i - n_sel), mask=fresh, other=-1).to(tl.int64)
+        loc = tl.where(fresh, ins, loc)
+        fresh = fresh & (ins >= 0) & (ins < num_locations)
+    looked = ok  # counted as lookups: the selection's entries
+    ok = (ok & ~newest) | fresh
     cur = tl.load(l2s_ptr + loc, mask=ok, other=-1)
     hit = ok & (cur >= 0) & (cur < num_slots)
     clock = tl.load(clock_ptr)
     if PROTECT:  # a prefetch (PROTECT false) leaves the recency of what it finds resident alone
         tl.store(stamp_ptr + cur, tl.zeros_like(cur).to(tl.int64) + clock, mask=hit)
     miss = ok & ~hit
+    if INSERT:  # (its loc, for K5's read of the token's slot)
+        ok = ok | newest
     tl.store(loc_ptr + i, tl.where(ok, loc, -1), mask=m)
     slot = tl.where(hit, cur, -1).to(tl.int64)
     if tl.sum(miss.to(tl.int32)) > 0:
@@ -171,15 +190,17 @@ def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, wid
             v = tl.load(spare_ptr + taken + r, mask=spare, other=0).to(tl.int64)
             tl.store(s2l_ptr + v, loc.to(tl.int32), mask=spare)
             slot = tl.where(spare, -2 - v, slot)  # K5: the map, the stamp, the slot
+            fetched = spare & ~fresh  # (a token's slot is written by K5's write-back, not copied)
             if not SPARE_ONLY:  # (spare only: K5 gives the overflow's claims back)
                 over = win & ~spare
                 tl.store(over_loc_ptr + (r - avail), loc, mask=over)
                 tl.store(over_idx_ptr + (r - avail), i.to(tl.int32), mask=over)
             if LIST:  # K4 lists every winner in rank order for a deferred copy (and copies the overflow); spare
                 # only: the fetch list itself (took_* are then its src and dst)
-                tl.store(took_loc_ptr + r, loc, mask=spare)
-                tl.store(took_slot_ptr + r, v, mask=spare)
+                tl.store(took_loc_ptr + r, tl.where(fresh, -1, loc), mask=spare)
+                tl.store(took_slot_ptr + r, tl.where(fresh, -1, v), mask=spare)
             n_spare = tl.sum(spare.to(tl.int64))
+            n_fetch = tl.sum(fetched.to(tl.int64))
             if COPY:  # the FlashTrans gather of this program's spare-slot winners ranked below `copy_cap`, fused
                 # here rather than in K4: their copies are in flight while other programs still look up. Their ranks
                 # are one run from `base`; each row is read back from took_* once every thread of the program has
@@ -192,16 +213,18 @@ def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, wid
                     mine = rr < end
                     s = tl.load(took_loc_ptr + rr, mask=mine, other=-1)
                     d = tl.load(took_slot_ptr + rr, mask=mine, other=-1)
-                    _copy_masked(host_ptr, hot_ptr, s, d, mine, WORDS, WORDS, WORDS, BLOCK_WORDS)
-            if n_spare > 0:
+                    _copy_masked(host_ptr, hot_ptr, s, d, mine & (s >= 0), WORDS, WORDS, WORDS, BLOCK_WORDS)
+            if n_fetch > 0:
                 if C_FETCH_A >= 0:
-                    tl.atomic_add(cnt_ptr + C_FETCH_A, n_spare, sem="relaxed")
+                    tl.atomic_add(cnt_ptr + C_FETCH_A, n_fetch, sem="relaxed")
                 if C_FETCH_B >= 0:
-                    tl.atomic_add(cnt_ptr + C_FETCH_B, n_spare, sem="relaxed")
+                    tl.atomic_add(cnt_ptr + C_FETCH_B, n_fetch, sem="relaxed")
+            if INSERT and C_NEW >= 0 and n_spare > n_fetch:
+                tl.atomic_add(cnt_ptr + C_NEW, n_spare - n_fetch, sem="relaxed")
     tl.store(out_ptr + i, slot.to(tl.int32), mask=m)
     if COUNT:
-        tl.atomic_add(cnt_ptr + C_LOOKUPS, tl.sum(ok.to(tl.int64)), sem="relaxed")
-        tl.atomic_add(cnt_ptr + C_HITS, tl.sum(hit.to(tl.int64)), sem="relaxed")
+        tl.atomic_add(cnt_ptr + C_LOOKUPS, tl.sum(looked.to(tl.int64)), sem="relaxed")
+        tl.atomic_add(cnt_ptr + C_HITS, tl.sum((hit & sel).to(tl.int64) + newest.to(tl.int64)), sem="relaxed")
         tl.atomic_add(cnt_ptr + C_BAD, tl.sum(bad.to(tl.int64)), sem="relaxed")
 
 
@@ -289,9 +312,10 @@ def _evict_owner(s2l_ptr, l2s_ptr, v, m):
 @triton.jit
 def _assign_walk(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr, l2s_ptr, s2l_ptr,
                  stamp_ptr, clock_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr,
-                 pend_count_ptr, taken_ptr, num_spare, n, copy_cap, pid, programs, COPY: tl.constexpr,
+                 pend_count_ptr, taken_ptr, num_spare, n, n_sel, copy_cap, pid, programs, COPY: tl.constexpr,
                  PEND: tl.constexpr, WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr, C_FETCH_A: tl.constexpr,
-                 C_FETCH_B: tl.constexpr, C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr, STAMP_BACK: tl.constexpr,
+                 C_FETCH_B: tl.constexpr, C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr,
+                 C_NEW: tl.constexpr, STAMP_BACK: tl.constexpr,
                  ROWS: tl.constexpr, CLEAR: tl.constexpr, CM: tl.constexpr):
     """K4's work in program `pid` of `programs`. CM: the cache modifier of the loads of what K3 wrote (".cg" where
     this launch wrote it: past L1)."""
@@ -314,6 +338,7 @@ def _assign_walk(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr,
             tl.store(pend_dst_ptr + c, tl.full(c.shape, -1, tl.int64), mask=rest)
     clock = tl.load(clock_ptr) - STAMP_BACK  # 1 for a prefetch: the newest, yet evictable in this step
     n_got = tl.zeros((), tl.int64)
+    n_new = tl.zeros((), tl.int64)
     n_evict = tl.zeros((), tl.int64)
     n_over_left = tl.zeros((), tl.int64)
     # ranks [lo, n_miss): the overflow (ranks from `first`) is assigned victims and copied; so are the spare-slot
@@ -337,26 +362,30 @@ def _assign_walk(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr,
         loc = tl.where(sp, tl.load(took_loc_ptr + r, mask=sp, other=-1), loc)
         i = tl.load(over_idx_ptr + j, mask=ov, other=0)
         got = ov & (v >= 0)
+        fresh = got & (i >= n_sel)  # this step's token (`insert`): K5 writes its slot, nothing is copied
         evict = _evict_owner(s2l_ptr, l2s_ptr, v, got)
         tl.store(s2l_ptr + v, loc.to(tl.int32), mask=got)
         tl.store(l2s_ptr + loc, tl.where(got, v, -1).to(tl.int32), mask=ov)  # no slot: the claim goes back to absent
         tl.store(stamp_ptr + v, tl.zeros_like(v) + clock, mask=got)
         tl.store(out_ptr + i, tl.where(got, v, -1).to(tl.int32), mask=ov)
-        live = sp | got  # a slot to fill
+        live = (sp & (loc >= 0)) | (got & ~fresh)  # a slot to fill (a spare-slot token's loc reads -1 here)
         if PEND:
             tl.store(pend_src_ptr + r, tl.where(live, loc, -1), mask=mr)
             tl.store(pend_dst_ptr + r, tl.where(live, v, -1), mask=mr)
-        n_got += tl.sum(got.to(tl.int64))
+        n_got += tl.sum((got & ~fresh).to(tl.int64))
+        n_new += tl.sum(fresh.to(tl.int64))
         n_evict += tl.sum(evict.to(tl.int64))
         n_over_left += tl.sum((ov & ~got).to(tl.int64))
         if COPY:  # the FlashTrans gather, fused: host entry of `loc` -> hot slot `v`
-            _copy_masked(src_ptr, dst_ptr, loc, v, got | (sp & (r >= copy_cap)), WORDS, WORDS, WORDS,
-                         BLOCK_WORDS)
-    if n_got + n_over_left > 0:  # programs with no misses add nothing (and do not queue on the counters' atomics)
+            _copy_masked(src_ptr, dst_ptr, loc, v, (got & ~fresh) | (sp & (r >= copy_cap) & (loc >= 0)), WORDS,
+                         WORDS, WORDS, BLOCK_WORDS)
+    if n_got + n_new + n_over_left > 0:  # programs with no misses add nothing (nor queue on the counters' atomics)
         if C_FETCH_A >= 0:
             tl.atomic_add(cnt_ptr + C_FETCH_A, n_got, sem="relaxed")
         if C_FETCH_B >= 0:
             tl.atomic_add(cnt_ptr + C_FETCH_B, n_got, sem="relaxed")
+        if C_NEW >= 0:
+            tl.atomic_add(cnt_ptr + C_NEW, n_new, sem="relaxed")
         tl.atomic_add(cnt_ptr + C_EVICT, n_evict, sem="relaxed")
         tl.atomic_add(cnt_ptr + C_OVERFLOW, n_over_left, sem="relaxed")
 
@@ -364,15 +393,16 @@ def _assign_walk(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr,
 @triton.jit
 def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr, l2s_ptr, s2l_ptr,
                    stamp_ptr, clock_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr,
-                   pend_count_ptr, taken_ptr, num_spare, n, copy_cap, COPY: tl.constexpr, PEND: tl.constexpr,
+                   pend_count_ptr, taken_ptr, num_spare, n, n_sel, copy_cap, COPY: tl.constexpr, PEND: tl.constexpr,
                    WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr, C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr,
-                   C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr, STAMP_BACK: tl.constexpr, ROWS: tl.constexpr,
+                   C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr,
+                 C_NEW: tl.constexpr, STAMP_BACK: tl.constexpr, ROWS: tl.constexpr,
                    CLEAR: tl.constexpr, PDL: tl.constexpr):
     _pdl_enter(PDL)
     _assign_walk(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr, l2s_ptr, s2l_ptr,
                  stamp_ptr, clock_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr, pend_count_ptr,
-                 taken_ptr, num_spare, n, copy_cap, tl.program_id(0), tl.num_programs(0), COPY, PEND, WORDS,
-                 BLOCK_WORDS, C_FETCH_A, C_FETCH_B, C_EVICT, C_OVERFLOW, STAMP_BACK, ROWS, CLEAR, "")
+                 taken_ptr, num_spare, n, n_sel, copy_cap, tl.program_id(0), tl.num_programs(0), COPY, PEND, WORDS,
+                 BLOCK_WORDS, C_FETCH_A, C_FETCH_B, C_EVICT, C_OVERFLOW, C_NEW, STAMP_BACK, ROWS, CLEAR, "")
 
 
 @triton.jit
@@ -392,10 +422,11 @@ def _grid_sync(bar_ptr, programs):
 @triton.jit
 def _tail_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr,
                  l2s_ptr, s2l_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr, pend_count_ptr,
-                 taken_ptr, num_spare, num_slots, n, copy_cap, age_per, victim_per, assign_programs,
+                 taken_ptr, num_spare, num_slots, n, n_sel, copy_cap, age_per, victim_per, assign_programs,
                  A: tl.constexpr, SBLOCK: tl.constexpr, VBLOCK: tl.constexpr, COPY: tl.constexpr, PEND: tl.constexpr,
                  WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr, C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr,
-                 C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr, STAMP_BACK: tl.constexpr, ROWS: tl.constexpr,
+                 C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr,
+                 C_NEW: tl.constexpr, STAMP_BACK: tl.constexpr, ROWS: tl.constexpr,
                  CLEAR: tl.constexpr, PDL: tl.constexpr):
     # K2 + K3 + K4 in one launch (a resolve with spare slots: `FusedResolver.tail_programs`), the phases separated by
     # grid-wide waits only where victims are needed, which every program reads alike from what K1 left
@@ -410,8 +441,8 @@ def _tail_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, over_loc_ptr, over_
     if pid < assign_programs:
         _assign_walk(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr, l2s_ptr, s2l_ptr,
                      stamp_ptr, clock_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr,
-                     pend_count_ptr, taken_ptr, num_spare, n, copy_cap, pid, assign_programs, COPY, PEND, WORDS,
-                     BLOCK_WORDS, C_FETCH_A, C_FETCH_B, C_EVICT, C_OVERFLOW, STAMP_BACK, ROWS, CLEAR, ".cg")
+                     pend_count_ptr, taken_ptr, num_spare, n, n_sel, copy_cap, pid, assign_programs, COPY, PEND, WORDS,
+                     BLOCK_WORDS, C_FETCH_A, C_FETCH_B, C_EVICT, C_OVERFLOW, C_NEW, STAMP_BACK, ROWS, CLEAR, ".cg")
 
 
 @triton.jit
@@ -484,7 +515,7 @@ def _finish_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr_ptr, tak
                    host_ptr=None, hot_ptr=None, cnt_ptr=None, n_new=0, new_programs=0, num_locations=0,
                    NEW: tl.constexpr = False, WORDS: tl.constexpr = 4, HOST_STRIDE: tl.constexpr = 4,
                    HOT_STRIDE: tl.constexpr = 4, BLOCK_WORDS: tl.constexpr = 4, C_D2H: tl.constexpr = -1,
-                   NEW_ROWS: tl.constexpr = 4):
+                   NEW_ROWS: tl.constexpr = 4, n_sel=0):
     _pdl_enter(PDL)
     # NEW: the first `new_programs` programs write this step's tokens back (`_write_back_new_tokens`), the others
     # finish the entries. (First, so that under TRITON_INTERPRET, where programs run in order, they meet the claims
@@ -536,7 +567,7 @@ def _finish_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr_ptr, tak
     if TABLE:  # every entry's slot + table_offset (-1 where none), in a table of its own: `out` stays the slots,
         # which other programs of this launch read for the entries they lost to these
         final = tl.where(won, v, tl.where(lost, slot.to(tl.int64), out.to(tl.int64)))
-        tl.store(table_ptr + i, tl.where(final >= 0, final + table_offset, -1).to(tl.int32), mask=m)
+        tl.store(table_ptr + i, tl.where(final >= 0, final + table_offset, -1).to(tl.int32), mask=m & (i < n_sel))
 
 
 def pdl_launch(on: bool) -> dict:
@@ -676,7 +707,8 @@ class FusedResolver:
             fetch_list: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
             protect: bool = True, spare_only: bool = False, chained: bool = False,
             table_offset: int | None = None,
-            new_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            new_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+            insert_locs: torch.Tensor | None = None) -> torch.Tensor:
         """Resolve the flat list `src` (positions in MODE_POSITIONS, KV locations in MODE_LOCATIONS); returns the
         int32 slot of each entry (-1 where padding, bad, or overflowed).
 
@@ -693,15 +725,24 @@ class FusedResolver:
         `new_tokens` (not with `spare_only`; protecting resolves only): (locs [m] int64, rows [m] int, entries
         [rows, entry_bytes] uint8, host [locations, entry_bytes] uint8, the host layer as seen from the device): this
         step's tokens, written back by the last launch after the selection is resolved (`_write_back_new_tokens`:
-        host row, and the token's slot where it has one, stamped), with no launch of their own."""
-        n = src.numel()
+        host row, and the token's slot where it has one, stamped), with no launch of their own.
+        `insert_locs` (MODE_POSITIONS, protecting resolves only): int64 [batch], this step's token of each batch
+        entry (-1: none): each gets a slot in this resolve, as a miss would, but is not copied (its entry is written
+        there by the write-back: pass `new_tokens` too, or write it after) and not counted as a lookup, hit or
+        fetch (counted NEW_TOKENS); a selected entry naming its own batch entry's token counts as a hit and reads
+        that slot. The token is then resident from the step that computes it (the replays' ``lru_newest``)."""
+        n_sel = src.numel()
+        n_ins = insert_locs.numel() if insert_locs is not None else 0
+        n = n_sel + n_ins
         self._grow(n)
         S = self.num_slots
         out = torch.empty(n, dtype=torch.int32, device=src.device)
-        if n == 0:
+        if n_sel == 0:
             if new_tokens is not None:  # (no launch to ride in: HotPoolCacheManager.resolve writes them back alone)
                 raise ValueError("new_tokens: an empty selection launches nothing to write the tokens back in")
-            return out
+            return out[:0]
+        if insert_locs is not None and (mode != MODE_POSITIONS or spare_only or not protect):
+            raise ValueError("insert_locs: only a protecting resolve of a selection inserts this step's tokens")
         if mode == MODE_POSITIONS:
             r2t, r2t_stride, width = req_to_token, req_to_token.stride(0), req_to_token.shape[1]
             r2t_rows = req_to_token.shape[0]
@@ -721,7 +762,7 @@ class FusedResolver:
             raise ValueError("a spare-only resolve (a prefetch) returns its slots, not a table with an offset")
         if new_tokens is not None and (spare_only or not protect or hot is None):
             raise ValueError("new_tokens: only a protecting resolve into a hot pool writes this step's tokens back")
-        table = torch.empty(n, dtype=torch.int32, device=src.device) if table_offset is not None else out
+        table = torch.empty(n_sel, dtype=torch.int32, device=src.device) if table_offset is not None else out
         new = {}
         if new_tokens is not None:  # the finish's write-back programs, first in its grid (views taken before any
             # launch: a call that raises leaves no kernel half done)
@@ -743,6 +784,7 @@ class FusedResolver:
             LIST=copy or pend, SPARE_ONLY=spare_only, C_LOOKUPS=counter_ids["LOOKUPS"], C_HITS=counter_ids["HITS"],
             C_BAD=counter_ids["BAD_INDICES"], C_FETCH_A=fa, C_FETCH_B=fb, BLOCK=self.lookup_block,
             COPY=copy, WORDS=words, BLOCK_WORDS=triton.next_power_of_2(words), COPY_ROWS=LOOKUP_COPY_ROWS,
+            ins_ptr=insert_locs, n_sel=n_sel, INSERT=insert_locs is not None, C_NEW=counter_ids["NEW_TOKENS"],
             # (a resolve's K1 follows the top-k and the stream joins: launched plainly; compiled with PDL, it lets K2
             # launch early)
             **(self._pdl(chained) if spare_only else dict(PDL=self.pdl)))
@@ -760,13 +802,14 @@ class FusedResolver:
         assign = min(triton.cdiv(n, ROWS), self.assign_programs[1 if copy else 0])
         walk = dict(COPY=copy, PEND=pend, WORDS=words, BLOCK_WORDS=triton.next_power_of_2(words), C_FETCH_A=fa,
                     C_FETCH_B=fb, C_EVICT=counter_ids["EVICTIONS"], C_OVERFLOW=counter_ids["OVERFLOW"],
-                    STAMP_BACK=0 if protect else 1, ROWS=ROWS, CLEAR=block, num_warps=NUM_WARPS, **self._pdl(True))
+                    C_NEW=counter_ids["NEW_TOKENS"], STAMP_BACK=0 if protect else 1, ROWS=ROWS, CLEAR=block,
+                    num_warps=NUM_WARPS, **self._pdl(True))
         if self.tail_programs is not None:  # K2-K4 in one launch
             grid = 1 if _one_program(self.device) else max(self.tail_programs, assign)
             _tail_kernel[(grid,)](
                 stamp, clock, self.scratch, self.victims, self.over_loc, self.over_idx, self.took_loc,
                 self.took_slot, l2s, s2l, out, counters, src_w, dst_w, pend_src, pend_dst, pend_count, spare_taken,
-                self.num_spare, S, n, self.lookup_copy_cap, triton.cdiv(triton.cdiv(S, self.age_block), grid),
+                self.num_spare, S, n, n_sel, self.lookup_copy_cap, triton.cdiv(triton.cdiv(S, self.age_block), grid),
                 triton.cdiv(triton.cdiv(S, self.victim_block), grid), min(assign, grid), A=AGE_BUCKETS,
                 SBLOCK=self.age_block, VBLOCK=self.victim_block, **walk)
         else:
@@ -774,13 +817,13 @@ class FusedResolver:
             _assign_kernel[(assign,)](
                 self.scratch, self.victims, self.over_loc, self.over_idx, self.took_loc, self.took_slot, l2s, s2l,
                 stamp, clock, out, counters, src_w, dst_w, pend_src, pend_dst, pend_count, spare_taken,
-                self.num_spare, n, self.lookup_copy_cap, **walk)
+                self.num_spare, n, n_sel, self.lookup_copy_cap, **walk)
         _finish_kernel[(new.get("new_programs", 0) + triton.cdiv(n, block),)](
             self.locs, out, l2s, stamp, clock, self.scratch, spare_taken, self.num_spare, n, S, pend_src, pend_dst,
             pend_count, table, table_offset or 0, REFILL=False, SPARE_ONLY=False, PEND=pend, CLOSE=True,
             STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block, TABLE=table_offset is not None,
-            **new, **self._pdl(True))
-        return table
+            n_sel=n_sel, **new, **self._pdl(True))
+        return table[:n_sel]
 
     def refill(self, *, l2s: torch.Tensor, s2l: torch.Tensor, stamp: torch.Tensor, clock: torch.Tensor,
                counters: torch.Tensor, counter_ids: dict[str, int], spare: torch.Tensor,

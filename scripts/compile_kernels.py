@@ -52,35 +52,38 @@ for mode in (0, 1):
     for protect, listed, spare_only, copy in ((True, True, False, False), (True, True, False, True),
                                               (False, True, False, False), (False, True, False, True),
                                               (True, False, False, False), (False, True, True, False)):
-        # (a prefetch's lookup: chained or not; a resolve's that copies: with or without resolve_pdl)
+        # (a prefetch's lookup: chained or not; a resolve's that copies: with or without resolve_pdl; a resolve's
+        # that inserts this step's tokens)
         for pdl in ((False, True) if spare_only or copy else (True,)):
-            check(kr._lookup_kernel, dict(src_ptr=P32 if mode == 0 else P64, seq_ptr=P64, rpi_ptr=P64, r2t_ptr=P32,
-                                          r2t_stride=I64, r2t_rows=I64, width=I64, n=I64, per_batch=I64, l2s_ptr=P32,
-                                          s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64, out_ptr=P32, loc_ptr=P64,
-                                          cnt_ptr=P64, scr_ptr=P32, over_loc_ptr=P64, over_idx_ptr=P32, spare_ptr=P32,
-                                          taken_ptr=P64,
-                                          num_spare=I64, took_loc_ptr=P64, took_slot_ptr=P64, num_locations=I64,
-                                          num_slots=I64, host_ptr=P32, hot_ptr=P32, copy_cap=I64),
-                  dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, LIST=listed, SPARE_ONLY=spare_only, C_LOOKUPS=0,
-                       C_HITS=1, C_BAD=5,
-                       C_FETCH_A=2, C_FETCH_B=3, BLOCK=256, PDL=pdl, COPY=copy, WORDS=164 if copy else 4,
-                       BLOCK_WORDS=256 if copy else 4, COPY_ROWS=16))
+            for insert in ((False, True) if mode == 0 and protect and not spare_only else (False,)):
+                check(kr._lookup_kernel, dict(src_ptr=P32 if mode == 0 else P64, seq_ptr=P64, rpi_ptr=P64,
+                                              r2t_ptr=P32, r2t_stride=I64, r2t_rows=I64, width=I64, n=I64,
+                                              per_batch=I64, l2s_ptr=P32, s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64,
+                                              out_ptr=P32, loc_ptr=P64, cnt_ptr=P64, scr_ptr=P32, over_loc_ptr=P64,
+                                              over_idx_ptr=P32, spare_ptr=P32, taken_ptr=P64, num_spare=I64,
+                                              took_loc_ptr=P64, took_slot_ptr=P64, num_locations=I64, num_slots=I64,
+                                              host_ptr=P32, hot_ptr=P32, copy_cap=I64, n_sel=I64,
+                                              **(dict(ins_ptr=P64) if insert else {})),
+                      dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, LIST=listed, SPARE_ONLY=spare_only,
+                           C_LOOKUPS=0, C_HITS=1, C_BAD=5, C_FETCH_A=2, C_FETCH_B=3, BLOCK=256, PDL=pdl, COPY=copy,
+                           WORDS=164 if copy else 4, BLOCK_WORDS=256 if copy else 4, COPY_ROWS=16, INSERT=insert,
+                           C_NEW=9, **({} if insert else dict(ins_ptr=None))))
 for copy, pend in ((True, False), (False, True), (True, True), (False, False)):
     check(kr._assign_kernel, dict(scr_ptr=P32, victims_ptr=P32, over_loc_ptr=P64, over_idx_ptr=P32, took_loc_ptr=P64,
                                   took_slot_ptr=P64, l2s_ptr=P32, s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64,
                                   out_ptr=P32, cnt_ptr=P64, src_ptr=P32, dst_ptr=P32, pend_src_ptr=P64,
                                   pend_dst_ptr=P64, pend_count_ptr=P64, taken_ptr=P64, num_spare=I64, n=I64,
-                                  copy_cap=I64),
+                                  n_sel=I64, copy_cap=I64),
           dict(COPY=copy, PEND=pend, WORDS=164, BLOCK_WORDS=256, C_FETCH_A=2, C_FETCH_B=3, C_EVICT=8, C_OVERFLOW=6,
-               STAMP_BACK=0 if copy else 1, ROWS=4, CLEAR=1024, PDL=copy or pend))
+               C_NEW=9, STAMP_BACK=0 if copy else 1, ROWS=4, CLEAR=1024, PDL=copy or pend))
     # (the same walk in the merged tail of a resolve with spare slots, after its scans)
     check(kr._tail_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, victims_ptr=P32, over_loc_ptr=P64,
                                 over_idx_ptr=P32, took_loc_ptr=P64, took_slot_ptr=P64, l2s_ptr=P32, s2l_ptr=P32,
                                 out_ptr=P32, cnt_ptr=P64, src_ptr=P32, dst_ptr=P32, pend_src_ptr=P64, pend_dst_ptr=P64,
-                                pend_count_ptr=P64, taken_ptr=P64, num_spare=I64, num_slots=I64, n=I64, copy_cap=I64,
-                                age_per=I32, victim_per=I32, assign_programs=I32),
+                                pend_count_ptr=P64, taken_ptr=P64, num_spare=I64, num_slots=I64, n=I64, n_sel=I64,
+                                copy_cap=I64, age_per=I32, victim_per=I32, assign_programs=I32),
           dict(A=256, SBLOCK=1024, VBLOCK=512, COPY=copy, PEND=pend, WORDS=164, BLOCK_WORDS=256, C_FETCH_A=2,
-               C_FETCH_B=3, C_EVICT=8, C_OVERFLOW=6, STAMP_BACK=0 if copy else 1, ROWS=4, CLEAR=1024,
+               C_FETCH_B=3, C_EVICT=8, C_OVERFLOW=6, C_NEW=9, STAMP_BACK=0 if copy else 1, ROWS=4, CLEAR=1024,
                PDL=copy or pend))
 for rows in (8, 16, 32):  # (decode_stack's overlap_copy_rows: 8 by default, more rows on fewer programs)
     check(kf._copy_rows_counted_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64,
@@ -149,7 +152,7 @@ for refill in (False, True):
                                               stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, taken_ptr=P64, num_spare=I64,
                                               n=I64, num_slots=I64, pend_src_ptr=P64, pend_dst_ptr=P64,
                                               pend_count_ptr=P64, table_ptr=P64 if refill else P32, table_offset=I64,
-                                              **(NEW_TOKEN_ARGS if new else NO_NEW_TOKEN_INTS)),
+                                              n_sel=I64, **(NEW_TOKEN_ARGS if new else NO_NEW_TOKEN_INTS)),
                       dict(REFILL=refill, SPARE_ONLY=spare_only, PEND=pend, CLOSE=close, STAMP_BACK=0, SCR=512,
                            BLOCK=16 if refill else 1024, PDL=pdl, TABLE=table,
                            **(NEW_TOKEN_CONSTS if new else NO_NEW_TOKENS)))

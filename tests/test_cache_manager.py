@@ -432,6 +432,61 @@ def test_resolve_writes_new_tokens_back_after_the_selection(impl, spare):
         m.resolve(0, pos, pair[0][2].req_to_token, rpi, lens, new_tokens=NewTokens(locs, big.short(), rows))
 
 
+@pytest.mark.parametrize("spare", [0, 40])
+def test_resolve_inserts_this_steps_tokens(impl, spare):
+    """NewTokens(insert=True): each step's token takes a hot slot in the resolve itself (no copy: the write-back
+    fills it), so it is resident from the step that computes it. Same state on both paths; a selection naming its
+    own token reads the token's entry and counts a hit, never a fetch."""
+    from ess_sglang.cache_manager import NewTokens
+
+    g = torch.Generator().manual_seed(21)
+    ms = [make(slots=160, lengths=(300, 500, 250, 300), seed=5, impl=i, spare=spare) for i in (impl, "torch")]
+    big = torch.randint(0, 256, (12, 656), dtype=torch.uint8, generator=g)
+    rows = torch.tensor([3, 9, 11, 12])  # the last one outside the table: its token is inserted, never written
+    lens = torch.tensor([260, 450, 200, 280])
+    for step in range(10):
+        lens = lens + 1
+        pos = torch.randint(-2, 300, (4, 1, 30), generator=g).int()
+        pos[:3, 0, step % 30] = torch.where(torch.rand(3, generator=g) < 0.7, lens[:3] - 1, pos[:3, 0, step % 30])
+        got = []
+        for m, _, table, rpi, _ in ms:
+            locs = table.req_to_token[rpi, lens - 1].long()
+            locs[3 if step % 2 else 2] = -1  # (a padding row)
+            m.begin_step()
+            before = m.counters[0].clone()
+            got.append(m.resolve(0, pos, table.req_to_token, rpi, lens,
+                                 new_tokens=NewTokens(locs, big, rows, insert=True)))
+            if spare:
+                m.refill_spares(0)
+        assert torch.equal(got[0], got[1]), f"step {step}"
+        for name in ("hot_entries", "loc_to_slot", "slot_to_loc", "slot_stamp", "counters", "spare_taken"):
+            a, b = getattr(ms[0][0], name), getattr(ms[1][0], name)
+            if name in ("loc_to_slot", "slot_to_loc", "slot_stamp"):  # (not the sink elements: write-only scratch)
+                a, b = a[:, :-1], b[:, :-1]
+            assert torch.equal(a, b), f"step {step}: {name}"
+        m, host, table, rpi, _ = ms[0]
+        m.check_invariants()
+        step_counts = m.counters[0] - before
+        locs = table.req_to_token[rpi, lens - 1].long()
+        live = ((pos >= 0) & (pos < lens.view(4, 1, 1))).view(4, -1)
+        distinct = sum(int(torch.unique(pos[b, 0][live[b]]).numel()) for b in range(4))
+        named_own = sum(int((pos[b, 0] == lens[b] - 1).sum()) for b in range(4) if b != (3 if step % 2 else 2))
+        assert int(step_counts[Counter.LOOKUPS]) == int(live.sum())
+        assert int(step_counts[Counter.HITS]) >= named_own  # (the token itself is never a fetch)
+        assert int(step_counts[Counter.MISSES]) <= distinct - min(named_own, 1)
+        for b in range(4):
+            if b == (3 if step % 2 else 2):
+                continue
+            slot = int(m.loc_to_slot[0, locs[b]])
+            assert slot >= 0, (step, b)  # resident from its own step
+            if b < 3:
+                assert torch.equal(m.hot_entries[0][slot], big[rows[b]]) and torch.equal(host.entries[0][locs[b]],
+                                                                                         big[rows[b]])
+                named = pos[b, 0] == lens[b] - 1
+                assert bool((got[0][b, 0][named] == slot).all()), (step, b)
+    assert int(ms[0][0].counters[0, Counter.NEW_TOKENS]) > 0
+
+
 def test_new_tokens_with_an_empty_selection_or_a_misaligned_table(impl):
     """An empty selection (k = 0) still writes the tokens back, on both paths alike. An entry table that does not
     start on a 4-byte word is refused before anything runs: no state changes."""

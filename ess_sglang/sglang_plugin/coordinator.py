@@ -29,9 +29,10 @@ Per layer, inside the captured decode graph: the positions are translated throug
 locations and resolved (``resolve``: lookup, dedup, LRU eviction, H2D fetch of misses; it returns device-pool
 rows); the token being decoded (written by ``set_mla_kv_buffer`` into its request's new-token slot) is written
 back by the resolve's last launch (``resolve(new_tokens=)``): into the host pool, and over its hot slot where it
-has one, so that a selection naming it reads its entry (a selected token was fetched like any miss, from a host row
-not yet written, or prefetched so); with ``new_tokens="insert"`` it is first inserted into a protected hot slot of
-its own (``write_new_tokens``). ``begin_step`` advances the LRU clock on the first layer.
+has one, so that a selection naming it reads its entry; with ``new_tokens="insert"`` the same resolve gives it a
+protected hot slot (as a miss, but not copied), so it is resident from its own step and a selection naming it is a
+hit; with ``"on_demand"`` a selection naming it fetches it like any miss (from a host row not yet written: the
+write-back overwrites the slot). ``begin_step`` advances the LRU clock on the first layer.
 """
 
 from __future__ import annotations
@@ -303,8 +304,7 @@ class EssCoordinator:
         """Make every selected entry resident in the layer's hot pool; return device-pool rows for FlashMLA.
 
         One call of its own on the main stream in a layer with the defaults (the resolve: five launches, three with
-        spare slots;
-        new_tokens="insert" or the torch resolve add their own): what depends only on the batch is computed once a
+        spare slots; the torch resolve adds its own): what depends only on the batch is computed once a
         step (`rows_of_step`), padding rows reach the resolve as request row -1 (ignored there), the resolve writes
         device-pool rows itself (`slot_offset`) and writes the token back after the selection, reading its entry in
         place from its new-token slot (`new_tokens`). In the decode harness on the H200 the per-layer torch ops
@@ -319,15 +319,13 @@ class EssCoordinator:
         rows = self.rows_of_step(req_pool_indices, seq_lens)
         # the layer's prefetch has landed and the previous layer's refill is done (echo.py, 3a-b)
         self.overlap.before_resolve(layer)
-        # this step's token, read in place from its new-token slot (set_mla_kv_buffer wrote it there)
-        new_tokens = NewTokens(rows.new_host_loc, self.device_kv[layer], rows.new_token_rows)
-        if self.config.new_tokens == "insert":  # (into a hot slot of its own first: a write-back launch of its own)
-            self.manager.write_new_tokens(layer, new_tokens.locs, new_tokens.entries, insert=True,
-                                          entry_rows=new_tokens.entry_rows)
-            new_tokens = None
+        # this step's token, read in place from its new-token slot (set_mla_kv_buffer wrote it there); with
+        # new_tokens="insert" the resolve also gives it a hot slot (no copy, no launch of its own)
+        new_tokens = NewTokens(rows.new_host_loc, self.device_kv[layer], rows.new_token_rows,
+                               insert=self.config.new_tokens == "insert")
         # the selection: positions -> host locations -> hot slots (misses fetched from the host pool) -> rows of the
-        # device pool; then the token is written back (host pool, and its hot slot where it has one: a selection
-        # naming it reads its entry) by the resolve's last launch
+        # device pool; then the token is written back (host pool, and its hot slot: a selection naming it reads its
+        # entry) by the resolve's last launch
         slots = self.manager.resolve(layer, top_k_result.reshape(B, 1, K), self.req_to_host_pool, rows.live_rpi,
                                      rows.lens, slot_offset=self.hot_base, new_tokens=new_tokens)
         self.overlap.after_resolve(layer)  # settle the prefetch, refill spare slots: beside attention (3d-e)

@@ -344,7 +344,9 @@ def _check_cuda_graph_padding(coord, rpi, seq, sel, B):
     # mid-run (the new token may be prefetched from its stale host row: the write-back at swap-in overwrites the slot)
     ("colocated", 24, "on_demand", "torch", None, "full"),
     pytest.param("pd", 16, "on_demand", "torch", 8, "full", marks=needs_pd_decode),
-    ("colocated", 12, "insert", "torch", None, "full"), ("colocated", 6, "on_demand", "triton", None, "full")])
+    ("colocated", 12, "insert", "torch", None, "full"), ("colocated", 6, "on_demand", "triton", None, "full"),
+    # the token inserted by the fused resolve itself (Triton interpreted), beside the ECHO prefetch
+    ("colocated", 6, "insert", "triton", None, "full")])
 def test_decode_seam_bit_identical(mode, steps, new_tokens, resolve_impl, replace_at, level, parallel1):
     identical, stats = _run(mode, steps, new_tokens, resolve_impl, replace_at, level)
     assert identical == steps
