@@ -218,10 +218,11 @@ def test_ess_replay_counts_every_lookup_and_warm_up():
 
 
 def test_ess_replay_stores_new_tokens_as_the_runtime_does():
-    # default (EssConfig.new_tokens, "on_demand"): written back only, a selected one is a miss; "insert": a hot slot
+    # default (EssConfig.new_tokens, "insert"): a hot slot; "on_demand": written back only, a selected one is a miss
     t = small()
     slots = 3 * 130
-    on_demand, insert = replay_ess(t, slots), replay_ess(t, slots, new_tokens="insert")
+    on_demand, insert = replay_ess(t, slots, new_tokens="on_demand"), replay_ess(t, slots)
+    assert insert.extra["new_tokens_mode"] == "insert"
     assert on_demand.extra["new_tokens_mode"] == "on_demand" and on_demand.extra["new_tokens"] == 0
     assert insert.extra["new_tokens"] == t.steps * t.batch * t.num_layers
     assert on_demand.lookups.tolist() == insert.lookups.tolist()

@@ -152,14 +152,16 @@ def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact(s
           f"hit rate {1 - c[:, Counter.MISSES].sum().item() / c[:, Counter.LOOKUPS].sum().item():.3f}")
 
 
-@pytest.mark.parametrize("spare", [0, 6000])
-def test_plugin_seam_kernels_at_scale(spare):
+@pytest.mark.parametrize("spare,insert", [(0, False), (6000, False), (0, True), (6000, True)])
+def test_plugin_seam_kernels_at_scale(spare, insert):
     """What the SGLang plugin's decode seam asks of the kernels, at scale (coordinator.swap_in_selected_pages): the
     resolve writes each token back after the selection (`new_tokens`), reading its entry in place from rows of a
     larger table; CUDA-graph padding entries arrive as request row -1 with positions that would be valid; the resolve
     returns slot + an offset from its last launch. Every real entry's row - offset holds its host entry, every padding
     entry is -1 and counts nothing, each real token's entry is written back from its row, and where the selection
-    names the token (its host row not yet written when the resolve fetched it), its slot holds the token's entry."""
+    names the token (its host row not yet written when the resolve fetched it), its slot holds the token's entry.
+    With `insert` (new_tokens: insert) every real token is resident after its own layer's resolve, holding its
+    entry, and a selection naming it counts a hit."""
     from ess_sglang.cache_manager import NewTokens
 
     dev = torch.device("cuda")
@@ -183,10 +185,13 @@ def test_plugin_seam_kernels_at_scale(spare):
         tables = []
         for layer in range(layers):
             out = m.resolve(layer, topk, table.req_to_token, live_rpi, seq, slot_offset=offset,
-                            new_tokens=NewTokens(new_locs, big, rows))
+                            new_tokens=NewTokens(new_locs, big, rows, insert=insert))
             assert out.dtype == torch.int32 and bool((out[~live] == -1).all())
             mine = (named & live).nonzero().view(-1)
             assert torch.equal(m.hot_entries[layer][(out[mine, 0, step] - offset).long()], big[rows[mine]])
+            if insert:
+                slot = m.loc_to_slot[layer][new_locs[live]].long()
+                assert bool((slot >= 0).all()) and torch.equal(m.hot_entries[layer][slot], big[rows[live]])
             tables.append(torch.where(out >= 0, out - offset, -1)[live])
             m.refill_spares(layer)
         torch.cuda.synchronize()
