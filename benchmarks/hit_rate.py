@@ -3,9 +3,9 @@
 For each trace family and pool size (a multiple of one step's selection, batch x top-k, per layer), the same trace
 replayed through:
 
-* ``ess``         ESS's runtime pool as it ships (`traces.replay_ess`: the cache manager itself, LRU, decoded tokens
-                  fetched on demand),
-* ``ess_insert``  the same with each decoded token kept in a hot slot (`new_tokens: insert`),
+* ``ess``         ESS's runtime pool as it ships (`traces.replay_ess`: the cache manager itself, LRU, each decoded
+                  token given a hot slot by its own step's resolve: `new_tokens: insert`),
+* ``ess_on_demand`` the same with decoded tokens only written back, fetched when selected (`new_tokens: on_demand`),
 * ``lru``, ``lru_newest``, ``lru2``, ``decay`` (decayed selection count, gamma per ``--gamma``), ``belady`` (the
                   offline optimum): `ess_sglang.retention.replay_policy`, numpy replays of the same step model,
 * ``hisparse``    SGLang HiSparse's per-request buffers at the same memory (`hisparse_policy.replay_hisparse`, staged
@@ -115,7 +115,7 @@ def run_family(name: str, describe: str, make, factors, gamma: float) -> dict:
         if slots < B * (K + 1):
             slots = -(-(B * (K + 1)) // page) * page
         rates = {"ess": replay_ess(trace, slots).hit_rate,
-                 "ess_insert": replay_ess(trace, slots, new_tokens="insert").hit_rate}
+                 "ess_on_demand": replay_ess(trace, slots, new_tokens="on_demand").hit_rate}
         for policy in NUMPY_POLICIES:
             rates[policy] = replay_policy(trace, slots, policy, gamma=gamma).hit_rate
         hs_buffer = slots // B - page

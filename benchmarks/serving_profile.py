@@ -53,6 +53,30 @@ def kernel_table(trace_path: Path, steps: int) -> dict:
             "kernels": _per_step(kernels, steps, 40), "host": _per_step(host, steps, 60)}
 
 
+def kernel_diff(trace_a: Path, trace_b: Path, steps: int, least_us: float = 1.0) -> dict:
+    """Per decode step, the kernel time of trace A minus trace B, by kernel name (every kernel, not only the top
+    ones): where one system's step spends GPU time the other's does not. Rows whose difference is under `least_us`
+    are left out of the list, not of the total."""
+    def per_name(path: Path) -> tuple[dict, dict]:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt") as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
+        us: dict[str, float] = defaultdict(float)
+        calls: dict[str, int] = defaultdict(int)
+        for e in events:
+            us[e["name"][:160]] += e["dur"] / steps
+            calls[e["name"][:160]] += 1
+        return us, calls
+
+    (ua, ca), (ub, cb) = per_name(trace_a), per_name(trace_b)
+    rows = [{"name": n, "us_per_step_diff": ua.get(n, 0.0) - ub.get(n, 0.0), "us_a": ua.get(n, 0.0),
+             "us_b": ub.get(n, 0.0), "calls_a": ca.get(n, 0) / steps, "calls_b": cb.get(n, 0) / steps}
+            for n in set(ua) | set(ub)]
+    rows.sort(key=lambda r: -abs(r["us_per_step_diff"]))
+    return {"steps": steps, "us_per_step_a": sum(ua.values()), "us_per_step_b": sum(ub.values()),
+            "kernels": [r for r in rows if abs(r["us_per_step_diff"]) >= least_us]}
+
+
 def _per_step(events: list, steps: int, top: int) -> list[dict]:
     by_name: dict[str, list[float]] = defaultdict(list)
     for e in events:
@@ -122,8 +146,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/serving"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    tables = {}
     for system in args.systems.split(","):
-        table = profile_system(system, args)
+        table = tables[system] = profile_system(system, args)
         (args.out / f"profile_{system}.json").write_text(json.dumps(table, indent=1))
         print(f"\n{system}: {table['batch']} requests at {table['context']}: GPU {table['gpu_ms_per_step']} ms/step "
               f"over a window of {table['window_ms_per_step']} ms/step")
@@ -133,6 +158,15 @@ def main(argv=None) -> int:
         print("  host spans per step (inclusive):")
         for k in table["host"][:30]:
             print(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['name'][:110]}")
+    systems = list(tables)
+    for other in systems[1:]:  # the first system against each other one, kernel by kernel
+        a, b = systems[0], other
+        diff = kernel_diff(args.out / f"trace_{a}" / tables[a]["trace"], args.out / f"trace_{b}" / tables[b]["trace"],
+                           args.steps)
+        (args.out / f"kernel_diff_{a}_vs_{b}.json").write_text(json.dumps(diff, indent=1))
+        print(f"\n{a} - {b}: {diff['us_per_step_a'] - diff['us_per_step_b']:+.1f} us of kernel time a step")
+        for k in diff["kernels"][:25]:
+            print(f"  {k['us_per_step_diff']:+9.1f} us  {k['calls_a']:5.1f}x / {k['calls_b']:5.1f}x  {k['name'][:100]}")
     return 0
 
 

@@ -529,11 +529,11 @@ def replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str = "auto", res
                new_tokens: str | None = None) -> ReplayStats:
     """Replay `trace` through ESS's shared per-layer LRU hot pool (`HotPoolCacheManager`) and count its work.
 
-    The pool has `slots_per_layer` slots per layer shared by all requests. Per step, as in decode: `begin_step`, then
-    per layer the step's new tokens are stored (`write_new_tokens`: D2H; with new_tokens="insert" also a protected hot
-    slot, with "on_demand" fetched as a miss when selected; default: EssConfig's, what the runtime does), then the
-    layer's selection is resolved. Hits and misses are read from the manager's counters (LOOKUPS, MISSES). No entry
-    bytes move (`copy_impl="none"`, 1-byte host entries): bytes are misses x 656.
+    The pool has `slots_per_layer` slots per layer shared by all requests. Per step, as in the SGLang plugin's decode:
+    `begin_step`, then per layer the layer's selection is resolved with the step's new tokens (`resolve(new_tokens=)`:
+    written back; with new_tokens="insert" also given a protected hot slot by the same resolve, with "on_demand"
+    fetched as a miss when selected; default: EssConfig's, what the runtime does). Hits and misses are read from the manager's counters (LOOKUPS, MISSES). No entry
+    bytes move (`copy_impl="none"`, 4-byte host entries): bytes are misses x 656.
 
     warmup: "windows" (ESS's LRU warm-up: the union of the prefill's last query windows' top-k, `warmup_positions`,
     budget slots_per_layer // batch per request), "recent" (the most recent prompt tokens), "none", or "auto"
@@ -558,7 +558,7 @@ def _replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str, resolve_imp
                 warmup_budget: int | None, on_step, new_tokens: str) -> ReplayStats:
     import torch
 
-    from ess_sglang.cache_manager import Counter, HotPoolCacheManager
+    from ess_sglang.cache_manager import Counter, HotPoolCacheManager, NewTokens
     from ess_sglang.host_pool import HostTotalPool
     from ess_sglang.request_table import RequestTable
     from ess_sglang.warmup import warmup_positions
@@ -573,7 +573,7 @@ def _replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str, resolve_imp
     S, L, B, K = trace.topk.shape
     prompts = [int(p) for p in trace.prompt_lens]
     tokens = sum(prompts) + S * B
-    host = HostTotalPool(L, tokens, entry_bytes=1, device=dev, pin=False)
+    host = HostTotalPool(L, tokens, entry_bytes=4, device=dev, pin=False)  # (one word: rows the resolve can read)
     m = HotPoolCacheManager(host, slots_per_layer, device=dev, max_selected=B * K, copy_impl="none",
                             resolve_impl=resolve_impl)
     table = RequestTable(B, max(prompts) + S + 1, device=dev)
@@ -592,16 +592,17 @@ def _replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str, resolve_imp
     rpi = torch.tensor(rows, device=dev)
     topk = torch.from_numpy(trace.topk).to(dev)
     seq_all = torch.from_numpy(trace.seq_lens.astype(np.int64)).to(dev)
-    new_entries = torch.zeros((B, 1), dtype=torch.uint8, device=dev)
+    new_entries = torch.zeros((B, 4), dtype=torch.uint8, device=dev)
+    new_rows = torch.arange(B, device=dev)
     first_step = 0
     for s in range(S):
         seq = seq_all[s]
         new_locs = host.alloc(B).to(dev)
         table.req_to_token[rpi, seq - 1] = new_locs.to(torch.int32)
         m.begin_step()
-        for layer in range(L):
-            m.write_new_tokens(layer, new_locs, new_entries, insert=new_tokens == "insert")
-            m.resolve(layer, topk[s, layer].unsqueeze(1), table.req_to_token, rpi, seq)
+        for layer in range(L):  # as the SGLang plugin resolves: the step's tokens ride in the resolve
+            m.resolve(layer, topk[s, layer].unsqueeze(1), table.req_to_token, rpi, seq,
+                      new_tokens=NewTokens(new_locs, new_entries, new_rows, insert=new_tokens == "insert"))
         if s == 0:
             first_step = int(m.counters[:, Counter.MISSES].sum())
         if on_step is not None:
