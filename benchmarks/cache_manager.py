@@ -22,6 +22,7 @@ import os
 import statistics
 
 import torch
+from ess_sglang.kernels.resolve import decay_retention
 from timing import replay_us, run_info  # benchmarks/timing.py (run these files as scripts)
 
 from ess_sglang.cache_manager import Counter, HotPoolCacheManager, NewTokens
@@ -50,11 +51,12 @@ def selections(batch, q_tokens, hit, gen, context=CONTEXT):
     return out
 
 
-def bench_one(host, batch, q_tokens, hit, copy_impl, gen, reps=2, new_tokens=None):
+def bench_one(host, batch, q_tokens, hit, copy_impl, gen, reps=2, new_tokens=None, decay_gamma=None):
     dev = torch.device("cuda")
     tokens = batch * CONTEXT
     slots = (batch * q_tokens * TOP_K * 5 // 4 + 63) // 64 * 64
-    m = HotPoolCacheManager(host, slots, device=dev, max_selected=batch * q_tokens * TOP_K, copy_impl=copy_impl)
+    m = HotPoolCacheManager(host, slots, device=dev, max_selected=batch * q_tokens * TOP_K, copy_impl=copy_impl,
+                            decay=decay_retention(decay_gamma) if decay_gamma is not None else None)
     req_to_token = torch.arange(tokens, device=dev, dtype=torch.int32).view(batch, CONTEXT)
     rpi = torch.arange(batch, device=dev)
     seq = torch.full((batch,), CONTEXT, device=dev)
@@ -92,7 +94,7 @@ def bench_one(host, batch, q_tokens, hit, copy_impl, gen, reps=2, new_tokens=Non
     us = statistics.median(times)
     torch.cuda.empty_cache()
     return dict(batch=batch, q_tokens=q_tokens, target_hit=hit, copy=copy_impl != "none", new_tokens=new_tokens,
-                us=us,
+                decay_gamma=decay_gamma, us=us,
                 hit_rate=hit_rate, misses_per_step=misses_per_step, slots=slots,
                 gbps=misses_per_step * ENTRY / us / 1e3)
 
@@ -107,6 +109,8 @@ def main(argv=None):
     p.add_argument("--new-tokens", default="",
                    help="comma-separated on_demand, insert: time the resolve that writes each request's token back "
                         "(with the copy only), in the same run")
+    p.add_argument("--decay-gamma", type=float, default=None,
+                   help="with --new-tokens: also time each mode with decayed retention (this gamma)")
     p.add_argument("--pool-slots", default="",
                    help="with --profile: hot-pool sizes (slots) to profile instead of 1.25 selections, pools filled")
     args = p.parse_args(argv)
@@ -127,13 +131,17 @@ def main(argv=None):
             for batch in batches:
                 for hit in [float(x) for x in args.hits.split(",")]:
                     for mode in modes:
-                        rows.append(bench_one(host, batch, q, hit, "auto", gen, new_tokens=mode))
+                        for gamma in (None, args.decay_gamma) if args.decay_gamma is not None else (None,):
+                            rows.append(bench_one(host, batch, q, hit, "auto", gen, new_tokens=mode,
+                                                  decay_gamma=gamma))
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "cache_manager_new_tokens.json"), "w") as f:
             json.dump(dict(info=run_info(), rows=rows), f, indent=1)
-        print(f"\n{'q':>2} {'batch':>5} {'target':>6} {'new tokens':>10} {'hit':>6} {'misses':>8} {'us':>8}")
+        print(f"\n{'q':>2} {'batch':>5} {'target':>6} {'new tokens':>10} {'retention':>10} {'hit':>6} {'misses':>8} "
+              f"{'us':>8}")
         for r in rows:
-            print(f"{r['q_tokens']:>2} {r['batch']:>5} {r['target_hit']:>6} {r['new_tokens']:>10} "
+            ret = "lru" if r["decay_gamma"] is None else f"decay {r['decay_gamma']:g}"
+            print(f"{r['q_tokens']:>2} {r['batch']:>5} {r['target_hit']:>6} {r['new_tokens']:>10} {ret:>10} "
                   f"{r['hit_rate']:>6.3f} {r['misses_per_step']:>8.0f} {r['us']:>8.1f}")
         return 0
     for q in [int(x) for x in args.q_tokens.split(",")]:

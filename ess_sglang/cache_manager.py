@@ -48,7 +48,15 @@ import torch
 from ess_sglang.host_pool import HostTotalPool
 from ess_sglang.kernels.flashtrans import copy_rows, copy_rows_counted, copy_rows_reference
 from ess_sglang.kernels.new_tokens import store_reserved_triton
-from ess_sglang.kernels.resolve import MODE_LOCATIONS, MODE_POSITIONS, SPARE_STAMP, FusedResolver, pdl_setting
+from ess_sglang.kernels.resolve import (
+    BONUS_SHIFT,
+    MODE_LOCATIONS,
+    MODE_POSITIONS,
+    SPARE_STAMP,
+    DecayRetention,
+    FusedResolver,
+    pdl_setting,
+)
 
 FREE_STAMP = -(1 << 40)
 MAX_REFILL_INTERVAL = 1024  # steps between a layer's spare-slot refills, at most (`refill_interval`)
@@ -120,6 +128,11 @@ class NewTokens(NamedTuple):
     # of its own; a selection naming it counts a hit. False (``on_demand``): only its host row is written (and a
     # slot it already has); a later selection naming it fetches it
     insert: bool = False
+
+
+def last_step(stamp: torch.Tensor) -> torch.Tensor:
+    """`kernels.resolve.last_step`: the step a slot was last selected or filled in, its stamp less the decay bonus."""
+    return torch.where(stamp < 0, stamp, stamp & ((1 << BONUS_SHIFT) - 1))
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -199,7 +212,7 @@ class HotPoolCacheManager:
     def __init__(self, host_pool: HostTotalPool, slots_per_layer: int, device: torch.device | str | None = None,
                  max_selected: int = 0, copy_impl: str = "auto", resolve_impl: str = "auto",
                  hot_entries: torch.Tensor | Sequence[torch.Tensor] | None = None, spare_slots: int = 0,
-                 resolve_pdl: bool | None = None, refill_interval: int = 1):
+                 resolve_pdl: bool | None = None, refill_interval: int = 1, decay: DecayRetention | None = None):
         """`max_selected` sizes scratch tensors for the largest selection (batch x q_tokens x top_k) one call sees.
 
         `resolve_impl`: "triton" (the fused kernels of ess_sglang.kernels.resolve), "torch" (plain torch ops, the
@@ -219,6 +232,8 @@ class HotPoolCacheManager:
         `resolve_pdl`: the fused resolve's kernels after its lookup use programmatic dependent launch (sm_90+, the
         Triton path only; 5-7 us a layer less at batch 64-128 / 32K together with the side-stream threshold update,
         benchmarks/RESULTS.md). None: wherever it can (the Triton resolve on a GPU of compute capability 9.0+).
+        `decay`: evict the lowest decayed selection count first (`kernels.resolve.decay_retention`) instead of the
+        least recently used; a slot's count starts when it is filled (an evicted entry's history is not kept).
         """
         if slots_per_layer <= 0:
             raise ValueError(f"slots_per_layer must be > 0, got {slots_per_layer}")
@@ -261,7 +276,8 @@ class HotPoolCacheManager:
         self._age_ids = torch.arange(AGE_BUCKETS, dtype=torch.int64, device=dev)
         self._entry_ids = torch.arange(max(max_selected, 1), dtype=torch.int64, device=dev)
         self.resolve_impl = resolve_impl
-        self._fused = FusedResolver(S, max_selected, dev, num_spare=spare_slots, pdl=resolve_pdl) \
+        self.decay = decay._replace(bonus=decay.bonus.to(dev)) if decay is not None else None
+        self._fused = FusedResolver(S, max_selected, dev, num_spare=spare_slots, pdl=resolve_pdl, decay=decay) \
             if resolve_impl == "triton" else None
         # persistent programs of a deferred fetch when the caller names none: enough to fill the GPU
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
@@ -596,7 +612,7 @@ class HotPoolCacheManager:
             got = dst >= 0
             at = torch.where(got, dst, self.slots_per_layer)
             useful = (got & (self.slot_to_loc[layer][at].long() == src)
-                      & (self.slot_stamp[layer][at] == self.clock)).sum()
+                      & (last_step(self.slot_stamp[layer][at]) == self.clock)).sum()
             cnt[ids[0]] += useful
             cnt[ids[1]] += got.sum() - useful
 
@@ -645,7 +661,7 @@ class HotPoolCacheManager:
         self._copy(entries, self.host.layer(layer), torch.where(flat >= 0, rows, -1), flat, direction="d2h")
         if no_insert:
             slot = self._lookup(layer, flat)
-            self._protect(layer, slot)  # a later resolve sees them as just used, like any new token
+            self._stamp_now(layer, slot)  # a later resolve sees them as just used, like any new token
             if reserved:
                 self.counters[layer, Counter.NOT_RESIDENT] += ((flat >= 0) & (slot < 0)).sum()
         elif self._fused is not None:
@@ -748,9 +764,31 @@ class HotPoolCacheManager:
         at = torch.where(flat >= 0, flat, self.num_locations)
         return torch.where(flat >= 0, self.loc_to_slot[layer][at].long(), -1)
 
-    def _protect(self, layer: int, slot: torch.Tensor) -> None:
+    def _stamp_now(self, layer: int, slot: torch.Tensor) -> None:
+        """Stamp slots (-1 skipped) with the clock: filled or written in this step, protected, no decay bonus."""
         self.slot_stamp[layer].scatter_(0, torch.where(slot >= 0, slot, self.slots_per_layer),
                                         self.clock.expand(slot.shape[0]))
+
+    def _protect(self, layer: int, slot: torch.Tensor) -> None:
+        """Slots (-1 skipped) selected in this step: stamped with the clock (`_stamp_now`), or with decayed retention
+        with the clock and their new bonus (`kernels.resolve._stamp_selected`); one stamped already in this step keeps
+        its stamp, so that duplicates count once."""
+        if self.decay is None:
+            return self._stamp_now(layer, slot)
+        at = torch.where(slot >= 0, slot, self.slots_per_layer)
+        b = self._age_bucket(self.slot_stamp[layer][at])
+        again = (slot >= 0) & (b > 0)
+        new = self.clock + (self.decay.bonus[b] << BONUS_SHIFT)
+        self.slot_stamp[layer].scatter_(0, torch.where(again, at, self.slots_per_layer), new)
+
+    def _age_bucket(self, stamp: torch.Tensor) -> torch.Tensor:
+        """`kernels.resolve.stamp_age`: 0 (selected this step, or spare) to AGE_BUCKETS - 1 (oldest, or free)."""
+        A = AGE_BUCKETS
+        if self.decay is None:
+            return (self.clock - stamp).clamp(0, A - 1)
+        last = last_step(stamp)
+        q = self.decay.units * (self.clock - last) - torch.where(stamp < 0, 0, stamp >> BONUS_SHIFT) + self.decay.offset
+        return torch.where(last >= self.clock, 0, q.clamp(1, A - 1))
 
     def _make_resident(self, layer: int, flat: torch.Tensor, copy: bool = True, record: FetchList | None = None,
                        protect: bool = True, spare_only: bool = False,
@@ -884,7 +922,7 @@ class HotPoolCacheManager:
         index until n_need are taken. Age 0 means "selected this step" (or spare): never taken.
         """
         A = AGE_BUCKETS
-        age = (self.clock - self.slot_stamp[layer, : self.slots_per_layer]).clamp(0, A - 1)
+        age = self._age_bucket(self.slot_stamp[layer, : self.slots_per_layer])
         hist = torch.zeros(A, dtype=torch.int64, device=self.device).scatter_add_(0, age, self._ones)
         at_or_above = hist.flip(0).cumsum(0).flip(0)
         eligible = (at_or_above >= n_need) & (self._age_ids >= 1)
@@ -931,7 +969,7 @@ class HotPoolCacheManager:
             assert not bool((is_spare & used).any()), f"layer {layer}: a spare slot holds a token"
             assert torch.equal(stamp == SPARE_STAMP, is_spare), f"layer {layer}: spare stamps != spare list"
             assert bool((stamp[~used & ~is_spare] == FREE_STAMP).all()), f"layer {layer}: a free slot has a stamp"
-            assert bool(((stamp[used] > FREE_STAMP) & (stamp[used] < SPARE_STAMP)).all()), (
+            assert bool(((stamp[used] > FREE_STAMP) & (last_step(stamp[used]) < SPARE_STAMP)).all()), (
                 f"layer {layer}: a used slot has the free or spare stamp")
             if live_locs is not None:
                 live = torch.zeros(T, dtype=torch.bool)

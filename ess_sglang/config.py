@@ -228,6 +228,12 @@ class EssConfig(BaseModel):
     """Each decoded token's latent entry is written back to the host pool; "insert": also given a protected hot slot
     by the same resolve (no launch of its own), so it is resident from the step that computes it, as LRU with the
     newest token keeps it (benchmarks/hit_rate.py); "on_demand": fetched like any miss when a selection names it."""
+    retention: Literal["lru", "decay"] = "lru"
+    """Which hot entries a miss evicts: "lru", the least recently selected; "decay", the lowest decayed selection
+    count (every selection adds 1, every step multiplies by ``decay_gamma``), which on the real traces closes about a
+    quarter of the LRU -> optimum gap at the smallest pools (benchmarks/hit_rate.py). Both are exact."""
+    decay_gamma: Annotated[StrictFloat, _FINITE, _rule(lambda v: 0 < v < 1, "in (0, 1)")] = 0.75
+    """retention "decay": the factor a selection count keeps per step (about 1 / (1 - gamma) steps of memory)."""
     resolve_pdl: StrictBool | None = None
     """The fused resolve's kernels after its lookup with programmatic dependent launch (each one's programs are
     scheduled while the one before runs), and so the ECHO prefetch's candidate kernels after the first and its

@@ -29,7 +29,7 @@ import numpy as np
 from ess_sglang.traces import ReplayStats, TopKTrace
 
 POLICIES = ("lru", "lru_newest", "lru2", "decay", "belady")
-DEFAULT_DECAY_GAMMA = 0.7
+DEFAULT_DECAY_GAMMA = 0.75  # EssConfig.decay_gamma's default
 _NEVER = np.iinfo(np.int64).max
 
 

@@ -526,19 +526,22 @@ class ReplayStats:
 
 def replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str = "auto", resolve_impl: str = "torch",
                device: str = "cpu", warmup_budget: int | None = None, on_step=None,
-               new_tokens: str | None = None) -> ReplayStats:
+               new_tokens: str | None = None, decay_gamma: float | None = None) -> ReplayStats:
     """Replay `trace` through ESS's shared per-layer LRU hot pool (`HotPoolCacheManager`) and count its work.
 
     The pool has `slots_per_layer` slots per layer shared by all requests. Per step, as in the SGLang plugin's decode:
     `begin_step`, then per layer the layer's selection is resolved with the step's new tokens (`resolve(new_tokens=)`:
     written back; with new_tokens="insert" also given a protected hot slot by the same resolve, with "on_demand"
-    fetched as a miss when selected; default: EssConfig's, what the runtime does). Hits and misses are read from the manager's counters (LOOKUPS, MISSES). No entry
-    bytes move (`copy_impl="none"`, 4-byte host entries): bytes are misses x 656.
+    fetched as a miss when selected; default: EssConfig's, what the runtime does). Hits and misses are read from the
+    manager's counters (LOOKUPS, MISSES). No entry bytes move (`copy_impl="none"`, 4-byte host entries): bytes are
+    misses x 656.
 
     warmup: "windows" (ESS's LRU warm-up: the union of the prefill's last query windows' top-k, `warmup_positions`,
     budget slots_per_layer // batch per request), "recent" (the most recent prompt tokens), "none", or "auto"
     (windows when the trace has them, else recent). `warmup_budget` overrides the per-request budget.
     `on_step(step, manager)`, when given, is called after every step (e.g. to read per-step counters).
+    `decay_gamma`: the pool's retention is decayed selection count with this factor (EssConfig.retention "decay");
+    None: LRU.
     """
     import torch
 
@@ -549,17 +552,19 @@ def replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str = "auto", res
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small ops: torch's CPU thread pool costs more than it gains (x[idx]: 8 ms vs 75 us)
     try:
-        return _replay_ess(trace, slots_per_layer, warmup, resolve_impl, device, warmup_budget, on_step, new_tokens)
+        return _replay_ess(trace, slots_per_layer, warmup, resolve_impl, device, warmup_budget, on_step, new_tokens,
+                           decay_gamma)
     finally:
         torch.set_num_threads(threads)
 
 
 def _replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str, resolve_impl: str, device: str,
-                warmup_budget: int | None, on_step, new_tokens: str) -> ReplayStats:
+                warmup_budget: int | None, on_step, new_tokens: str, decay_gamma: float | None) -> ReplayStats:
     import torch
 
     from ess_sglang.cache_manager import Counter, HotPoolCacheManager, NewTokens
     from ess_sglang.host_pool import HostTotalPool
+    from ess_sglang.kernels.resolve import decay_retention
     from ess_sglang.request_table import RequestTable
     from ess_sglang.warmup import warmup_positions
 
@@ -575,7 +580,8 @@ def _replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str, resolve_imp
     tokens = sum(prompts) + S * B
     host = HostTotalPool(L, tokens, entry_bytes=4, device=dev, pin=False)  # (one word: rows the resolve can read)
     m = HotPoolCacheManager(host, slots_per_layer, device=dev, max_selected=B * K, copy_impl="none",
-                            resolve_impl=resolve_impl)
+                            resolve_impl=resolve_impl,
+                            decay=decay_retention(decay_gamma) if decay_gamma is not None else None)
     table = RequestTable(B, max(prompts) + S + 1, device=dev)
     rows = []
     for p in prompts:
@@ -615,6 +621,6 @@ def _replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str, resolve_imp
                        misses=c[:, Counter.MISSES].astype(np.int64),
                        warmup_entries=c[:, Counter.WARMUP_ENTRIES].astype(np.int64), slots_per_layer=slots_per_layer,
                        extra=dict(warmup=warmup, warmup_budget=warmup_budget, first_step_misses=first_step,
-                                  new_tokens_mode=new_tokens,
+                                  new_tokens_mode=new_tokens, decay_gamma=decay_gamma,
                                   evictions=int(c[:, Counter.EVICTIONS].sum()),
                                   new_tokens=int(c[:, Counter.NEW_TOKENS].sum())))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from ess_sglang.kernels.resolve import _NEVER, _pdl_enter, pdl_launch
+from ess_sglang.kernels.resolve import _NEVER, _pdl_enter, last_step, pdl_launch
 from ess_sglang.kernels.translate import locate
 
 TILE = 1024  # positions per program of the count kernel (K1) and of the one-launch claim
@@ -401,7 +401,7 @@ def _settle_kernel(src_ptr, dst_ptr, count_ptr, n, s2l_ptr, stamp_ptr, clock_ptr
         got = m & (slot >= 0)
         owner = tl.load(s2l_ptr + slot, mask=got, other=-1).to(tl.int64)
         stamp = tl.load(stamp_ptr + slot, mask=got, other=0)
-        useful = got & (owner == tl.load(src_ptr + i, mask=got, other=-2)) & (stamp == tl.load(clock_ptr))
+        useful = got & (owner == tl.load(src_ptr + i, mask=got, other=-2)) & (last_step(stamp) == tl.load(clock_ptr))
         n_got, n_useful = tl.sum(got.to(tl.int64)), tl.sum(useful.to(tl.int64))
         if n_got > 0:
             tl.atomic_add(cnt_ptr + C_USEFUL, n_useful, sem="relaxed")

@@ -74,6 +74,8 @@ do not.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -98,6 +100,11 @@ SCR_SIZE = 512  # a power of two >= SCR_HIST + AGE_BUCKETS, so that K5 can clear
 MODE_POSITIONS, MODE_LOCATIONS = 0, 1
 SPARE_STAMP = 1 << 40  # the stamp of a spare slot: in the future, so its age clamps to 0 (never an LRU victim)
 _SPARE_STAMP = tl.constexpr(SPARE_STAMP)
+# Decayed retention (`decay_retention`): a selected slot's stamp also carries, from this bit up, its bonus: how many
+# 1/units steps its decayed selection count puts it ahead of its last selection. LRU stamps carry none.
+BONUS_SHIFT = 48
+_BONUS_SHIFT = tl.constexpr(BONUS_SHIFT)
+_LAST_MASK = tl.constexpr((1 << BONUS_SHIFT) - 1)
 # a compare value no map entry holds: the compare-and-swap of a lane that claims nothing fails
 _NEVER = tl.constexpr(-(1 << 31))
 
@@ -133,7 +140,8 @@ def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, wid
                    C_LOOKUPS: tl.constexpr, C_HITS: tl.constexpr, C_BAD: tl.constexpr, C_FETCH_A: tl.constexpr,
                    C_FETCH_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, COPY: tl.constexpr = False,
                    WORDS: tl.constexpr = 4, BLOCK_WORDS: tl.constexpr = 4, COPY_ROWS: tl.constexpr = 16,
-                   ins_ptr=None, n_sel=0, INSERT: tl.constexpr = False, C_NEW: tl.constexpr = -1):
+                   ins_ptr=None, n_sel=0, INSERT: tl.constexpr = False, C_NEW: tl.constexpr = -1,
+                   bonus_ptr=None, A: tl.constexpr = 256, UNITS: tl.constexpr = 1, OFFSET: tl.constexpr = 0):
     _pdl_enter(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
@@ -165,7 +173,7 @@ def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, wid
     hit = ok & (cur >= 0) & (cur < num_slots)
     clock = tl.load(clock_ptr)
     if PROTECT:  # a prefetch (PROTECT false) leaves the recency of what it finds resident alone
-        tl.store(stamp_ptr + cur, tl.zeros_like(cur).to(tl.int64) + clock, mask=hit)
+        _stamp_selected(stamp_ptr, cur, hit, clock, bonus_ptr, A, UNITS, OFFSET)
     miss = ok & ~hit
     if INSERT:  # (its loc, for K5's read of the token's slot)
         ok = ok | newest
@@ -229,37 +237,72 @@ def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, wid
 
 
 @triton.jit
-def _age(stamp_ptr, s, ms, clock, A: tl.constexpr):
-    stamp = tl.load(stamp_ptr + s, mask=ms, other=0)
-    return tl.minimum(tl.maximum(clock - stamp, 0), A - 1).to(tl.int32)
+def last_step(stamp):
+    """The step in which a slot was last selected or filled: its stamp less the decay bonus (a free slot's stamp is
+    negative and carries none)."""
+    return tl.where(stamp < 0, stamp, stamp & _LAST_MASK)
 
 
 @triton.jit
-def _age_histogram(stamp_ptr, clock_ptr, scr_ptr, num_slots, per, pid, A: tl.constexpr, SBLOCK: tl.constexpr):
+def stamp_age(stamp, clock, A: tl.constexpr, UNITS: tl.constexpr, OFFSET: tl.constexpr):
+    """The eviction age bucket of a stamp, 0 (selected this step, or spare: never taken) to A - 1 (the oldest, free
+    slots among them). LRU (UNITS 1, OFFSET 0): clock - stamp, clamped. Decayed retention: UNITS x (clock - the last
+    step) - the bonus + OFFSET, clamped to [1, A - 1], so that older and less often selected slots go first."""
+    if UNITS == 1 and OFFSET == 0:
+        return tl.minimum(tl.maximum(clock - stamp, 0), A - 1).to(tl.int32)
+    last = last_step(stamp)
+    q = UNITS * (clock - last) - tl.where(stamp < 0, 0, stamp >> _BONUS_SHIFT) + OFFSET
+    return tl.where(last >= clock, 0, tl.minimum(tl.maximum(q, 1), A - 1)).to(tl.int32)
+
+
+@triton.jit
+def _age(stamp_ptr, s, ms, clock, A: tl.constexpr, UNITS: tl.constexpr, OFFSET: tl.constexpr):
+    return stamp_age(tl.load(stamp_ptr + s, mask=ms, other=0), clock, A, UNITS, OFFSET)
+
+
+@triton.jit
+def _stamp_selected(stamp_ptr, slot, m, clock, bonus_ptr, A: tl.constexpr, UNITS: tl.constexpr,
+                    OFFSET: tl.constexpr):
+    """Slots `slot` (mask m) were selected in this step: stamp them with the clock (LRU), or (decayed retention) with
+    the clock and the bonus of their new decayed count, from the table `bonus_ptr` by their age bucket. A slot already
+    stamped this step keeps its stamp, so that several entries naming one slot count it once, in any order."""
+    if UNITS == 1 and OFFSET == 0:
+        tl.store(stamp_ptr + slot, tl.zeros_like(slot).to(tl.int64) + clock, mask=m)
+    else:
+        b = stamp_age(tl.load(stamp_ptr + slot, mask=m, other=0), clock, A, UNITS, OFFSET)
+        again = m & (b > 0)
+        bonus = tl.load(bonus_ptr + b, mask=again, other=0)
+        tl.store(stamp_ptr + slot, clock + (bonus << _BONUS_SHIFT), mask=again)
+
+
+@triton.jit
+def _age_histogram(stamp_ptr, clock_ptr, scr_ptr, num_slots, per, pid, A: tl.constexpr, SBLOCK: tl.constexpr,
+                   UNITS: tl.constexpr, OFFSET: tl.constexpr):
     """K2's work in program `pid`: the ages of `per` consecutive blocks of SBLOCK slots, added to the histogram."""
     clock = tl.load(clock_ptr)
     hist = tl.zeros((A,), tl.int32)
     for k in range(0, per):
         s = (pid * per + k) * SBLOCK + tl.arange(0, SBLOCK)
         ms = s < num_slots
-        hist += tl.histogram(_age(stamp_ptr, s, ms, clock, A), A, mask=ms)
+        hist += tl.histogram(_age(stamp_ptr, s, ms, clock, A, UNITS, OFFSET), A, mask=ms)
     # only the ages this program holds: every program adding all 256 bins queues thousands of atomics per bin
     tl.atomic_add(scr_ptr + SCR_HIST + tl.arange(0, A), hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
 def _ages_kernel(stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, num_slots, per, phase, interval,
-                 REFILL: tl.constexpr, A: tl.constexpr, SBLOCK: tl.constexpr, PDL: tl.constexpr):
+                 REFILL: tl.constexpr, A: tl.constexpr, SBLOCK: tl.constexpr, PDL: tl.constexpr,
+                 UNITS: tl.constexpr = 1, OFFSET: tl.constexpr = 0):
     # each program scans `per` consecutive blocks of SBLOCK slots (one, or a few over a short grid)
     _pdl_enter(PDL)
     need = _victims_needed(scr_ptr, taken_ptr, num_spare, clock_ptr, phase, interval, REFILL)
     if need > 0:  # else every program returns at once
-        _age_histogram(stamp_ptr, clock_ptr, scr_ptr, num_slots, per, tl.program_id(0), A, SBLOCK)
+        _age_histogram(stamp_ptr, clock_ptr, scr_ptr, num_slots, per, tl.program_id(0), A, SBLOCK, UNITS, OFFSET)
 
 
 @triton.jit
 def _list_victims(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, need, num_slots, per, pid, A: tl.constexpr,
-                  BLOCK: tl.constexpr, CM: tl.constexpr):
+                  BLOCK: tl.constexpr, CM: tl.constexpr, UNITS: tl.constexpr, OFFSET: tl.constexpr):
     """K3's work in program `pid`: from the histogram, the age threshold T; the victims among `per` consecutive blocks
     of BLOCK slots, in order (so that under the interpreter the list comes out in slot order whatever the grid).
     CM: the cache modifier of the histogram's load (".cg" where this launch wrote it: past L1)."""
@@ -273,7 +316,7 @@ def _list_victims(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, need, num_slots, p
     for k in range(0, per):
         s = (pid * per + k) * BLOCK + tl.arange(0, BLOCK)
         ms = s < num_slots
-        age = _age(stamp_ptr, s, ms, clock, A)
+        age = _age(stamp_ptr, s, ms, clock, A, UNITS, OFFSET)
         # most blocks hold no victim: they skip the list counters, on which every block would otherwise queue
         above = ms & (age > T)
         above32 = above.to(tl.int32)
@@ -291,13 +334,14 @@ def _list_victims(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, need, num_slots, p
 
 @triton.jit
 def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, taken_ptr, num_spare, num_slots, per, phase,
-                    interval, REFILL: tl.constexpr, A: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                    interval, REFILL: tl.constexpr, A: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                    UNITS: tl.constexpr = 1, OFFSET: tl.constexpr = 0):
     # each program scans `per` consecutive blocks of BLOCK slots
     _pdl_enter(PDL)
     need = _victims_needed(scr_ptr, taken_ptr, num_spare, clock_ptr, phase, interval, REFILL)
     if need > 0:  # none needed: no victims, and no stamp is read
         _list_victims(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, need, num_slots, per, tl.program_id(0), A, BLOCK,
-                      "")
+                      "", UNITS, OFFSET)
 
 
 @triton.jit
@@ -427,16 +471,17 @@ def _tail_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, over_loc_ptr, over_
                  WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr, C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr,
                  C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr,
                  C_NEW: tl.constexpr, STAMP_BACK: tl.constexpr, ROWS: tl.constexpr,
-                 CLEAR: tl.constexpr, PDL: tl.constexpr):
+                 CLEAR: tl.constexpr, PDL: tl.constexpr, UNITS: tl.constexpr = 1, OFFSET: tl.constexpr = 0):
     # K2 + K3 + K4 in one launch (a resolve with spare slots: `FusedResolver.tail_programs`), the phases separated by
     # grid-wide waits only where victims are needed, which every program reads alike from what K1 left
     _pdl_enter(PDL)
     pid, programs = tl.program_id(0), tl.num_programs(0)
     need = _victims_needed(scr_ptr, taken_ptr, num_spare, clock_ptr, 0, 1, False)
     if need > 0:
-        _age_histogram(stamp_ptr, clock_ptr, scr_ptr, num_slots, age_per, pid, A, SBLOCK)
+        _age_histogram(stamp_ptr, clock_ptr, scr_ptr, num_slots, age_per, pid, A, SBLOCK, UNITS, OFFSET)
         _grid_sync(scr_ptr + SCR_BAR_AGES, programs)
-        _list_victims(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, need, num_slots, victim_per, pid, A, VBLOCK, ".cg")
+        _list_victims(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, need, num_slots, victim_per, pid, A, VBLOCK, ".cg",
+                      UNITS, OFFSET)
         _grid_sync(scr_ptr + SCR_BAR_VICTIMS, programs)
     if pid < assign_programs:
         _assign_walk(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr, l2s_ptr, s2l_ptr,
@@ -602,18 +647,54 @@ def _one_program(device: torch.device) -> bool:
     return interpreting() or device.type != "cuda"
 
 
+class DecayRetention(NamedTuple):
+    """Decayed-selection-count retention as the resolve keeps it (`decay_retention`)."""
+
+    gamma: float
+    units: int  # age buckets per step
+    offset: int  # added to every unprotected age, so that the largest bonus still leaves bucket 1
+    bonus: torch.Tensor  # int64 [AGE_BUCKETS]: the bonus a slot of age bucket b gets when selected again (b > 0)
+
+
+def decay_retention(gamma: float, units: int = 4, device: torch.device | str = "cpu") -> DecayRetention:
+    """Retention by decayed selection count: every selection adds 1 to a slot's count, every step multiplies it by
+    `gamma`, and the lowest count is evicted first (ties: the oldest). The order of two counts never changes between
+    selections, so it is kept as a key per slot, key = log_{1/gamma}(sum over selections of gamma^-t): its last step
+    plus a bonus (`BONUS_SHIFT`), in 1/units steps, that a new selection at step c sets to
+    log_{1/gamma}(1 + gamma^(c - old key)). The eviction age is units x (clock - key) + offset, bucketed as LRU's
+    (`stamp_age`); the new bonus is a function of the age bucket alone, tabled here in float64 once, so that the
+    kernels and the torch definition compute the same integers. LRU is the special case with no bonus."""
+    import math
+
+    if not 0.0 < gamma < 1.0:
+        raise ValueError(f"decay gamma must be in (0, 1), got {gamma!r}")
+    if not isinstance(units, int) or not 1 <= units <= 16:
+        raise ValueError(f"decay units must be an int in [1, 16], got {units!r}")
+    top = math.ceil(units * math.log(1.0 / (1.0 - gamma)) / math.log(1.0 / gamma))  # the bonus's supremum
+    offset = top - units + 1
+    table = [0] * AGE_BUCKETS
+    for b in range(1, AGE_BUCKETS):
+        x = (b - offset) / units  # clock - old key, in steps
+        table[b] = min(top, round(units * math.log1p(gamma ** x) / math.log(1.0 / gamma)))
+    return DecayRetention(gamma, units, offset, torch.tensor(table, dtype=torch.int64, device=device))
+
+
 class FusedResolver:
     """Scratch buffers and launches of the fused path for selections of up to `max_entries` entries and up to
     `num_spare` spare slots."""
 
     def __init__(self, num_slots: int, max_entries: int, device: torch.device,
-                 assign_programs: tuple[int, int] | None = None, num_spare: int = 0, pdl: bool = False):
+                 assign_programs: tuple[int, int] | None = None, num_spare: int = 0, pdl: bool = False,
+                 decay: DecayRetention | None = None):
         """`pdl`: the resolve's kernels after the lookup are launched with programmatic dependent launch (sm_90+,
-        CUDA only): each one's programs are scheduled while the one before runs and wait for it on the device."""
+        CUDA only): each one's programs are scheduled while the one before runs and wait for it on the device.
+        `decay`: evict by decayed selection count (`decay_retention`) instead of least recently used."""
         if pdl and not pdl_supported(device):
             raise ValueError(f"pdl: programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or "
                              f"newer, got {device}")
         self.pdl = pdl
+        self.bonus = decay.bonus.to(device) if decay is not None else None
+        self.ages = dict(UNITS=decay.units, OFFSET=decay.offset) if decay is not None else {}
         self.num_slots = num_slots
         self.num_spare = num_spare
         # persistent programs of the assign kernel (without, with the inline copy): 4 and 1 per SM, the best measured
@@ -692,11 +773,11 @@ class FusedResolver:
         per, programs = per_program(self.age_block, self.refill_age_programs if refill else resolve_grid)
         _ages_kernel[(programs,)](stamp, clock, self.scratch, spare_taken, self.num_spare, S, per, phase, interval,
                                   REFILL=refill, A=AGE_BUCKETS, SBLOCK=self.age_block, num_warps=self.age_warps,
-                                  **self._pdl(not refill))
+                                  **self._pdl(not refill), **self.ages)
         per, programs = per_program(self.victim_block, self.refill_victim_programs if refill else resolve_grid)
         _victims_kernel[(programs,)](stamp, clock, self.scratch, self.victims, spare_taken, self.num_spare, S, per,
                                      phase, interval, REFILL=refill, A=AGE_BUCKETS, BLOCK=self.victim_block,
-                                     num_warps=self.victim_warps, **self._pdl(not refill))
+                                     num_warps=self.victim_warps, **self._pdl(not refill), **self.ages)
 
     def run(self, *, src: torch.Tensor, mode: int, l2s: torch.Tensor, s2l: torch.Tensor, stamp: torch.Tensor,
             clock: torch.Tensor, counters: torch.Tensor, count: bool, fetch_counters: tuple[int, int],
@@ -785,6 +866,7 @@ class FusedResolver:
             C_BAD=counter_ids["BAD_INDICES"], C_FETCH_A=fa, C_FETCH_B=fb, BLOCK=self.lookup_block,
             COPY=copy, WORDS=words, BLOCK_WORDS=triton.next_power_of_2(words), COPY_ROWS=LOOKUP_COPY_ROWS,
             ins_ptr=insert_locs, n_sel=n_sel, INSERT=insert_locs is not None, C_NEW=counter_ids["NEW_TOKENS"],
+            bonus_ptr=self.bonus, A=AGE_BUCKETS, **self.ages,
             # (a resolve's K1 follows the top-k and the stream joins: launched plainly; compiled with PDL, it lets K2
             # launch early)
             **(self._pdl(chained) if spare_only else dict(PDL=self.pdl)))
@@ -811,7 +893,7 @@ class FusedResolver:
                 self.took_slot, l2s, s2l, out, counters, src_w, dst_w, pend_src, pend_dst, pend_count, spare_taken,
                 self.num_spare, S, n, n_sel, self.lookup_copy_cap, triton.cdiv(triton.cdiv(S, self.age_block), grid),
                 triton.cdiv(triton.cdiv(S, self.victim_block), grid), min(assign, grid), A=AGE_BUCKETS,
-                SBLOCK=self.age_block, VBLOCK=self.victim_block, **walk)
+                SBLOCK=self.age_block, VBLOCK=self.victim_block, **walk, **self.ages)
         else:
             self._scans(stamp, clock, spare_taken, refill=False)
             _assign_kernel[(assign,)](

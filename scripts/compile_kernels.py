@@ -40,6 +40,9 @@ def check(fn, sig, consts):
 
 
 I64, I32, P64, P32, PF, PU8 = "i64", "i32", "*i64", "*i32", "*fp32", "*u8"
+_DECAY = kr.decay_retention(0.75)
+LRU_AGES, DECAY_AGES = dict(UNITS=1, OFFSET=0), dict(UNITS=_DECAY.units, OFFSET=_DECAY.offset)
+LRU, DECAY = dict(A=256, **LRU_AGES), dict(A=256, **DECAY_AGES)
 check(ktr._translate_kernel, dict(pos_ptr=P32, seq_ptr=P64, rpi_ptr=P64, r2t_ptr=P32, r2t_stride=I64, num_rows=I64,
                                   width=I64, n=I64, per_batch=I64, num_locations=I64, out_ptr=P32, l2s_ptr=P32,
                                   num_slots=I64, cnt_ptr=P64),
@@ -67,8 +70,23 @@ for mode in (0, 1):
                       dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, LIST=listed, SPARE_ONLY=spare_only,
                            C_LOOKUPS=0, C_HITS=1, C_BAD=5, C_FETCH_A=2, C_FETCH_B=3, BLOCK=256, PDL=pdl, COPY=copy,
                            WORDS=164 if copy else 4, BLOCK_WORDS=256 if copy else 4, COPY_ROWS=16, INSERT=insert,
-                           C_NEW=9, **({} if insert else dict(ins_ptr=None))))
-for copy, pend in ((True, False), (False, True), (True, True), (False, False)):
+                           C_NEW=9, **({} if insert else dict(ins_ptr=None)), **LRU, bonus_ptr=None))
+                if protect and not spare_only:  # (the hits' stamps with decayed retention)
+                    check(kr._lookup_kernel, dict(src_ptr=P32 if mode == 0 else P64, seq_ptr=P64, rpi_ptr=P64,
+                                                  r2t_ptr=P32, r2t_stride=I64, r2t_rows=I64, width=I64, n=I64,
+                                                  per_batch=I64, l2s_ptr=P32, s2l_ptr=P32, stamp_ptr=P64,
+                                                  clock_ptr=P64, out_ptr=P32, loc_ptr=P64, cnt_ptr=P64, scr_ptr=P32,
+                                                  over_loc_ptr=P64, over_idx_ptr=P32, spare_ptr=P32, taken_ptr=P64,
+                                                  num_spare=I64, took_loc_ptr=P64, took_slot_ptr=P64,
+                                                  num_locations=I64, num_slots=I64, host_ptr=P32, hot_ptr=P32,
+                                                  copy_cap=I64, n_sel=I64, bonus_ptr=P64,
+                                                  **(dict(ins_ptr=P64) if insert else {})),
+                          dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, LIST=listed, SPARE_ONLY=spare_only,
+                               C_LOOKUPS=0, C_HITS=1, C_BAD=5, C_FETCH_A=2, C_FETCH_B=3, BLOCK=256, PDL=pdl,
+                               COPY=copy, WORDS=164 if copy else 4, BLOCK_WORDS=256 if copy else 4, COPY_ROWS=16,
+                               INSERT=insert, C_NEW=9, **({} if insert else dict(ins_ptr=None)), **DECAY))
+for (copy, pend), ages in zip(((True, False), (False, True), (True, True), (False, False)),
+                               (LRU_AGES, DECAY_AGES, LRU_AGES, DECAY_AGES), strict=True):
     check(kr._assign_kernel, dict(scr_ptr=P32, victims_ptr=P32, over_loc_ptr=P64, over_idx_ptr=P32, took_loc_ptr=P64,
                                   took_slot_ptr=P64, l2s_ptr=P32, s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64,
                                   out_ptr=P32, cnt_ptr=P64, src_ptr=P32, dst_ptr=P32, pend_src_ptr=P64,
@@ -83,7 +101,7 @@ for copy, pend in ((True, False), (False, True), (True, True), (False, False)):
                                 pend_count_ptr=P64, taken_ptr=P64, num_spare=I64, num_slots=I64, n=I64, n_sel=I64,
                                 copy_cap=I64, age_per=I32, victim_per=I32, assign_programs=I32),
           dict(A=256, SBLOCK=1024, VBLOCK=512, COPY=copy, PEND=pend, WORDS=164, BLOCK_WORDS=256, C_FETCH_A=2,
-               C_FETCH_B=3, C_EVICT=8, C_OVERFLOW=6, C_NEW=9, STAMP_BACK=0 if copy else 1, ROWS=4, CLEAR=1024,
+               C_FETCH_B=3, C_EVICT=8, C_OVERFLOW=6, C_NEW=9, STAMP_BACK=0 if copy else 1, ROWS=4, CLEAR=1024, **ages,
                PDL=copy or pend))
 for rows in (8, 16, 32):  # (decode_stack's overlap_copy_rows: 8 by default, more rows on fewer programs)
     check(kf._copy_rows_counted_kernel, dict(src_ptr=P32, dst_ptr=P32, src_rows_ptr=P64, dst_rows_ptr=P64,
@@ -134,12 +152,13 @@ NO_NEW_TOKEN_INTS = dict(entry_stride=I32, entry_rows=I32, n_new=I32, new_progra
 NO_NEW_TOKENS = dict(new_loc_ptr=None, new_rows_ptr=None, entries_ptr=None, host_ptr=None, hot_ptr=None, cnt_ptr=None,
                      NEW=False, WORDS=4, HOST_STRIDE=4, HOT_STRIDE=4, BLOCK_WORDS=4, C_D2H=-1, NEW_ROWS=4)
 for refill in (False, True):
-    check(kr._ages_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, taken_ptr=P64, num_spare=I64,
-                                num_slots=I64, per=I32, phase=I32, interval=I32),
-          dict(REFILL=refill, A=256, SBLOCK=1024, PDL=not refill))
-    check(kr._victims_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, victims_ptr=P32, taken_ptr=P64,
-                                   num_spare=I64, num_slots=I64, per=I32, phase=I32, interval=I32),
-          dict(REFILL=refill, A=256, BLOCK=512, PDL=not refill))
+    for ages in (LRU_AGES, DECAY_AGES):
+        check(kr._ages_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, taken_ptr=P64, num_spare=I64,
+                                    num_slots=I64, per=I32, phase=I32, interval=I32),
+              dict(REFILL=refill, A=256, SBLOCK=1024, PDL=not refill, **ages))
+        check(kr._victims_kernel, dict(stamp_ptr=P64, clock_ptr=P64, scr_ptr=P32, victims_ptr=P32, taken_ptr=P64,
+                                       num_spare=I64, num_slots=I64, per=I32, phase=I32, interval=I32),
+              dict(REFILL=refill, A=256, BLOCK=512, PDL=not refill, **ages))
     for spare_only, pend, close in ((False, False, True), (False, True, True), (True, True, False), (True, True, True)):
         if refill and (spare_only or pend):
             continue

@@ -17,12 +17,12 @@ def impl(request):
 
 
 def make(layers=2, tokens=2048, slots=256, lengths=(300, 500), seed=0, copy_impl="auto", impl="torch", spare=0,
-         refill_interval=1):
+         refill_interval=1, decay=None):
     host = HostTotalPool(layers, tokens, device="cpu")
     host.entries.copy_(torch.randint(0, 256, host.entries.shape, dtype=torch.uint8,
                                      generator=torch.Generator().manual_seed(seed)))
     m = HotPoolCacheManager(host, slots, device="cpu", max_selected=1024, copy_impl=copy_impl, resolve_impl=impl,
-                            spare_slots=spare, refill_interval=refill_interval)
+                            spare_slots=spare, refill_interval=refill_interval, decay=decay)
     table = RequestTable(8, 1024)
     rows = []
     for n in lengths:
@@ -90,6 +90,24 @@ def test_eviction_takes_the_least_recently_used(impl):
     assert (m.loc_to_slot[0, a_locs] >= 0).all()
     assert (m.loc_to_slot[0, b_locs] == -1).all()
     assert m.counters[0, Counter.EVICTIONS] == 32
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("gamma", [None, 0.75])
+def test_decayed_retention_keeps_the_often_selected_entry(impl, gamma):
+    """Position 0 is selected in steps 1-3, positions 1-7 in steps 1 and 4; a miss in step 5 needs one of the 8
+    slots. LRU evicts position 0 (least recently selected); decayed selection count (gamma 0.75) keeps it: its
+    count, 2.31 x 0.75^2 = 1.30, beats the others' 1.42 x 0.75 = 1.07."""
+    from ess_sglang.kernels.resolve import decay_retention
+
+    m, _, table, rpi, sl = make(layers=1, slots=8, lengths=(300,), impl=impl,
+                                decay=decay_retention(gamma) if gamma is not None else None)
+    for sel in ([0, 1, 2, 3, 4, 5, 6, 7], [0], [0], [1, 2, 3, 4, 5, 6, 7], [8]):
+        m.begin_step()
+        m.resolve(0, torch.tensor(sel).view(1, 1, -1).int(), table.req_to_token, rpi, sl)
+    loc0 = int(table.req_to_token[int(rpi[0]), 0])
+    assert (int(m.loc_to_slot[0, loc0]) >= 0) == (gamma is not None)
+    assert int(m.counters[0, Counter.EVICTIONS]) == 1
     m.check_invariants()
 
 
@@ -218,9 +236,12 @@ def test_shapes_are_checked(impl):
         m.resolve(0, torch.zeros(2, 1, 8, dtype=torch.int32), table.req_to_token, rpi, sl[:1])
 
 
-@pytest.mark.parametrize("small_blocks,spare,interval", [(False, 0, 1), (True, 0, 1), (False, 24, 1), (True, 24, 1),
-                                                         (True, 120, 1), (True, 120, 3), (False, 120, 4)])
-def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, spare, interval):
+@pytest.mark.parametrize("small_blocks,spare,interval,gamma", [
+    (False, 0, 1, None), (True, 0, 1, None), (False, 24, 1, None), (True, 24, 1, None), (True, 120, 1, None),
+    (True, 120, 3, None), (False, 120, 4, None),
+    # decayed retention: the stamps carry bonuses, the scans bucket by decayed count
+    (False, 0, 1, 0.75), (True, 24, 1, 0.75), (False, 120, 3, 0.6)])
+def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, spare, interval, gamma):
     """A random mix of every operation on both paths: every map, stamp, counter and hot entry equal, every step.
 
     (Triton's interpreter runs programs in order, so even the order of the miss and victim lists matches.)
@@ -233,9 +254,12 @@ def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, 
     when due (`interval`: a refill interval, so that some refills are not due although spare slots were taken, and
     others are due for want of spare slots).
     """
+    from ess_sglang.kernels.resolve import BONUS_SHIFT, decay_retention
+
     g = torch.Generator().manual_seed(7)
-    pair = [make(slots=320, lengths=(300, 500, 250), seed=5, impl=impl, spare=spare, refill_interval=interval)
-            for impl in ("torch", "triton")]
+    decay = decay_retention(gamma) if gamma is not None else None
+    pair = [make(slots=320, lengths=(300, 500, 250), seed=5, impl=impl, spare=spare, refill_interval=interval,
+                 decay=decay) for impl in ("torch", "triton")]
     if small_blocks:
         f = pair[1][0]._fused
         f.age_block, f.victim_block, f.lookup_block = 64, 32, 16
@@ -282,6 +306,8 @@ def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, 
         pair[0][0].check_invariants()
         pair[1][0].check_invariants()
     assert (not_due > 0) == (interval > 1 and spare > 0), not_due
+    bonus = (pair[0][0].slot_stamp[:, :-1] >> BONUS_SHIFT).clamp(min=0)
+    assert bool((bonus > 0).any()) == (gamma is not None)  # (entries selected again carry a bonus)
 
 
 def test_padding_entries_are_ignored(impl):

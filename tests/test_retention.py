@@ -65,5 +65,5 @@ def test_hit_rate_benchmark_writes_every_policy_per_pool_size(tmp_path):
     assert fam["name"] == "cycle" and len(fam["rows"]) == 2
     for row in fam["rows"]:
         rates = row["hit_rate"]
-        assert set(rates) == {"ess", "ess_on_demand", "hisparse", *POLICIES}
+        assert set(rates) == {"ess", "ess_on_demand", "ess_decay", "hisparse", *POLICIES}
         assert rates["belady"] >= max(v for v in rates.values() if v is not None) - 1e-12

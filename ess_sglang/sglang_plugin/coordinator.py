@@ -129,13 +129,17 @@ class LayerViews:
 
 def build_cache_manager(host: HostPoolView, slots: int, hot_views: LayerViews, device: torch.device,
                         max_selected: int, copy_impl: str = "auto", resolve_impl: str = "auto",
-                        spare_slots: int = 0, resolve_pdl: bool | None = None, refill_interval: int = 1):
-    """A HotPoolCacheManager whose hot pools are `hot_views` (regions of SGLang's device pool)."""
+                        spare_slots: int = 0, resolve_pdl: bool | None = None, refill_interval: int = 1,
+                        decay_gamma: float | None = None):
+    """A HotPoolCacheManager whose hot pools are `hot_views` (regions of SGLang's device pool); `decay_gamma`:
+    decayed retention with that factor (None: LRU)."""
     from ess_sglang.cache_manager import HotPoolCacheManager
+    from ess_sglang.kernels.resolve import decay_retention
 
     return HotPoolCacheManager(host, slots, device=device, max_selected=max_selected, copy_impl=copy_impl,
                                resolve_impl=resolve_impl, hot_entries=hot_views, spare_slots=spare_slots,
-                               resolve_pdl=resolve_pdl, refill_interval=refill_interval)
+                               resolve_pdl=resolve_pdl, refill_interval=refill_interval,
+                               decay=decay_retention(decay_gamma) if decay_gamma is not None else None)
 
 
 def _contiguous(indices: torch.Tensor) -> int | None:
@@ -216,7 +220,8 @@ class EssCoordinator:
         self.manager = build_cache_manager(self.host, hot_slots_per_layer, views, dev, max_selected=rows * top_k,
                                            copy_impl=copy_impl, resolve_impl=resolve_impl,
                                            spare_slots=self.overlap_plan.spare_slots, resolve_pdl=self.resolve_pdl,
-                                           refill_interval=self.overlap_plan.refill_interval)
+                                           refill_interval=self.overlap_plan.refill_interval,
+                                           decay_gamma=config.decay_gamma if config.retention == "decay" else None)
         self.max_selected = rows * top_k
         self.overlap = echo.DecodeOverlap(self.manager, self.overlap_plan, rows, width, rows, config)
 

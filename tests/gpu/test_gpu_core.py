@@ -46,13 +46,16 @@ def test_flashtrans_full_size_both_directions():
 
 
 def _setup(layers=3, lengths=(3000, 5000, 4000, 2000), slots=4096, top_k=512, impl="triton", spare=0,
-           refill_interval=1):
+           refill_interval=1, decay_gamma=None):
     dev = torch.device("cuda")
     T = sum(lengths) + 64 * len(lengths)
     host = HostTotalPool(layers, T, device=dev)
     host.entries.copy_(torch.randint(0, 256, host.entries.shape, dtype=torch.uint8))
+    from ess_sglang.kernels.resolve import decay_retention
+
     m = HotPoolCacheManager(host, slots, device=dev, max_selected=len(lengths) * top_k, resolve_impl=impl,
-                            spare_slots=spare, refill_interval=refill_interval)
+                            spare_slots=spare, refill_interval=refill_interval,
+                            decay=decay_retention(decay_gamma) if decay_gamma is not None else None)
     table = RequestTable(len(lengths), max(lengths) + 64, device=dev)
     rows = []
     for n in lengths:
@@ -97,8 +100,9 @@ def _check_tables(m, host, table, rpi, seq, topk, tables):
         assert torch.equal(m.slot_to_loc[layer][slots[ok].long()].long(), locs[ok])
 
 
-@pytest.mark.parametrize("spare,interval", [(0, 1), (6000, 1), (12000, 4)])
-def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact(spare, interval):
+@pytest.mark.parametrize("spare,interval,gamma", [(0, 1, None), (6000, 1, None), (12000, 4, None), (0, 1, 0.75),
+                                                  (6000, 1, 0.75)])
+def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact(spare, interval, gamma):
     """The fused resolve at a size where many programs of every launch run at once (94 victim-scan blocks, 128-175
     programs in the lookup, age and finish launches, 132 persistent assign programs copying concurrently); two query
     tokens and two requests on one prefix make entries that name a location another entry claimed and must read the
@@ -107,11 +111,12 @@ def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact(s
     `spare`: spare slots per layer, refilled after each layer's resolve; fewer than most steps' misses, so the lookup
     kernel's spare path and the LRU scan both run in one resolve. `interval`: the refill runs only when due (every 4th
     step of a layer, or when fewer than a quarter of its spare slots are left): otherwise the spare slots taken stay
-    as they are."""
+    as they are. `gamma`: decayed retention (hits restamped with their bonus by many programs at once, duplicates
+    among them)."""
     dev = torch.device("cuda")
     lengths, top_k, layers = (16000,) * 8, 2048, 2
     m, host, table, rpi, seq = _setup(layers, lengths=lengths, slots=48_000, top_k=2 * top_k, spare=spare,
-                                      refill_interval=interval)
+                                      refill_interval=interval, decay_gamma=gamma)
     table.set(int(rpi[1]), 0, table.req_to_token[int(rpi[0]), :8000].clone())  # request 1 shares 0's prefix
     B = len(lengths)
     g = torch.Generator(device=dev).manual_seed(5)
