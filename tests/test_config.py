@@ -83,6 +83,9 @@ def test_negative_size_names_the_field():
     ("memory_pool_size_gb", "lots", "valid number (got 'lots')"),
     ("enabled", "maybe", "valid boolean"),
     ("overlap_profile", " ", "non-empty path"),
+    ("retention", "mru", "'lru' or 'decay' (got 'mru')"),
+    ("decay_gamma", 1.0, "must be in (0, 1) (got 1)"),
+    ("new_tokens", "later", "'on_demand' or 'insert' (got 'later')"),
 ])
 def test_bad_values_name_the_field(key, value, expected):
     message = error_of({key: value})

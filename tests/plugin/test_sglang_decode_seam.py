@@ -128,7 +128,7 @@ def _entries(g, n):
 
 
 def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str = "torch",
-         replace_at: int | None = None, level: str = "none", refill_interval: int = 1):
+         replace_at: int | None = None, level: str = "none", refill_interval: int = 1, retention: str = "lru"):
     """`replace_at` (PD mode): at that step request 1 finishes (ESS releases it, SGLang frees its locations) and a
     new request takes its row and batch entry, its prompt written into the host slots the finished one freed."""
     from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
@@ -156,7 +156,7 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
     req_pool = ReqToTokenPool(size=B, max_context_len=max_ctx, device="cpu", enable_memory_saver=False)
     config = EssConfig(top_k=TOPK, warmup_windows=WINDOWS, new_tokens=new_tokens, prefetch_overlap_level=level,
                        prefetch_min_batch=B,  # (4 requests here; the default 16 would leave them synchronous)
-                       spare_refill_interval=refill_interval)
+                       spare_refill_interval=refill_interval, retention=retention)
     coord = EssCoordinator(req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, config=config,
                            hot_slots_per_layer=HOT, host_tokens=allocator.size_full, device="cpu", top_k=TOPK,
                            max_running_requests=B, pin_memory=False, copy_impl="torch", resolve_impl=resolve_impl)
@@ -287,7 +287,8 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
     stats = {"misses": int(counts[2]), "evictions": int(counts[8]), "lookups": int(counts[0]),
              "new": int(counts[9]), "written_back": int(counts[4]), "bad": int(counts[5]),
              "overflow": int(counts[6]), "prefetched": int(counts[10]), "useful": int(counts[11]),
-             "wasted": int(counts[12]), "spare_slots": m.num_spare, "refill_interval": m.refill_interval}
+             "wasted": int(counts[12]), "spare_slots": m.num_spare, "refill_interval": m.refill_interval,
+             "bonus_slots": int((m.slot_stamp[:, :-1] >> 48 > 0).sum())}  # (decayed retention's bonus bits)
 
     # finishing releases everything: hot slots, host slots, admission, the new-token mapping
     host_free_before = coord.mem_pool_host.available_size()
@@ -365,6 +366,14 @@ def test_decode_seam_bit_identical(mode, steps, new_tokens, resolve_impl, replac
     else:  # prefetched entries were selected, every one counted useful or wasted, from spare slots only
         assert stats["spare_slots"] > 0 and stats["useful"] > 0
         assert stats["useful"] + stats["wasted"] == stats["prefetched"]
+
+
+@pytest.mark.parametrize("resolve_impl", ["torch", "triton"])
+def test_decode_seam_bit_identical_with_decayed_retention(resolve_impl, parallel1):
+    """retention: decay through the seam (the token inserted, ECHO prefetch): every output stays bit-identical, and
+    the manager evicts by decayed count (the stamps of slots selected again carry a bonus)."""
+    identical, stats = _run("colocated", 8, "insert", resolve_impl, level="full", retention="decay")
+    assert identical == 8 and stats["evictions"] > 0 and stats["bonus_slots"] > 0
 
 
 def test_decode_seam_bit_identical_with_a_refill_interval(parallel1):
