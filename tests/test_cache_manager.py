@@ -38,6 +38,16 @@ def check_slots(m, host, layer, slots, locs):
     assert torch.equal(m.hot_entries[layer][slots[ok].long()], host.entries[layer][locs[ok]])
 
 
+def assert_same_state(a, b, where: str) -> None:
+    """Two managers hold the same hot entries, maps, stamps, counters and spare counts (the maps' sink elements, the
+    last of each, are write-only scratch: not compared)."""
+    for name in ("hot_entries", "loc_to_slot", "slot_to_loc", "slot_stamp", "counters", "spare_taken"):
+        x, y = getattr(a, name), getattr(b, name)
+        if name in ("loc_to_slot", "slot_to_loc", "slot_stamp"):
+            x, y = x[:, :-1], y[:, :-1]
+        assert torch.equal(x, y), f"{where}: {name}"
+
+
 def test_resolve_fetches_exactly_the_selection_then_hits(impl):
     m, host, table, rpi, sl = make(impl=impl)
     pos = torch.stack([torch.arange(64).view(1, 64), torch.arange(100, 164).view(1, 64)]).int()
@@ -434,11 +444,7 @@ def test_resolve_writes_new_tokens_back_after_the_selection(impl, spare):
             if spare:
                 m.refill_spares(0)
         assert torch.equal(got[0], got[1]), f"step {step}"
-        for name in ("hot_entries", "loc_to_slot", "slot_to_loc", "slot_stamp", "counters", "spare_taken"):
-            a, b = getattr(pair[0][0], name), getattr(pair[1][0], name)
-            if name in ("loc_to_slot", "slot_to_loc", "slot_stamp"):  # (not the sink elements: write-only scratch)
-                a, b = a[:, :-1], b[:, :-1]
-            assert torch.equal(a, b), f"step {step}: {name}"
+        assert_same_state(pair[0][0], pair[1][0], f"step {step}")
         assert torch.equal(pair[0][1].entries, pair[1][1].entries)
         m, host, table = pair[0][:3]
         for b in range(3):  # the tokens the selection names read their entry (not the stale host bytes)
@@ -485,11 +491,7 @@ def test_resolve_inserts_this_steps_tokens(impl, spare):
             if spare:
                 m.refill_spares(0)
         assert torch.equal(got[0], got[1]), f"step {step}"
-        for name in ("hot_entries", "loc_to_slot", "slot_to_loc", "slot_stamp", "counters", "spare_taken"):
-            a, b = getattr(ms[0][0], name), getattr(ms[1][0], name)
-            if name in ("loc_to_slot", "slot_to_loc", "slot_stamp"):  # (not the sink elements: write-only scratch)
-                a, b = a[:, :-1], b[:, :-1]
-            assert torch.equal(a, b), f"step {step}: {name}"
+        assert_same_state(ms[0][0], ms[1][0], f"step {step}")
         m, host, table, rpi, _ = ms[0]
         m.check_invariants()
         step_counts = m.counters[0] - before
