@@ -6,7 +6,8 @@ synchronisation):
     hot_entries[layer, slot, :]   the hot pool: `slots_per_layer` latent entries per layer (FlashMLA reads these)
     loc_to_slot[layer, loc]       token -> slot map, -1 when the token's entry is not resident
     slot_to_loc[layer, slot]      slot -> token map, -1 when the slot is free
-    slot_stamp[layer, slot]       recency: the step in which the slot was last selected or filled (FREE_STAMP if free)
+    slot_stamp[layer, slot]       recency: the step in which the slot was last selected or filled (FREE_STAMP if free);
+                                  with decayed retention also a bonus above BONUS_SHIFT (`last_step` strips it)
     clock                         the current decode step (a 0-dim device tensor, advanced by `begin_step`)
     spare[layer, :]               spare slots (`spare_slots` per layer, default none): free slots set aside by
     spare_taken[layer]            `refill_spares`; those from spare_taken on are still free to take

@@ -33,6 +33,14 @@ below):
                   (selected or merely resident), over whatever K1 / K4 copied there from the not yet written host
                   row (the SGLang plugin: the token's entry exists only just before the resolve)
 
+With `insert_locs` (the SGLang plugin's `new_tokens: insert`), K1 runs over the selection plus one entry per batch
+entry, this step's token: those claim slots as misses do (spare, else K4's victims) but are not copied (K5's
+write-back fills the slot) nor counted as lookups or fetches; a selected entry naming its own batch entry's token
+does not claim it and reads the token's slot in K5, as entries that lost a claim do, counted as a hit.
+
+With `decay` (`decay_retention`) the stamps carry a decayed-count bonus above BONUS_SHIFT: K1 restamps a hit with
+the bonus its age bucket gives (`_stamp_selected`), and K2/K3 bucket by `stamp_age`; everything else is unchanged.
+
 With `pdl` (programmatic dependent launch, sm_90+: `HotPoolCacheManager(resolve_pdl=...)`, on by default there) K2-K5
 (with spare slots: the merged tail and K5) are launched with the PDL attribute and begin with
 `griddepcontrol.wait` then `launch_dependents` (`_pdl_enter`); K1 is launched plainly (after the top-k and the
