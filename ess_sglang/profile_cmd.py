@@ -2,7 +2,8 @@
 
 The trace (a recorded ``.npz``, a synthetic one, or the demo model's own) is replayed on CPU through the real
 `HotPoolCacheManager` (plain-torch resolve, no entry bytes moved) exactly as `ess_sglang.traces.replay_ess` does:
-warm-up, then per step `begin_step`, and per layer `write_new_tokens` and `resolve`. The manager's device counters are
+warm-up, then per step `begin_step`, and per layer the resolve with the step's new tokens, as the SGLang plugin runs
+it (`new_tokens: insert`, the default: a selected new token is no miss). The manager's device counters are
 snapshotted after every step, which gives the distinct misses and the lookups of every layer in every step. The cost
 model of `ess_sglang.overlap_policy` then picks sync / da / dba per layer (and prefetch / prefetch2 / prefetch3 too,
 with a measured `--calibration`, and their threshold-margin variants with `--calibration-margin`), and the profile is
