@@ -55,7 +55,7 @@ def bench_one(host, batch, q_tokens, hit, copy_impl, gen, reps=2, new_tokens=Non
     dev = torch.device("cuda")
     tokens = batch * CONTEXT
     slots = (batch * q_tokens * TOP_K * 5 // 4 + 63) // 64 * 64
-    m = HotPoolCacheManager(host, slots, device=dev, max_selected=batch * q_tokens * TOP_K, copy_impl=copy_impl,
+    m = HotPoolCacheManager(host, slots, device=dev, max_selected=batch * (q_tokens * TOP_K + 1), copy_impl=copy_impl,
                             decay=decay_retention(decay_gamma) if decay_gamma is not None else None)
     req_to_token = torch.arange(tokens, device=dev, dtype=torch.int32).view(batch, CONTEXT)
     rpi = torch.arange(batch, device=dev)

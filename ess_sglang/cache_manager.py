@@ -214,7 +214,9 @@ class HotPoolCacheManager:
                  max_selected: int = 0, copy_impl: str = "auto", resolve_impl: str = "auto",
                  hot_entries: torch.Tensor | Sequence[torch.Tensor] | None = None, spare_slots: int = 0,
                  resolve_pdl: bool | None = None, refill_interval: int = 1, decay: DecayRetention | None = None):
-        """`max_selected` sizes scratch tensors for the largest selection (batch x q_tokens x top_k) one call sees.
+        """`max_selected` sizes scratch tensors for the largest selection (batch x q_tokens x top_k) one call sees,
+        plus the batch where a resolve inserts the step's tokens (`NewTokens.insert`).
+
 
         `resolve_impl`: "triton" (the fused kernels of ess_sglang.kernels.resolve), "torch" (plain torch ops, the
         definition the kernels are tested against) or "auto" (triton on CUDA, torch on CPU).
@@ -721,8 +723,9 @@ class HotPoolCacheManager:
             fetch_list=(fetch_list.src, fetch_list.dst, fetch_list.count) if fetch_list is not None else None,
             protect=protect, spare=self.spare[layer], spare_taken=self.spare_taken[layer:layer + 1],
             spare_only=spare_only, chained=chained, **tables)
-        if fetch_list is not None:  # the assign kernel writes the first n pairs only
-            fetch_list.clear_from(src.numel())
+        if fetch_list is not None:  # the assign kernel writes the first n pairs only (the inserted tokens count)
+            inserted = tables.get("insert_locs")
+            fetch_list.clear_from(src.numel() + (inserted.numel() if inserted is not None else 0))
         return slots
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,

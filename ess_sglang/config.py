@@ -232,8 +232,9 @@ class EssConfig(BaseModel):
     """Which hot entries a miss evicts: "lru", the least recently selected; "decay", the lowest decayed selection
     count (every selection adds 1, every step multiplies by ``decay_gamma``), which on the real traces closes about a
     quarter of the LRU -> optimum gap at the smallest pools (benchmarks/hit_rate.py). Both are exact."""
-    decay_gamma: Annotated[StrictFloat, _FINITE, _rule(lambda v: 0 < v < 1, "in (0, 1)")] = 0.75
-    """retention "decay": the factor a selection count keeps per step (about 1 / (1 - gamma) steps of memory)."""
+    decay_gamma: Annotated[StrictFloat, _FINITE, _rule(lambda v: 0 < v <= 0.9, "in (0, 0.9]")] = 0.75
+    """retention "decay": the factor a selection count keeps per step (about 1 / (1 - gamma) steps of memory; at most
+    0.9, where the resolve's 256 age buckets still order 42 steps of age)."""
     resolve_pdl: StrictBool | None = None
     """The fused resolve's kernels after its lookup with programmatic dependent launch (each one's programs are
     scheduled while the one before runs), and so the ECHO prefetch's candidate kernels after the first and its

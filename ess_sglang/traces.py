@@ -579,7 +579,7 @@ def _replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str, resolve_imp
     prompts = [int(p) for p in trace.prompt_lens]
     tokens = sum(prompts) + S * B
     host = HostTotalPool(L, tokens, entry_bytes=4, device=dev, pin=False)  # (one word: rows the resolve can read)
-    m = HotPoolCacheManager(host, slots_per_layer, device=dev, max_selected=B * K, copy_impl="none",
+    m = HotPoolCacheManager(host, slots_per_layer, device=dev, max_selected=B * (K + 1), copy_impl="none",
                             resolve_impl=resolve_impl,
                             decay=decay_retention(decay_gamma) if decay_gamma is not None else None)
     table = RequestTable(B, max(prompts) + S + 1, device=dev)

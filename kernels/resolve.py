@@ -655,6 +655,10 @@ def _one_program(device: torch.device) -> bool:
     return interpreting() or device.type != "cuda"
 
 
+MIN_DECAY_STEPS = 16  # steps of age the decayed retention's buckets must still tell apart (with no bonus)
+MAX_DECAY_GAMMA = 0.9  # the largest gamma the config accepts: its buckets tell 42 steps apart at 4 units
+
+
 class DecayRetention(NamedTuple):
     """Decayed-selection-count retention as the resolve keeps it (`decay_retention`)."""
 
@@ -680,6 +684,10 @@ def decay_retention(gamma: float, units: int = 4, device: torch.device | str = "
         raise ValueError(f"decay units must be an int in [1, 16], got {units!r}")
     top = math.ceil(units * math.log(1.0 / (1.0 - gamma)) / math.log(1.0 / gamma))  # the bonus's supremum
     offset = top - units + 1
+    if offset + MIN_DECAY_STEPS * units > AGE_BUCKETS - 1:  # (and so top < 2**15: the bonus fits above BONUS_SHIFT)
+        raise ValueError(f"decay gamma {gamma} with {units} units a step leaves the age buckets fewer than "
+                         f"{MIN_DECAY_STEPS} steps to order the unselected slots by: use a smaller gamma (at most "
+                         f"about {MAX_DECAY_GAMMA} at 4 units) or fewer units")
     table = [0] * AGE_BUCKETS
     for b in range(1, AGE_BUCKETS):
         x = (b - offset) / units  # clock - old key, in steps

@@ -121,6 +121,22 @@ def test_decayed_retention_keeps_the_often_selected_entry(impl, gamma):
     m.check_invariants()
 
 
+def test_decay_retention_table_and_its_bounds():
+    """The bonus falls with age (an entry selected long ago gains less from a new selection), never exceeds its
+    supremum, and fits above BONUS_SHIFT; a gamma whose bonus would leave the age buckets fewer than 16 steps to order
+    slots by is refused, as is one outside (0, 1)."""
+    from ess_sglang.kernels.resolve import AGE_BUCKETS, BONUS_SHIFT, MIN_DECAY_STEPS, decay_retention
+
+    for gamma in (0.5, 0.75, 0.9):
+        d = decay_retention(gamma)
+        b = d.bonus[1:]
+        assert bool((b[1:] <= b[:-1]).all()) and int(b[0]) <= d.offset + d.units - 1 and int(b[-1]) == 0
+        assert d.offset + MIN_DECAY_STEPS * d.units <= AGE_BUCKETS - 1 and int(b.max()) < 2 ** (63 - BONUS_SHIFT)
+    for bad in (0.95, 0.999, 1.0, 0.0):
+        with pytest.raises(ValueError, match="gamma"):
+            decay_retention(bad)
+
+
 def test_duplicates_across_query_tokens_and_requests_share_one_slot(impl):
     m, host, table, rpi, sl = make(lengths=(300, 300), impl=impl)
     shared = table.req_to_token[0, :300].clone()

@@ -84,7 +84,8 @@ def test_negative_size_names_the_field():
     ("enabled", "maybe", "valid boolean"),
     ("overlap_profile", " ", "non-empty path"),
     ("retention", "mru", "'lru' or 'decay' (got 'mru')"),
-    ("decay_gamma", 1.0, "must be in (0, 1) (got 1)"),
+    ("decay_gamma", 1.0, "must be in (0, 0.9] (got 1)"),
+    ("decay_gamma", 0.95, "must be in (0, 0.9] (got 0.95)"),
     ("new_tokens", "later", "'on_demand' or 'insert' (got 'later')"),
 ])
 def test_bad_values_name_the_field(key, value, expected):

@@ -217,7 +217,8 @@ class EssCoordinator:
         self.host = HostPoolView(host_pool, L, E, dev)
         # ECHO prefetch and spare slots (echo.py): which layers prefetch, how many slots each keeps spare
         self.overlap_plan = echo.plan(config, L, top_k, self.max_running_requests, hot_slots_per_layer, page)
-        self.manager = build_cache_manager(self.host, hot_slots_per_layer, views, dev, max_selected=rows * top_k,
+        # (a resolve's entries: the selection, and each row's token where new_tokens="insert")
+        self.manager = build_cache_manager(self.host, hot_slots_per_layer, views, dev, max_selected=rows * (top_k + 1),
                                            copy_impl=copy_impl, resolve_impl=resolve_impl,
                                            spare_slots=self.overlap_plan.spare_slots, resolve_pdl=self.resolve_pdl,
                                            refill_interval=self.overlap_plan.refill_interval,
