@@ -22,7 +22,6 @@ import os
 import statistics
 
 import torch
-from ess_sglang.kernels.resolve import decay_retention
 from timing import replay_us, run_info  # benchmarks/timing.py (run these files as scripts)
 
 from ess_sglang.cache_manager import Counter, HotPoolCacheManager, NewTokens
@@ -56,7 +55,7 @@ def bench_one(host, batch, q_tokens, hit, copy_impl, gen, reps=2, new_tokens=Non
     tokens = batch * CONTEXT
     slots = (batch * q_tokens * TOP_K * 5 // 4 + 63) // 64 * 64
     m = HotPoolCacheManager(host, slots, device=dev, max_selected=batch * (q_tokens * TOP_K + 1), copy_impl=copy_impl,
-                            decay=decay_retention(decay_gamma) if decay_gamma is not None else None)
+                            decay_gamma=decay_gamma)
     req_to_token = torch.arange(tokens, device=dev, dtype=torch.int32).view(batch, CONTEXT)
     rpi = torch.arange(batch, device=dev)
     seq = torch.full((batch,), CONTEXT, device=dev)

@@ -28,13 +28,18 @@ HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
 """Trace categories of host-side spans (inclusive times: a Python function contains the ops it calls)."""
 
 
-def kernel_table(trace_path: Path, steps: int) -> dict:
-    """Kernel time per decode step from a torch-profiler chrome trace, grouped by kernel name; the GPU's busy share of
-    the kernels' window (the rest is the GPU waiting for the host); and the host spans (inclusive) per step."""
+def trace_events(trace_path: Path) -> tuple[list[dict], list[dict]]:
+    """(every event, the GPU kernels among them) of a torch-profiler chrome trace (.json or .json.gz)."""
     opener = gzip.open if trace_path.suffix == ".gz" else open
     with opener(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
-    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    return events, [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+
+
+def kernel_table(trace_path: Path, steps: int) -> dict:
+    """Kernel time per decode step from a torch-profiler chrome trace, grouped by kernel name; the GPU's busy share of
+    the kernels' window (the rest is the GPU waiting for the host); and the host spans (inclusive) per step."""
+    events, kernels = trace_events(trace_path)
     if not kernels:
         return {"steps": steps, "gpu_ms_per_step": None, "window_ms_per_step": None, "gpu_busy_share": None,
                 "kernels": [], "host": []}
@@ -58,12 +63,9 @@ def kernel_diff(trace_a: Path, trace_b: Path, steps: int, least_us: float = 1.0)
     ones): where one system's step spends GPU time the other's does not. Rows whose difference is under `least_us`
     are left out of the list, not of the total."""
     def per_name(path: Path) -> tuple[dict, dict]:
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt") as f:
-            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
         us: dict[str, float] = defaultdict(float)
         calls: dict[str, int] = defaultdict(int)
-        for e in events:
+        for e in trace_events(path)[1]:
             us[e["name"][:160]] += e["dur"] / steps
             calls[e["name"][:160]] += 1
         return us, calls

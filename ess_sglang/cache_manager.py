@@ -54,8 +54,8 @@ from ess_sglang.kernels.resolve import (
     MODE_LOCATIONS,
     MODE_POSITIONS,
     SPARE_STAMP,
-    DecayRetention,
     FusedResolver,
+    decay_retention,
     pdl_setting,
 )
 
@@ -213,7 +213,7 @@ class HotPoolCacheManager:
     def __init__(self, host_pool: HostTotalPool, slots_per_layer: int, device: torch.device | str | None = None,
                  max_selected: int = 0, copy_impl: str = "auto", resolve_impl: str = "auto",
                  hot_entries: torch.Tensor | Sequence[torch.Tensor] | None = None, spare_slots: int = 0,
-                 resolve_pdl: bool | None = None, refill_interval: int = 1, decay: DecayRetention | None = None):
+                 resolve_pdl: bool | None = None, refill_interval: int = 1, decay_gamma: float | None = None):
         """`max_selected` sizes scratch tensors for the largest selection (batch x q_tokens x top_k) one call sees,
         plus the batch where a resolve inserts the step's tokens (`NewTokens.insert`).
 
@@ -235,8 +235,9 @@ class HotPoolCacheManager:
         `resolve_pdl`: the fused resolve's kernels after its lookup use programmatic dependent launch (sm_90+, the
         Triton path only; 5-7 us a layer less at batch 64-128 / 32K together with the side-stream threshold update,
         benchmarks/RESULTS.md). None: wherever it can (the Triton resolve on a GPU of compute capability 9.0+).
-        `decay`: evict the lowest decayed selection count first (`kernels.resolve.decay_retention`) instead of the
-        least recently used; a slot's count starts when it is filled (an evicted entry's history is not kept).
+        `decay_gamma`: evict the lowest decayed selection count first, with this factor per step
+        (`kernels.resolve.decay_retention`), instead of the least recently used (None); a slot's count starts when it
+        is filled (an evicted entry's history is not kept).
         """
         if slots_per_layer <= 0:
             raise ValueError(f"slots_per_layer must be > 0, got {slots_per_layer}")
@@ -249,6 +250,7 @@ class HotPoolCacheManager:
                              f"{refill_interval!r}")
         dev = torch.device(device) if device is not None else host_pool.device
         resolve_impl, resolve_pdl = resolve_settings(resolve_impl, resolve_pdl, dev)
+        decay = decay_retention(decay_gamma, device=dev) if decay_gamma is not None else None
         self.host = host_pool
         self.copy_impl = copy_impl
         self.device = dev
@@ -279,7 +281,7 @@ class HotPoolCacheManager:
         self._age_ids = torch.arange(AGE_BUCKETS, dtype=torch.int64, device=dev)
         self._entry_ids = torch.arange(max(max_selected, 1), dtype=torch.int64, device=dev)
         self.resolve_impl = resolve_impl
-        self.decay = decay._replace(bonus=decay.bonus.to(dev)) if decay is not None else None
+        self.decay = decay
         self._fused = FusedResolver(S, max_selected, dev, num_spare=spare_slots, pdl=resolve_pdl, decay=decay) \
             if resolve_impl == "triton" else None
         # persistent programs of a deferred fetch when the caller names none: enough to fill the GPU

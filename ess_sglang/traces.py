@@ -564,7 +564,6 @@ def _replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str, resolve_imp
 
     from ess_sglang.cache_manager import Counter, HotPoolCacheManager, NewTokens
     from ess_sglang.host_pool import HostTotalPool
-    from ess_sglang.kernels.resolve import decay_retention
     from ess_sglang.request_table import RequestTable
     from ess_sglang.warmup import warmup_positions
 
@@ -580,8 +579,7 @@ def _replay_ess(trace: TopKTrace, slots_per_layer: int, warmup: str, resolve_imp
     tokens = sum(prompts) + S * B
     host = HostTotalPool(L, tokens, entry_bytes=4, device=dev, pin=False)  # (one word: rows the resolve can read)
     m = HotPoolCacheManager(host, slots_per_layer, device=dev, max_selected=B * (K + 1), copy_impl="none",
-                            resolve_impl=resolve_impl,
-                            decay=decay_retention(decay_gamma) if decay_gamma is not None else None)
+                            resolve_impl=resolve_impl, decay_gamma=decay_gamma)
     table = RequestTable(B, max(prompts) + S + 1, device=dev)
     rows = []
     for p in prompts:

@@ -59,32 +59,19 @@ for mode in (0, 1):
         # that inserts this step's tokens)
         for pdl in ((False, True) if spare_only or copy else (True,)):
             for insert in ((False, True) if mode == 0 and protect and not spare_only else (False,)):
-                check(kr._lookup_kernel, dict(src_ptr=P32 if mode == 0 else P64, seq_ptr=P64, rpi_ptr=P64,
-                                              r2t_ptr=P32, r2t_stride=I64, r2t_rows=I64, width=I64, n=I64,
-                                              per_batch=I64, l2s_ptr=P32, s2l_ptr=P32, stamp_ptr=P64, clock_ptr=P64,
-                                              out_ptr=P32, loc_ptr=P64, cnt_ptr=P64, scr_ptr=P32, over_loc_ptr=P64,
-                                              over_idx_ptr=P32, spare_ptr=P32, taken_ptr=P64, num_spare=I64,
-                                              took_loc_ptr=P64, took_slot_ptr=P64, num_locations=I64, num_slots=I64,
-                                              host_ptr=P32, hot_ptr=P32, copy_cap=I64, n_sel=I64,
-                                              **(dict(ins_ptr=P64) if insert else {})),
-                      dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, LIST=listed, SPARE_ONLY=spare_only,
-                           C_LOOKUPS=0, C_HITS=1, C_BAD=5, C_FETCH_A=2, C_FETCH_B=3, BLOCK=256, PDL=pdl, COPY=copy,
-                           WORDS=164 if copy else 4, BLOCK_WORDS=256 if copy else 4, COPY_ROWS=16, INSERT=insert,
-                           C_NEW=9, **({} if insert else dict(ins_ptr=None)), **LRU, bonus_ptr=None))
+                sig = dict(src_ptr=P32 if mode == 0 else P64, seq_ptr=P64, rpi_ptr=P64, r2t_ptr=P32, r2t_stride=I64,
+                           r2t_rows=I64, width=I64, n=I64, per_batch=I64, l2s_ptr=P32, s2l_ptr=P32, stamp_ptr=P64,
+                           clock_ptr=P64, out_ptr=P32, loc_ptr=P64, cnt_ptr=P64, scr_ptr=P32, over_loc_ptr=P64,
+                           over_idx_ptr=P32, spare_ptr=P32, taken_ptr=P64, num_spare=I64, took_loc_ptr=P64,
+                           took_slot_ptr=P64, num_locations=I64, num_slots=I64, host_ptr=P32, hot_ptr=P32,
+                           copy_cap=I64, n_sel=I64, **(dict(ins_ptr=P64) if insert else {}))
+                consts = dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, LIST=listed, SPARE_ONLY=spare_only,
+                              C_LOOKUPS=0, C_HITS=1, C_BAD=5, C_FETCH_A=2, C_FETCH_B=3, BLOCK=256, PDL=pdl, COPY=copy,
+                              WORDS=164 if copy else 4, BLOCK_WORDS=256 if copy else 4, COPY_ROWS=16, INSERT=insert,
+                              C_NEW=9, **({} if insert else dict(ins_ptr=None)))
+                check(kr._lookup_kernel, sig, dict(consts, **LRU, bonus_ptr=None))
                 if protect and not spare_only:  # (the hits' stamps with decayed retention)
-                    check(kr._lookup_kernel, dict(src_ptr=P32 if mode == 0 else P64, seq_ptr=P64, rpi_ptr=P64,
-                                                  r2t_ptr=P32, r2t_stride=I64, r2t_rows=I64, width=I64, n=I64,
-                                                  per_batch=I64, l2s_ptr=P32, s2l_ptr=P32, stamp_ptr=P64,
-                                                  clock_ptr=P64, out_ptr=P32, loc_ptr=P64, cnt_ptr=P64, scr_ptr=P32,
-                                                  over_loc_ptr=P64, over_idx_ptr=P32, spare_ptr=P32, taken_ptr=P64,
-                                                  num_spare=I64, took_loc_ptr=P64, took_slot_ptr=P64,
-                                                  num_locations=I64, num_slots=I64, host_ptr=P32, hot_ptr=P32,
-                                                  copy_cap=I64, n_sel=I64, bonus_ptr=P64,
-                                                  **(dict(ins_ptr=P64) if insert else {})),
-                          dict(MODE=mode, COUNT=mode == 0, PROTECT=protect, LIST=listed, SPARE_ONLY=spare_only,
-                               C_LOOKUPS=0, C_HITS=1, C_BAD=5, C_FETCH_A=2, C_FETCH_B=3, BLOCK=256, PDL=pdl,
-                               COPY=copy, WORDS=164 if copy else 4, BLOCK_WORDS=256 if copy else 4, COPY_ROWS=16,
-                               INSERT=insert, C_NEW=9, **({} if insert else dict(ins_ptr=None)), **DECAY))
+                    check(kr._lookup_kernel, dict(sig, bonus_ptr=P64), dict(consts, **DECAY))
 for (copy, pend), ages in zip(((True, False), (False, True), (True, True), (False, False)),
                                (LRU_AGES, DECAY_AGES, LRU_AGES, DECAY_AGES), strict=True):
     check(kr._assign_kernel, dict(scr_ptr=P32, victims_ptr=P32, over_loc_ptr=P64, over_idx_ptr=P32, took_loc_ptr=P64,

@@ -17,12 +17,12 @@ def impl(request):
 
 
 def make(layers=2, tokens=2048, slots=256, lengths=(300, 500), seed=0, copy_impl="auto", impl="torch", spare=0,
-         refill_interval=1, decay=None):
+         refill_interval=1, decay_gamma=None):
     host = HostTotalPool(layers, tokens, device="cpu")
     host.entries.copy_(torch.randint(0, 256, host.entries.shape, dtype=torch.uint8,
                                      generator=torch.Generator().manual_seed(seed)))
     m = HotPoolCacheManager(host, slots, device="cpu", max_selected=1024, copy_impl=copy_impl, resolve_impl=impl,
-                            spare_slots=spare, refill_interval=refill_interval, decay=decay)
+                            spare_slots=spare, refill_interval=refill_interval, decay_gamma=decay_gamma)
     table = RequestTable(8, 1024)
     rows = []
     for n in lengths:
@@ -108,10 +108,7 @@ def test_decayed_retention_keeps_the_often_selected_entry(impl, gamma):
     """Position 0 is selected in steps 1-3, positions 1-7 in steps 1 and 4; a miss in step 5 needs one of the 8
     slots. LRU evicts position 0 (least recently selected); decayed selection count (gamma 0.75) keeps it: its
     count, 2.31 x 0.75^2 = 1.30, beats the others' 1.42 x 0.75 = 1.07."""
-    from ess_sglang.kernels.resolve import decay_retention
-
-    m, _, table, rpi, sl = make(layers=1, slots=8, lengths=(300,), impl=impl,
-                                decay=decay_retention(gamma) if gamma is not None else None)
+    m, _, table, rpi, sl = make(layers=1, slots=8, lengths=(300,), impl=impl, decay_gamma=gamma)
     for sel in ([0, 1, 2, 3, 4, 5, 6, 7], [0], [0], [1, 2, 3, 4, 5, 6, 7], [8]):
         m.begin_step()
         m.resolve(0, torch.tensor(sel).view(1, 1, -1).int(), table.req_to_token, rpi, sl)
@@ -135,6 +132,8 @@ def test_decay_retention_table_and_its_bounds():
     for bad in (0.95, 0.999, 1.0, 0.0):
         with pytest.raises(ValueError, match="gamma"):
             decay_retention(bad)
+    with pytest.raises(ValueError, match="gamma 0.95"):  # (the manager refuses it before allocating its pools)
+        HotPoolCacheManager(HostTotalPool(1, 64, device="cpu"), 32, device="cpu", decay_gamma=0.95)
 
 
 def test_duplicates_across_query_tokens_and_requests_share_one_slot(impl):
@@ -280,12 +279,11 @@ def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, 
     when due (`interval`: a refill interval, so that some refills are not due although spare slots were taken, and
     others are due for want of spare slots).
     """
-    from ess_sglang.kernels.resolve import BONUS_SHIFT, decay_retention
+    from ess_sglang.kernels.resolve import BONUS_SHIFT
 
     g = torch.Generator().manual_seed(7)
-    decay = decay_retention(gamma) if gamma is not None else None
     pair = [make(slots=320, lengths=(300, 500, 250), seed=5, impl=impl, spare=spare, refill_interval=interval,
-                 decay=decay) for impl in ("torch", "triton")]
+                 decay_gamma=gamma) for impl in ("torch", "triton")]
     if small_blocks:
         f = pair[1][0]._fused
         f.age_block, f.victim_block, f.lookup_block = 64, 32, 16

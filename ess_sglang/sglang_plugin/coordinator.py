@@ -134,12 +134,11 @@ def build_cache_manager(host: HostPoolView, slots: int, hot_views: LayerViews, d
     """A HotPoolCacheManager whose hot pools are `hot_views` (regions of SGLang's device pool); `decay_gamma`:
     decayed retention with that factor (None: LRU)."""
     from ess_sglang.cache_manager import HotPoolCacheManager
-    from ess_sglang.kernels.resolve import decay_retention
 
     return HotPoolCacheManager(host, slots, device=device, max_selected=max_selected, copy_impl=copy_impl,
                                resolve_impl=resolve_impl, hot_entries=hot_views, spare_slots=spare_slots,
                                resolve_pdl=resolve_pdl, refill_interval=refill_interval,
-                               decay=decay_retention(decay_gamma) if decay_gamma is not None else None)
+                               decay_gamma=decay_gamma)
 
 
 def _contiguous(indices: torch.Tensor) -> int | None:

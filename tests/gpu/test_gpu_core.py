@@ -51,11 +51,9 @@ def _setup(layers=3, lengths=(3000, 5000, 4000, 2000), slots=4096, top_k=512, im
     T = sum(lengths) + 64 * len(lengths)
     host = HostTotalPool(layers, T, device=dev)
     host.entries.copy_(torch.randint(0, 256, host.entries.shape, dtype=torch.uint8))
-    from ess_sglang.kernels.resolve import decay_retention
-
     m = HotPoolCacheManager(host, slots, device=dev, max_selected=len(lengths) * top_k, resolve_impl=impl,
                             spare_slots=spare, refill_interval=refill_interval,
-                            decay=decay_retention(decay_gamma) if decay_gamma is not None else None)
+                            decay_gamma=decay_gamma)
     table = RequestTable(len(lengths), max(lengths) + 64, device=dev)
     rows = []
     for n in lengths:
