@@ -12,6 +12,7 @@ from ess_sglang.kernels import indexer as ki
 from ess_sglang.kernels import new_tokens as kn
 from ess_sglang.kernels import prefetch as kp
 from ess_sglang.kernels import resolve as kr
+from ess_sglang.kernels import step_rows as ks
 from ess_sglang.kernels import topk as kt
 from ess_sglang.kernels import translate as ktr
 from triton.backends.compiler import GPUTarget
@@ -186,5 +187,9 @@ for not_resident, gather in ((13, False), (-1, False), (-1, True)):  # (gather: 
                                          entry_rows=I64),
           dict(WORDS=164, HOST_STRIDE=164, HOT_STRIDE=164, BLOCK_WORDS=256, C_D2H=4, C_NOT_RESIDENT=not_resident,
                ROWS=4, GATHER=gather))
+for index_type in (P64, P32):  # (the plugin's step rows: SGLang's request rows and lengths as int64 or int32)
+    check(ks._step_rows_kernel, dict(rpi_ptr=index_type, lens_ptr=index_type, num_real_ptr=P32, r2h_ptr=P64,
+                                     r2h_stride=I64, r2h_rows=I64, width=I64, new_token_base=I64, out_ptr=P64, B=I32),
+          dict(BLOCK=256))
 
 sys.exit(1 if FAILED else 0)

@@ -157,6 +157,14 @@ def make_host_pool(pool, host_tokens: int, pin_memory: bool):
         target_layer_num=pool.layer_num, host_token_capacity=host_tokens, **common)
 
 
+def store_in_device_pool(pool, layer, rows, cache_k_nope, cache_k_rope):
+    """What ``HiSparseDSATokenToKVPool.set_mla_kv_buffer`` does once it has translated the locations to device-pool
+    rows: its parent class's store (0.5.17 and 0.5.23 alike)."""
+    from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
+
+    return super(HiSparseDSATokenToKVPool, pool).set_mla_kv_buffer(layer, rows, cache_k_nope, cache_k_rope)
+
+
 def resolve_target(target: str):
     """The object at a dotted path, as HookRegistry resolves it (module path, then attribute)."""
     obj_path, attr = target.rsplit(".", 1)

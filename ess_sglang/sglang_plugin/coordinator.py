@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ess_sglang.cache_manager import NewTokens
+from ess_sglang.kernels.step_rows import step_rows_torch, step_rows_triton
 from ess_sglang.sglang_plugin import compat, echo
 from ess_sglang.sglang_plugin import settings as settings_mod
 from ess_sglang.sglang_plugin.active import active_coordinator, set_active
@@ -237,8 +238,10 @@ class EssCoordinator:
         allocator.clear = self._clear_allocator_and_reserve(allocator.clear)
 
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=dev)
-        self._row_ids = torch.arange(rows, dtype=torch.int64, device=dev)
+        # a step's per-request rows: one launch on the Triton path (kernels/step_rows.py), its torch definition else
+        self._step_rows_fn = step_rows_triton if self.manager.resolve_impl == "triton" else step_rows_torch
         self._step_rows: StepRows | None = None  # the decode step's per-request tensors (layer 0 computes them)
+        self._write_rows: tuple[tuple, torch.Tensor] | None = None  # a forward's KV-write rows (first layer's)
         self.spec_swap = _NoSpeculation()
         self.padded_buffer_size = 1  # SGLang's PD queue divides free physical slots by this per request
         self.device_buffer_size = hot_slots_per_layer
@@ -355,23 +358,33 @@ class EssCoordinator:
         """The decode step's per-request tensors (`StepRows`), computed by the step's first hook call (layer 0) and
         reused by every later layer of the step, on the same tensors (other tensors, or another decode step, compute
         them again: the step's start clears them, and the key holds the host's decode-step count too, in case a step
-        cut short left the start's flag behind). In a CUDA graph, layer 0's launches are captured once and recompute
-        them in every replay."""
+        cut short left the start's flag behind). One launch (kernels/step_rows.py); in a CUDA graph, layer 0's launch
+        is captured once and recomputes them in every replay."""
         rpi, lens = req_pool_indices, seq_lens
         key = (self._step,) + tuple((t.data_ptr(), tuple(t.shape), t.dtype, t.device) for t in (rpi, lens))
         if self._step_rows is not None and self._step_rows.key == key:
             return self._step_rows
-        rpi, lens = rpi.long(), lens.long()
-        live = self.live_rows(lens)
-        new_host_loc = torch.where(live, self.req_to_host_pool[rpi, (lens - 1).clamp(min=0)], -1)
-        self._step_rows = StepRows(key, rpi, lens, torch.where(live, rpi, -1), torch.where(live, lens, 0),
-                                   new_host_loc, self.new_token_base + rpi)
+        rows = self._step_rows_fn(rpi, lens, self.num_real_reqs, self.req_to_host_pool, self.new_token_base)
+        self._step_rows = StepRows(key, *rows.unbind(0))
         return self._step_rows
 
-    def live_rows(self, seq_lens: torch.Tensor) -> torch.Tensor:
-        """[B] bool: the batch's real requests (CUDA-graph padding rows excluded)."""
-        B = seq_lens.shape[0]
-        return (self._row_ids[:B] < self.num_real_reqs.long()) & (seq_lens.long() > 0)
+    def write_rows(self, layer_id: int, loc: torch.Tensor) -> torch.Tensor:
+        """The device-pool rows ``set_mla_kv_buffer`` writes a forward's new tokens to (``loc``: their logical
+        locations, the same tensor in every layer of a forward): translated through the pool's mapping by the
+        forward's first layer, and reused by its later layers while the tensor and the mapping are unchanged
+        (SGLang's HiSparse pool translates in every layer: one gather kernel a layer, which all-HBM SGLang does not
+        run). The first layer always translates, so a CUDA graph captures the translation once and replays it in
+        every step; the mapping's version counter keeps an eager forward from reusing another's rows."""
+        pool = self.mem_pool_device
+        key = (loc.data_ptr(), tuple(loc.shape), loc.dtype, loc.device,
+               pool.full_to_hisparse_device_index_mapping._version)
+        first = layer_id == self.start_layer
+        if not first and self._write_rows is not None and self._write_rows[0] == key:
+            return self._write_rows[1]
+        rows = pool.translate_loc_to_hisparse_device(loc)
+        if first:
+            self._write_rows = (key, rows)
+        return rows
 
     def prefetch_from_logits(self, layer_id: int, logits: torch.Tensor, req_pool_indices: torch.Tensor,
                              seq_lens: torch.Tensor) -> None:
@@ -632,6 +645,19 @@ def maybe_init_hisparse_coordinator_hook(original, runner, *args, **kwargs):
 
     decode_topk.log_startup(runner, s.config)
     return None
+
+
+def set_mla_kv_buffer_hook(original, pool, *args, **kwargs):
+    """AROUND HiSparseDSATokenToKVPool.set_mla_kv_buffer(layer, loc, cache_k_nope, cache_k_rope) on an ESS
+    instance: the rows are translated once a forward (``EssCoordinator.write_rows``) instead of in every layer, then
+    stored as the HiSparse pool itself stores them (its parent class's method). Any other call (keywords, a
+    ``KVWriteLoc``, another pool) passes straight through."""
+    coord = active_coordinator()
+    if coord is None or kwargs or len(args) != 4 or pool is not coord.mem_pool_device \
+            or not isinstance(args[1], torch.Tensor):
+        return original(pool, *args, **kwargs)
+    layer, loc, k_nope, k_rope = args
+    return compat.store_in_device_pool(pool, layer, coord.write_rows(layer.layer_id, loc), k_nope, k_rope)
 
 
 def release_kv_cache_hook(req, *args, **kwargs):

@@ -135,6 +135,7 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
     from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
 
+    from ess_sglang.sglang_plugin import coordinator as coordinator_mod
     from ess_sglang.sglang_plugin import warmup
     from ess_sglang.sglang_plugin.active import active_coordinator, set_active
     from ess_sglang.sglang_plugin.coordinator import EssCoordinator
@@ -264,7 +265,10 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
             k_nope = torch.randn((B, 1, 512), generator=g).to(torch.bfloat16)
             k_rope = torch.randn((B, 1, 64), generator=g).to(torch.bfloat16)
             base_pool.set_mla_kv_buffer(lyr, out_loc, k_nope, k_rope)
-            ess_pool.set_mla_kv_buffer(lyr, out_loc, k_nope, k_rope)  # lands in the request's new-token slot
+            # lands in the request's new-token slot; through the plugin's hook as HookRegistry wraps the method (the
+            # rows translated by the first layer, reused by the others)
+            coordinator_mod.set_mla_kv_buffer_hook(HiSparseDSATokenToKVPool.set_mla_kv_buffer, ess_pool, lyr, out_loc,
+                                                   k_nope, k_rope)
             # the indexer: through the plugin's tap (ECHO prefetch with level "full"; a pass-through with "none")
             topk = _indexer_through_tap(sel, layer, seq, fb)
             q = torch.randn((B, HEADS * 576), generator=g)
@@ -456,4 +460,54 @@ def test_capture_reads_device_request_rows_once_per_forward():
     assert nxt.req_pool_indices.reads == 1 and fb.req_pool_indices.reads == 1
     got5 = coord.capture.take(5)
     assert torch.equal(got5[0], topk[:4]) and got5[1] is None
+    set_active(None)
+
+
+def test_kv_write_rows_translated_once_per_forward(parallel1):
+    """The plugin's set_mla_kv_buffer hook stores what SGLang's HiSparse pool stores, translating a forward's
+    locations in its first layer only: later layers reuse them while the tensor and the mapping are unchanged; a
+    changed mapping (the next decode step's) or another tensor translates again, and only the first layer's rows are
+    kept for the others."""
+    from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
+    from sglang_pools import cpu_coordinator
+
+    from ess_sglang.sglang_plugin.active import set_active
+    from ess_sglang.sglang_plugin.coordinator import set_mla_kv_buffer_hook
+
+    layers = 3
+    coord, allocator, req_pool = cpu_coordinator(page=PAGE, layers=layers, rows=4, top_k=TOPK, hot=4 * PAGE,
+                                                 staging=2 * PAGE, config=EssConfig(top_k=TOPK, warmup_windows=0))
+    pool = coord.mem_pool_device
+    translated = []
+    translate = pool.translate_loc_to_hisparse_device
+    pool.translate_loc_to_hisparse_device = lambda loc: translated.append(loc) or translate(loc)
+    one = torch.tensor([0])
+    loc = allocator.alloc_extend(one, one, torch.tensor([3]), torch.tensor([3]), torch.tensor([-1]), 3)
+    g = torch.Generator().manual_seed(3)
+
+    def store(layer, where, through_hook):
+        k_nope = torch.randn((where.shape[0], 1, 512), generator=g).to(torch.bfloat16)
+        k_rope = torch.randn((where.shape[0], 1, 64), generator=g).to(torch.bfloat16)
+        pool.kv_buffer[layer].zero_()
+        args = (_layer(coord.start_layer + layer), where, k_nope, k_rope)
+        if through_hook:
+            set_mla_kv_buffer_hook(HiSparseDSATokenToKVPool.set_mla_kv_buffer, pool, *args)
+        else:
+            HiSparseDSATokenToKVPool.set_mla_kv_buffer(pool, *args)
+        return pool.kv_buffer[layer].clone()
+
+    for layer in range(layers):  # the same bytes in the same rows as SGLang's own method
+        state = g.get_state()
+        want = store(layer, loc, False)
+        g.set_state(state)
+        assert torch.equal(store(layer, loc, True), want) and bool(want.view(torch.uint8).any())
+    assert len(translated) == layers + 1  # layers x SGLang's own, once through the hook
+    translated.clear()
+    other = loc[:2].clone()
+    store(1, other, True)  # another tensor in a later layer: translated, not kept
+    store(2, loc, True)
+    assert len(translated) == 1
+    allocator.full_to_hisparse_device_index_mapping[loc[:1]] = coord.new_token_base  # the next step's mapping
+    store(1, loc, True)
+    assert len(translated) == 2
     set_active(None)
