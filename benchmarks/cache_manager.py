@@ -50,12 +50,17 @@ def selections(batch, q_tokens, hit, gen, context=CONTEXT):
     return out
 
 
-def bench_one(host, batch, q_tokens, hit, copy_impl, gen, reps=2, new_tokens=None, decay_gamma=None):
+def bench_one(host, batch, q_tokens, hit, copy_impl, gen, reps=2, new_tokens=None, decay_gamma=None, slots=None,
+              tail="three"):
+    """`slots`: the hot pool (default 1.25 selections); `tail`: "three" launches after the lookup without spare
+    slots (the default), or "merged" into one (`_tail_kernel`, as with spare slots)."""
     dev = torch.device("cuda")
     tokens = batch * CONTEXT
-    slots = (batch * q_tokens * TOP_K * 5 // 4 + 63) // 64 * 64
+    slots = slots or (batch * q_tokens * TOP_K * 5 // 4 + 63) // 64 * 64
     m = HotPoolCacheManager(host, slots, device=dev, max_selected=batch * (q_tokens * TOP_K + 1), copy_impl=copy_impl,
                             decay_gamma=decay_gamma)
+    if tail == "merged":
+        m._fused.tail_programs = m._fused.scan_programs
     req_to_token = torch.arange(tokens, device=dev, dtype=torch.int32).view(batch, CONTEXT)
     rpi = torch.arange(batch, device=dev)
     seq = torch.full((batch,), CONTEXT, device=dev)
@@ -93,7 +98,7 @@ def bench_one(host, batch, q_tokens, hit, copy_impl, gen, reps=2, new_tokens=Non
     us = statistics.median(times)
     torch.cuda.empty_cache()
     return dict(batch=batch, q_tokens=q_tokens, target_hit=hit, copy=copy_impl != "none", new_tokens=new_tokens,
-                decay_gamma=decay_gamma, us=us,
+                decay_gamma=decay_gamma, tail=tail, us=us,
                 hit_rate=hit_rate, misses_per_step=misses_per_step, slots=slots,
                 gbps=misses_per_step * ENTRY / us / 1e3)
 
@@ -111,7 +116,11 @@ def main(argv=None):
     p.add_argument("--decay-gamma", type=float, default=None,
                    help="with --new-tokens: also time each mode with decayed retention (this gamma)")
     p.add_argument("--pool-slots", default="",
-                   help="with --profile: hot-pool sizes (slots) to profile instead of 1.25 selections, pools filled")
+                   help="with --profile: hot-pool sizes (slots) to profile instead of 1.25 selections, pools filled; "
+                        "with --new-tokens: one size, the pool of every row")
+    p.add_argument("--tail", default="three",
+                   help="with --new-tokens: comma-separated three, merged: the launches after the lookup without spare "
+                        "slots (three: the default; merged: one, as with spare slots), timed in the same run")
     args = p.parse_args(argv)
     if args.profile:
         return profile([int(x) for x in args.batches.split(",")],
@@ -126,22 +135,27 @@ def main(argv=None):
         bad = [x for x in modes if x not in ("on_demand", "insert")]
         if bad:
             p.error(f"--new-tokens: {', '.join(bad)} (choose from on_demand, insert)")
+        tails = [x for x in args.tail.split(",") if x]
+        if not tails or any(x not in ("three", "merged") for x in tails):
+            p.error(f"--tail: {args.tail!r} (comma-separated three, merged)")
+        slots = int(args.pool_slots) if args.pool_slots else None
         for q in [int(x) for x in args.q_tokens.split(",")]:
             for batch in batches:
                 for hit in [float(x) for x in args.hits.split(",")]:
                     for mode in modes:
                         for gamma in (None, args.decay_gamma) if args.decay_gamma is not None else (None,):
-                            rows.append(bench_one(host, batch, q, hit, "auto", gen, new_tokens=mode,
-                                                  decay_gamma=gamma))
+                            for tail in tails:
+                                rows.append(bench_one(host, batch, q, hit, "auto", gen, new_tokens=mode,
+                                                      decay_gamma=gamma, slots=slots, tail=tail))
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "cache_manager_new_tokens.json"), "w") as f:
             json.dump(dict(info=run_info(), rows=rows), f, indent=1)
-        print(f"\n{'q':>2} {'batch':>5} {'target':>6} {'new tokens':>10} {'retention':>10} {'hit':>6} {'misses':>8} "
-              f"{'us':>8}")
+        print(f"\n{'q':>2} {'batch':>5} {'target':>6} {'new tokens':>10} {'retention':>10} {'tail':>6} {'hit':>6} "
+              f"{'misses':>8} {'us':>8}")
         for r in rows:
             ret = "lru" if r["decay_gamma"] is None else f"decay {r['decay_gamma']:g}"
             print(f"{r['q_tokens']:>2} {r['batch']:>5} {r['target_hit']:>6} {r['new_tokens']:>10} {ret:>10} "
-                  f"{r['hit_rate']:>6.3f} {r['misses_per_step']:>8.0f} {r['us']:>8.1f}")
+                  f"{r['tail']:>6} {r['hit_rate']:>6.3f} {r['misses_per_step']:>8.0f} {r['us']:>8.1f}")
         return 0
     for q in [int(x) for x in args.q_tokens.split(",")]:
         for batch in batches:

@@ -98,9 +98,10 @@ def _check_tables(m, host, table, rpi, seq, topk, tables):
         assert torch.equal(m.slot_to_loc[layer][slots[ok].long()].long(), locs[ok])
 
 
-@pytest.mark.parametrize("spare,interval,gamma", [(0, 1, None), (6000, 1, None), (12000, 4, None), (0, 1, 0.75),
-                                                  (6000, 1, 0.75)])
-def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact(spare, interval, gamma):
+@pytest.mark.parametrize("spare,interval,gamma,merged", [
+    (0, 1, None, False), (6000, 1, None, False), (12000, 4, None, False), (0, 1, 0.75, False), (6000, 1, 0.75, False),
+    (0, 1, None, True)])
+def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact(spare, interval, gamma, merged):
     """The fused resolve at a size where many programs of every launch run at once (94 victim-scan blocks, 128-175
     programs in the lookup, age and finish launches, 132 persistent assign programs copying concurrently); two query
     tokens and two requests on one prefix make entries that name a location another entry claimed and must read the
@@ -110,11 +111,14 @@ def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact(s
     kernel's spare path and the LRU scan both run in one resolve. `interval`: the refill runs only when due (every 4th
     step of a layer, or when fewer than a quarter of its spare slots are left): otherwise the spare slots taken stay
     as they are. `gamma`: decayed retention (hits restamped with their bonus by many programs at once, duplicates
-    among them)."""
+    among them). `merged`: without spare slots, the scans and the assign walk as one launch (`_tail_kernel`, whose
+    grid-wide waits then run in every resolve)."""
     dev = torch.device("cuda")
     lengths, top_k, layers = (16000,) * 8, 2048, 2
     m, host, table, rpi, seq = _setup(layers, lengths=lengths, slots=48_000, top_k=2 * top_k, spare=spare,
                                       refill_interval=interval, decay_gamma=gamma)
+    if merged:
+        m._fused.tail_programs = m._fused.scan_programs
     table.set(int(rpi[1]), 0, table.req_to_token[int(rpi[0]), :8000].clone())  # request 1 shares 0's prefix
     B = len(lengths)
     g = torch.Generator(device=dev).manual_seed(5)
@@ -361,6 +365,20 @@ def test_plugin_prefetch_step_is_captured_in_a_cuda_graph_and_exact():
 
 
 @pytest.mark.parametrize("cap_fraction", [1.0, 0.001])
+def test_step_rows_kernel_matches_its_definition():
+    """The SGLang plugin's per-step rows (kernels/step_rows.py) on the GPU, at a CUDA-graph-padded batch of 160."""
+    from ess_sglang.kernels.step_rows import step_rows_torch, step_rows_triton
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    table = torch.randint(-1, 1 << 40, (300, 33_000), device=dev, generator=g)
+    rpi = torch.randint(0, 300, (160,), device=dev, generator=g)
+    lens = torch.randint(0, 33_000, (160,), device=dev, generator=g)
+    real = torch.tensor([150], dtype=torch.int32, device=dev)
+    assert torch.equal(step_rows_triton(rpi, lens, real, table, 123_456), step_rows_torch(rpi, lens, real, table,
+                                                                                         123_456))
+
+
 def test_one_launch_prefetch_claim_on_thousands_of_programs(cap_fraction):
     """`HotPoolCacheManager.prefetch_above` at batch 64 over 32K positions (2,048 programs at once, racing on the
     per-request counters, the claims and the shared rank), against the candidate kernels then the spare-only claim:
