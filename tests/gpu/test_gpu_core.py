@@ -364,7 +364,6 @@ def test_plugin_prefetch_step_is_captured_in_a_cuda_graph_and_exact():
           f"{plan.spare_slots} spare slots per layer")
 
 
-@pytest.mark.parametrize("cap_fraction", [1.0, 0.001])
 def test_step_rows_kernel_matches_its_definition():
     """The SGLang plugin's per-step rows (kernels/step_rows.py) on the GPU, at a CUDA-graph-padded batch of 160."""
     from ess_sglang.kernels.step_rows import step_rows_torch, step_rows_triton
@@ -379,6 +378,7 @@ def test_step_rows_kernel_matches_its_definition():
                                                                                          123_456))
 
 
+@pytest.mark.parametrize("cap_fraction", [1.0, 0.001])
 def test_one_launch_prefetch_claim_on_thousands_of_programs(cap_fraction):
     """`HotPoolCacheManager.prefetch_above` at batch 64 over 32K positions (2,048 programs at once, racing on the
     per-request counters, the claims and the shared rank), against the candidate kernels then the spare-only claim:
