@@ -37,45 +37,75 @@ def trace_events(trace_path: Path) -> tuple[list[dict], list[dict]]:
 
 
 def kernel_table(trace_path: Path, steps: int) -> dict:
-    """Kernel time per decode step from a torch-profiler chrome trace, grouped by kernel name; the GPU's busy share of
-    the kernels' window (the rest is the GPU waiting for the host); and the host spans (inclusive) per step."""
+    """Kernel time per decode step from a torch-profiler chrome trace, grouped by kernel name (summed durations); the
+    GPU's busy time (overlapping kernels counted once) and its share of the kernels' window (the rest is the GPU
+    waiting for the host); and the host spans (inclusive) per step."""
     events, kernels = trace_events(trace_path)
     if not kernels:
-        return {"steps": steps, "gpu_ms_per_step": None, "window_ms_per_step": None, "gpu_busy_share": None,
+        return {"steps": steps, "gpu_ms_per_step": None, "busy_ms_per_step": None, "window_ms_per_step": None,
+                "gpu_busy_share": None,
                 "kernels": [], "host": []}
     start = min(e["ts"] for e in kernels)
     end = max(e["ts"] + e["dur"] for e in kernels)
-    busy, reach = 0.0, start
-    for e in sorted(kernels, key=lambda e: e["ts"]):  # union of kernel intervals (streams overlap)
-        lo, hi = max(e["ts"], reach), e["ts"] + e["dur"]
-        if hi > lo:
-            busy += hi - lo
-            reach = hi
+    busy = busy_and_alone(kernels)[0]  # (kernels that overlap, on streams or through PDL, counted once)
     host = [e for e in events if e.get("cat") in HOST_CATEGORIES and "dur" in e]
     return {"steps": steps, "gpu_ms_per_step": sum(e["dur"] for e in kernels) / steps / 1000,
-            "window_ms_per_step": (end - start) / steps / 1000,
+            "busy_ms_per_step": busy / steps / 1000, "window_ms_per_step": (end - start) / steps / 1000,
             "gpu_busy_share": busy / (end - start) if end > start else None,
             "kernels": _per_step(kernels, steps, 40), "host": _per_step(host, steps, 60)}
 
 
+def busy_and_alone(kernels: list[dict]) -> tuple[float, dict[str, float]]:
+    """(time any kernel runs, per kernel name the time it runs with no kernel of another name beside it), in the
+    trace's units. A kernel launched with programmatic dependent launch (the ESS resolve's) starts while the one
+    before it runs and waits on the device, so summed durations count that wait twice; busy time and time alone do
+    not."""
+    edges = sorted([(e["ts"], 1, e["name"][:160]) for e in kernels] + [(e["ts"] + e["dur"], -1, e["name"][:160])
+                                                                       for e in kernels])
+    active: dict[str, int] = defaultdict(int)
+    alone: dict[str, float] = defaultdict(float)
+    busy, last = 0.0, None
+    for t, step, name in edges:
+        if last is not None and t > last and active:
+            busy += t - last
+            if len(active) == 1:
+                alone[next(iter(active))] += t - last
+        active[name] += step
+        if not active[name]:
+            del active[name]
+        last = t
+    return busy, dict(alone)
+
+
 def kernel_diff(trace_a: Path, trace_b: Path, steps: int, least_us: float = 1.0) -> dict:
     """Per decode step, the kernel time of trace A minus trace B, by kernel name (every kernel, not only the top
-    ones): where one system's step spends GPU time the other's does not. Rows whose difference is under `least_us`
-    are left out of the list, not of the total."""
-    def per_name(path: Path) -> tuple[dict, dict]:
+    ones): where one system's step spends GPU time the other's does not. Summed durations (``us_a``, ``us_b``) and
+    the time each name runs alone (``alone_us_a``, ``alone_us_b``: ``busy_and_alone``); the totals also as busy time
+    (``busy_us_per_step_a``, ``_b``), the step's GPU time with overlapping kernels counted once, and the time only
+    kernels that B never runs run in A (``own_alone_us_per_step_a``: ESS's own kernels against all-HBM, with the
+    chain of PDL launches among them counted once). Rows whose summed difference is under `least_us` are left out of
+    the list, not of the totals."""
+    def per_name(kernels: list[dict]) -> tuple[dict, dict, float, dict]:
         us: dict[str, float] = defaultdict(float)
         calls: dict[str, int] = defaultdict(int)
-        for e in trace_events(path)[1]:
+        for e in kernels:
             us[e["name"][:160]] += e["dur"] / steps
             calls[e["name"][:160]] += 1
-        return us, calls
+        busy, alone = busy_and_alone(kernels)
+        return us, calls, busy / steps, {n: t / steps for n, t in alone.items()}
 
-    (ua, ca), (ub, cb) = per_name(trace_a), per_name(trace_b)
+    kernels_a = trace_events(trace_a)[1]
+    (ua, ca, busy_a, alone_a), (ub, cb, busy_b, alone_b) = per_name(kernels_a), per_name(trace_events(trace_b)[1])
+    own = set(ua) - set(ub)  # kernels only system A runs (ESS's own, against all-HBM)
+    busy_a_without_own = busy_and_alone([e for e in kernels_a if e["name"][:160] not in own])[0] / steps
     rows = [{"name": n, "us_per_step_diff": ua.get(n, 0.0) - ub.get(n, 0.0), "us_a": ua.get(n, 0.0),
-             "us_b": ub.get(n, 0.0), "calls_a": ca.get(n, 0) / steps, "calls_b": cb.get(n, 0) / steps}
+             "us_b": ub.get(n, 0.0), "alone_us_a": alone_a.get(n, 0.0), "alone_us_b": alone_b.get(n, 0.0),
+             "calls_a": ca.get(n, 0) / steps, "calls_b": cb.get(n, 0) / steps}
             for n in set(ua) | set(ub)]
     rows.sort(key=lambda r: -abs(r["us_per_step_diff"]))
     return {"steps": steps, "us_per_step_a": sum(ua.values()), "us_per_step_b": sum(ub.values()),
+            "busy_us_per_step_a": busy_a, "busy_us_per_step_b": busy_b,
+            "own_alone_us_per_step_a": busy_a - busy_a_without_own,
             "kernels": [r for r in rows if abs(r["us_per_step_diff"]) >= least_us]}
 
 
@@ -166,7 +196,9 @@ def main(argv=None) -> int:
         diff = kernel_diff(args.out / f"trace_{a}" / tables[a]["trace"], args.out / f"trace_{b}" / tables[b]["trace"],
                            args.steps)
         (args.out / f"kernel_diff_{a}_vs_{b}.json").write_text(json.dumps(diff, indent=1))
-        print(f"\n{a} - {b}: {diff['us_per_step_a'] - diff['us_per_step_b']:+.1f} us of kernel time a step")
+        print(f"\n{a} - {b}: {diff['us_per_step_a'] - diff['us_per_step_b']:+.1f} us of summed kernel time a step, "
+              f"{diff['busy_us_per_step_a'] - diff['busy_us_per_step_b']:+.1f} us of GPU busy time, of which "
+              f"{diff['own_alone_us_per_step_a']:.1f} us kernels only {a} runs, alone")
         for k in diff["kernels"][:25]:
             print(f"  {k['us_per_step_diff']:+9.1f} us  {k['calls_a']:5.1f}x / {k['calls_b']:5.1f}x  {k['name'][:100]}")
     return 0

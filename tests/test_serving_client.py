@@ -131,6 +131,37 @@ def test_profile_kernel_table_groups_kernels_per_step(tmp_path):
                                                                                            ("attn", 30, 1.0)]
 
 
+def test_profile_busy_time_counts_overlapping_kernels_once():
+    """A kernel that starts while the one before it runs (programmatic dependent launch) and waits: summed durations
+    count the overlap twice, busy time once; each name's time alone excludes it."""
+    from serving_profile import busy_and_alone
+
+    kernels = [{"name": "lookup", "ts": 0, "dur": 10}, {"name": "ages", "ts": 4, "dur": 12},  # ages waits 4-10
+               {"name": "attn", "ts": 20, "dur": 5}, {"name": "attn", "ts": 22, "dur": 5}]  # two streams
+    busy, alone = busy_and_alone(kernels)
+    assert busy == 16 + 7
+    assert alone == {"lookup": 4, "ages": 6, "attn": 7}
+
+
+def test_profile_kernel_diff_counts_one_systems_own_kernels_alone(tmp_path):
+    import gzip
+
+    from serving_profile import kernel_diff
+
+    def trace(name, kernels):
+        path = tmp_path / f"{name}.trace.json.gz"
+        with gzip.open(path, "wt") as f:
+            json.dump({"traceEvents": [dict(k, cat="kernel") for k in kernels]}, f)
+        return path
+
+    ess = trace("ess", [{"name": "attn", "ts": 0, "dur": 10}, {"name": "lookup", "ts": 10, "dur": 3},
+                        {"name": "ages", "ts": 11, "dur": 4}, {"name": "attn", "ts": 14, "dur": 10}])
+    hbm = trace("hbm", [{"name": "attn", "ts": 0, "dur": 10}, {"name": "attn", "ts": 10, "dur": 10}])
+    d = kernel_diff(ess, hbm, steps=1)
+    assert d["us_per_step_a"] - d["us_per_step_b"] == 7 and d["busy_us_per_step_a"] - d["busy_us_per_step_b"] == 4
+    assert d["own_alone_us_per_step_a"] == 4  # lookup and ages (overlapping) until attention starts again
+
+
 def test_plan_files_name_servers_with_their_own_concurrency_and_knobs(tmp_path):
     plans = sorted((ROOT / "benchmarks" / "plans").glob("serving_*.json"))
     assert plans
