@@ -51,16 +51,18 @@ def selections(batch, q_tokens, hit, gen, context=CONTEXT):
 
 
 def bench_one(host, batch, q_tokens, hit, copy_impl, gen, reps=2, new_tokens=None, decay_gamma=None, slots=None,
-              tail="three"):
-    """`slots`: the hot pool (default 1.25 selections); `tail`: "three" launches after the lookup without spare
-    slots (the default), or "merged" into one (`_tail_kernel`, as with spare slots)."""
+              tail="auto"):
+    """`slots`: the hot pool (default 1.25 selections); `tail`: the launches after the lookup without spare slots:
+    "auto" as shipped (merged into one up to `MERGED_TAIL_MAX_ENTRIES` entries, else three), "three" or "merged"."""
     dev = torch.device("cuda")
     tokens = batch * CONTEXT
     slots = slots or (batch * q_tokens * TOP_K * 5 // 4 + 63) // 64 * 64
     m = HotPoolCacheManager(host, slots, device=dev, max_selected=batch * (q_tokens * TOP_K + 1), copy_impl=copy_impl,
                             decay_gamma=decay_gamma)
-    if tail == "merged":
-        m._fused.tail_programs = m._fused.scan_programs
+    if tail == "three":
+        m._fused.tail_programs = None
+    elif tail == "merged":
+        m._fused.merged_tail_max_entries = 1 << 30
     req_to_token = torch.arange(tokens, device=dev, dtype=torch.int32).view(batch, CONTEXT)
     rpi = torch.arange(batch, device=dev)
     seq = torch.full((batch,), CONTEXT, device=dev)
@@ -118,9 +120,10 @@ def main(argv=None):
     p.add_argument("--pool-slots", default="",
                    help="with --profile: hot-pool sizes (slots) to profile instead of 1.25 selections, pools filled; "
                         "with --new-tokens: one size, the pool of every row")
-    p.add_argument("--tail", default="three",
-                   help="with --new-tokens: comma-separated three, merged: the launches after the lookup without spare "
-                        "slots (three: the default; merged: one, as with spare slots), timed in the same run")
+    p.add_argument("--tail", default="auto",
+                   help="with --new-tokens: comma-separated auto, three, merged: the launches after the lookup without "
+                        "spare slots (auto: as shipped, merged into one for one or two requests; three; merged), timed "
+                        "in the same run")
     args = p.parse_args(argv)
     if args.profile:
         return profile([int(x) for x in args.batches.split(",")],
@@ -136,8 +139,8 @@ def main(argv=None):
         if bad:
             p.error(f"--new-tokens: {', '.join(bad)} (choose from on_demand, insert)")
         tails = [x for x in args.tail.split(",") if x]
-        if not tails or any(x not in ("three", "merged") for x in tails):
-            p.error(f"--tail: {args.tail!r} (comma-separated three, merged)")
+        if not tails or any(x not in ("auto", "three", "merged") for x in tails):
+            p.error(f"--tail: {args.tail!r} (comma-separated auto, three, merged)")
         slots = int(args.pool_slots) if args.pool_slots else None
         for q in [int(x) for x in args.q_tokens.split(",")]:
             for batch in batches:

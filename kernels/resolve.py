@@ -2,8 +2,8 @@
 
 The plain-torch definition is `HotPoolCacheManager` with `resolve_impl="torch"` (ess_sglang/cache_manager.py): these
 kernels compute the same maps, counters and slot table. A resolve is five launches over the selection (n entries)
-or the layer's slots (S), with every count kept on the device (three with spare slots: K2-K4 are then one launch,
-below):
+or the layer's slots (S), with every count kept on the device (three with spare slots, and without them for one or
+two requests: K2-K4 are then one launch, below):
 
     K1 lookup     entry -> KV location (bounds-checked through the request's own row; a padding entry, request
                   row -1, is ignored), slot = loc_to_slot[loc];
@@ -62,6 +62,12 @@ assume every program of the tail is resident at once (2 x SMs programs of 2 warp
 SMs): true on a whole GPU, not guaranteed where the GPU is shared by SM limits (MPS), which this does not check;
 `tail_programs = None` there gives the three launches.
 
+Without spare slots, a resolve of at most `MERGED_TAIL_MAX_ENTRIES` entries (one or two requests at top-k 2048, with
+their tokens) runs the merged tail too, scanning the pool inside it: over a 101,696-slot pool with each request's
+token inserted (the SGLang plugin at one and two 32K requests) the resolve took 9.1 / 9.3 us against 10.3 / 10.5 with
+the three launches; at batch 16 and 48 over pools of 1.25 selections the merged tail was 3.5-5.4 us slower (H100,
+2026-12-07; docs/design.md, "Resolve"). Larger resolves without spare slots keep the three launches.
+
 With no spare slots (the default) every winner overflows and the resolve is the plain LRU one. With enough of them,
 the tail finds no victims to list and no winners to walk, and returns at once: the two pool scans run instead in
 `refill`, off the critical path (the decode stack queues it beside attention), in every step or, with a refill
@@ -98,6 +104,9 @@ LOOKUP_COPY_ROWS = 16  # spare-slot winners a lookup program copies at a time (f
 # with spare slots ran 14-31 us a layer slower on the H200 than K4's persistent walk (2026-11-30;
 # docs/design.md, "Resolve")
 LOOKUP_COPY_CAP = 1024
+# A resolve without spare slots runs its scans and assign walk as the merged tail up to this many entries, the three
+# launches above it (see the module docstring: faster at batch 1-2, slower at 16-48)
+MERGED_TAIL_MAX_ENTRIES = 4608
 NEW_TOKEN_ROWS = 4  # this step's tokens a write-back program of the finish kernel stores (one per request)
 AGE_BUCKETS = 256
 # scratch words: winners (misses) of the call, victims found older than T and at T, the age histogram
@@ -734,11 +743,11 @@ class FusedResolver:
         # H200, 2026-11-30; victims over 8 x SMs measured no faster; docs/design.md, "Resolve")
         self.refill_age_programs: int | None = None
         self.refill_victim_programs: int | None = None
-        # With spare slots, K2-K4 of a resolve run as one launch (`_tail_kernel`) over this many programs (at least
-        # the assign walk's): all resident at once, as its grid-wide waits need; one under the interpreter, which
-        # runs programs in turn. None: three launches, as without spare slots (whose scans need a program a block)
-        self.tail_programs: int | None = (1 if _one_program(device) else self.scan_programs) if num_spare > 0 \
-            else None
+        # K2-K4 of a resolve as one launch (`_tail_kernel`) over this many programs (at least the assign walk's): all
+        # resident at once, as its grid-wide waits need; one under the interpreter, which runs programs in turn.
+        # With spare slots always, without them up to `merged_tail_max_entries` entries. None: three launches always
+        self.tail_programs: int | None = 1 if _one_program(device) else self.scan_programs
+        self.merged_tail_max_entries = MERGED_TAIL_MAX_ENTRIES
         self.lookup_block = 256  # entries per program of the lookup (256: 5.2 us at batch 64, 1024: 6.5)
         self.lookup_copy_cap = LOOKUP_COPY_CAP  # a resolve's misses ranked below this are copied by the lookup
         self.max_entries = 0
@@ -902,7 +911,8 @@ class FusedResolver:
                     C_FETCH_B=fb, C_EVICT=counter_ids["EVICTIONS"], C_OVERFLOW=counter_ids["OVERFLOW"],
                     C_NEW=counter_ids["NEW_TOKENS"], STAMP_BACK=0 if protect else 1, ROWS=ROWS, CLEAR=block,
                     num_warps=NUM_WARPS, **self._pdl(True))
-        if self.tail_programs is not None:  # K2-K4 in one launch
+        if self.tail_programs is not None and (self.num_spare > 0 or n <= self.merged_tail_max_entries):
+            # K2-K4 in one launch
             grid = 1 if _one_program(self.device) else max(self.tail_programs, assign)
             _tail_kernel[(grid,)](
                 stamp, clock, self.scratch, self.victims, self.over_loc, self.over_idx, self.took_loc,

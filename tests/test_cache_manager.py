@@ -261,21 +261,20 @@ def test_shapes_are_checked(impl):
         m.resolve(0, torch.zeros(2, 1, 8, dtype=torch.int32), table.req_to_token, rpi, sl[:1])
 
 
-@pytest.mark.parametrize("small_blocks,spare,interval,gamma,merged", [
-    (False, 0, 1, None, False), (True, 0, 1, None, False), (False, 24, 1, None, False), (True, 24, 1, None, False),
-    (True, 120, 1, None, False), (True, 120, 3, None, False), (False, 120, 4, None, False),
+@pytest.mark.parametrize("small_blocks,spare,interval,gamma", [
+    (False, 0, 1, None), (True, 0, 1, None), (False, 24, 1, None), (True, 24, 1, None), (True, 120, 1, None),
+    (True, 120, 3, None), (False, 120, 4, None),
     # decayed retention: the stamps carry bonuses, the scans bucket by decayed count
-    (False, 0, 1, 0.75, False), (True, 24, 1, 0.75, False), (False, 120, 3, 0.6, False),
-    # without spare slots, the scans and the assign walk as the merged tail (one launch)
-    (False, 0, 1, None, True), (False, 0, 1, 0.75, True)])
-def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, spare, interval, gamma, merged):
+    (False, 0, 1, 0.75), (True, 24, 1, 0.75), (False, 120, 3, 0.6)])
+def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, spare, interval, gamma):
     """A random mix of every operation on both paths: every map, stamp, counter and hot entry equal, every step.
 
     (Triton's interpreter runs programs in order, so even the order of the miss and victim lists matches.)
     `small_blocks`: the pool scans and the lookup in many programs, as over a large pool on the GPU (blocks without
-    ages or victims of their own skip the shared atomics; with spare slots a resolve's scans as three launches (not
-    the merged tail the other cases run), and with 24 a refill's victim scan, in a short grid whose programs walk
-    several blocks), and the lookup copying only the first 8 misses
+    ages or victims of their own skip the shared atomics; a resolve's scans as three launches, not the merged tail
+    the other cases run (with spare slots always; without them, these selections being small), and with 24 a
+    refill's victim scan, in a short grid whose programs walk several blocks), and the lookup copying only the
+    first 8 misses
     (the assign kernel copies the spare-slot winners after those). `spare`: spare slots per layer, refilled after each
     layer's resolve (24: fewer than the misses of most resolves, so the rest take LRU victims; 120: most covered),
     when due (`interval`: a refill interval, so that some refills are not due although spare slots were taken, and
@@ -294,8 +293,6 @@ def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, 
         f.tail_programs = None  # (as three launches: the merged tail is one program under the interpreter)
         if spare == 24:  # and a refill's victim scan 5 blocks a program (its age scan one block each, the default)
             f.refill_victim_programs = 2
-    if merged:
-        pair[1][0]._fused.tail_programs = 1  # (one program under the interpreter, as the merged tail always is)
     state = ("hot_entries", "loc_to_slot", "slot_to_loc", "slot_stamp", "clock", "counters", "spare_taken")
     not_due = 0
     for step in range(12):

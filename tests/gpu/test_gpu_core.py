@@ -112,13 +112,13 @@ def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact(s
     step of a layer, or when fewer than a quarter of its spare slots are left): otherwise the spare slots taken stay
     as they are. `gamma`: decayed retention (hits restamped with their bonus by many programs at once, duplicates
     among them). `merged`: without spare slots, the scans and the assign walk as one launch (`_tail_kernel`, whose
-    grid-wide waits then run in every resolve)."""
+    grid-wide waits then run in every resolve), as the plugin's resolves of one or two requests run them."""
     dev = torch.device("cuda")
     lengths, top_k, layers = (16000,) * 8, 2048, 2
     m, host, table, rpi, seq = _setup(layers, lengths=lengths, slots=48_000, top_k=2 * top_k, spare=spare,
                                       refill_interval=interval, decay_gamma=gamma)
-    if merged:
-        m._fused.tail_programs = m._fused.scan_programs
+    if merged:  # (a selection of this size runs the three launches unless told otherwise)
+        m._fused.merged_tail_max_entries = 1 << 30
     table.set(int(rpi[1]), 0, table.req_to_token[int(rpi[0]), :8000].clone())  # request 1 shares 0's prefix
     B = len(lengths)
     g = torch.Generator(device=dev).manual_seed(5)
