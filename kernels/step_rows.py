@@ -12,8 +12,8 @@ For a batch of B entries (request rows `rpi`, lengths `lens` including the token
     5 new_token_rows  new_token_base + rpi: the device-pool row of the request's new-token slot
 
 `step_rows_torch` is the definition, `step_rows_triton` the kernel (one program over the batch). In the SGLang
-plugin these were about fifteen small torch launches in layer 0 of every decode step (SGLang's profiler at one
-32K request on an H100: ten more index and elementwise kernels than all-HBM's step, about 30 us with their gaps).
+plugin these were about fifteen small torch launches (casts, compares, where, clamp, a gather) in layer 0 of every
+decode step; the kernel took 1.4 us at one 32K request on an H100 (SGLang's profiler).
 """
 
 from __future__ import annotations
