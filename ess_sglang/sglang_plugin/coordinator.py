@@ -315,8 +315,8 @@ class EssCoordinator:
         spare slots or for one or two requests; the torch resolve adds its own): what depends only on the batch is
         computed once a step (`rows_of_step`), padding rows reach the resolve as request row -1 (ignored there), the
         resolve writes device-pool rows itself (`slot_offset`) and writes the token back after the selection, reading
-        its entry in place from its new-token slot (`new_tokens`). In the decode harness on the H200 the per-layer torch ops
-        this replaced (about a dozen small launches) cost 24-29 us a layer at batch 64, 32K and 128K
+        its entry in place from its new-token slot (`new_tokens`). In the decode harness on the H200 the per-layer
+        torch ops this replaced (about a dozen small launches) cost 24-29 us a layer at batch 64, 32K and 128K
         (benchmarks/RESULTS.md, decode_layers)."""
         if top_k_result.dim() != 2:
             raise NotImplementedError("ESS: multi-token (speculative) decode steps are not supported")
