@@ -465,3 +465,14 @@ def test_validate_cli_on_the_committed_serving_runs(tmp_path, capsys):
     args = parser.parse_args(["--validate", str(tmp_path / "nothing.json"), "--out", str(tmp_path)])
     assert cli.run(args) == 2
     assert "not a serving.json" in capsys.readouterr().err
+
+
+def test_host_memory_binds_at_128k_on_2tb_and_hbm_on_3tb():
+    """docs/simulator.md, "Host memory at 128K": the DGX H200's 2 TB caps the 128K batch at 46 requests per GPU; with
+    3 TB the HBM bound (69) binds, and throughput per node peaks below it (the hot pool shrinks)."""
+    two = run_scenario(load_scenario(SCENARIOS / "paper-128k.yaml"))
+    three = run_scenario(load_scenario(SCENARIOS / "paper-128k-3tb.yaml"))
+    assert (two["capacity"]["max_batch_with_ess"], two["capacity"]["max_batch_with_ess_limited_by"]) == (46, "host_memory")
+    assert (three["capacity"]["max_batch_with_ess"], three["capacity"]["max_batch_with_ess_limited_by"]) == (69, "hbm")
+    by_batch = {r["batch"]: r["throughput"] for r in three["rows"] if r["ess"] and r["fits"]}
+    assert by_batch[64] > by_batch[46] * 1.1 and by_batch[69] < by_batch[64]
