@@ -472,7 +472,9 @@ def test_host_memory_binds_at_128k_on_2tb_and_hbm_on_3tb():
     3 TB the HBM bound (69) binds, and throughput per node peaks below it (the hot pool shrinks)."""
     two = run_scenario(load_scenario(SCENARIOS / "paper-128k.yaml"))
     three = run_scenario(load_scenario(SCENARIOS / "paper-128k-3tb.yaml"))
-    assert (two["capacity"]["max_batch_with_ess"], two["capacity"]["max_batch_with_ess_limited_by"]) == (46, "host_memory")
-    assert (three["capacity"]["max_batch_with_ess"], three["capacity"]["max_batch_with_ess_limited_by"]) == (69, "hbm")
+    def limit(result):
+        return result["capacity"]["max_batch_with_ess"], result["capacity"]["max_batch_with_ess_limited_by"]
+
+    assert limit(two) == (46, "host_memory") and limit(three) == (69, "hbm")
     by_batch = {r["batch"]: r["throughput"] for r in three["rows"] if r["ess"] and r["fits"]}
     assert by_batch[64] > by_batch[46] * 1.1 and by_batch[69] < by_batch[64]
