@@ -217,7 +217,6 @@ class HotPoolCacheManager:
         """`max_selected` sizes scratch tensors for the largest selection (batch x q_tokens x top_k) one call sees,
         plus the batch where a resolve inserts the step's tokens (`NewTokens.insert`).
 
-
         `resolve_impl`: "triton" (the fused kernels of ess_sglang.kernels.resolve), "torch" (plain torch ops, the
         definition the kernels are tested against) or "auto" (triton on CUDA, torch on CPU).
         `copy_impl` picks FlashTrans's implementation for the torch path ("auto": the Triton kernel on CUDA, torch on
@@ -360,7 +359,9 @@ class HotPoolCacheManager:
         fused_new = new_tokens is not None and self._fused is not None and self.on_transfer is None \
             and self.copy_impl != "none" and topk_pos.numel() > 0
         insert = new_tokens is not None and new_tokens.insert and topk_pos.numel() > 0
-        ins_locs = new_tokens.locs.to(self.device, torch.int64).contiguous() if insert else None
+        # this step's tokens as the kernels read them (int64, on the device), once for the write-back and the insert
+        new_locs = new_tokens.locs.to(self.device, torch.int64).contiguous() if fused_new or insert else None
+        ins_locs = new_locs if insert else None
         if fetch_list is not None:
             fetch_list.check_holds(topk_pos.numel() + (B if insert else 0), "resolve", "selection")
             if self._unsettled_prefetch is not None and \
@@ -374,7 +375,7 @@ class HotPoolCacheManager:
                                     seq_lens=seq_lens, req_pool_indices=req_pool_indices, req_to_token=req_to_token,
                                     per_batch=topk_pos.shape[1] * topk_pos.shape[2], fetch_list=fetch_list,
                                     table_offset=slot_offset, new_tokens=(
-                                        new_tokens.locs.to(self.device, torch.int64).contiguous(),
+                                        new_locs,
                                         new_tokens.entry_rows.to(self.device).contiguous(), new_tokens.entries,
                                         self.host.layer(layer)) if fused_new else None, insert_locs=ins_locs)
         else:

@@ -457,7 +457,7 @@ def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_pt
                    pend_count_ptr, taken_ptr, num_spare, n, n_sel, copy_cap, COPY: tl.constexpr, PEND: tl.constexpr,
                    WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr, C_FETCH_A: tl.constexpr, C_FETCH_B: tl.constexpr,
                    C_EVICT: tl.constexpr, C_OVERFLOW: tl.constexpr,
-                 C_NEW: tl.constexpr, STAMP_BACK: tl.constexpr, ROWS: tl.constexpr,
+                   C_NEW: tl.constexpr, STAMP_BACK: tl.constexpr, ROWS: tl.constexpr,
                    CLEAR: tl.constexpr, PDL: tl.constexpr):
     _pdl_enter(PDL)
     _assign_walk(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr, l2s_ptr, s2l_ptr,
