@@ -241,7 +241,14 @@ class EssConfig(BaseModel):
     claim launches. None: on wherever it can run (a GPU of compute capability 9.0+); true on an older GPU is refused
     at start-up."""
     scrub_on_free: StrictBool = False
-    """Zero host and hot-pool entries when their tokens are freed (costs PCIe / HBM bandwidth)."""
+    """Zero host and hot-pool entries when their tokens are freed (costs PCIe / HBM bandwidth). SGLang plugin: a
+    finished request's host entries, on the GPU's stream over PCIe, before the host pool can give them out again; its
+    hot slots are released (a slot is read only after a fetch or the resolve's write-back filled it)."""
+    invariant_check_interval_steps: NonNegativeInt = 0
+    """SGLang plugin: every this many decode steps, between two steps, synchronise the GPU and check ESS's state (the
+    hot pools' maps, the host pool's bookkeeping, the admission reservations); violations are logged and counted in
+    sglang:ess_invariant_violations_total. 0: never (the checks read every layer's maps back: milliseconds a check).
+    The same checks, and that everything is released, run whenever the scheduler goes idle, whatever this is."""
     overlap_profile: Annotated[str, _rule(lambda v: v.strip() != "", "a non-empty path")] | None = None
     """Path to a per-layer overlap profile YAML (which layers use DA and which DBA)."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)

@@ -112,6 +112,12 @@ HOST_POOL_TOTAL = PREFIX + "host_pool_tokens"
 HOT_POOL_USED = PREFIX + "hot_pool_used_slots"
 HOT_POOL_TOTAL = PREFIX + "hot_pool_slots"
 QUEUED_FOR_HOST = PREFIX + "host_capacity_queue_reqs"
+ADMITTED = PREFIX + "admitted_requests"
+INVARIANT_CHECKS_TOTAL = PREFIX + "invariant_checks_total"
+INVARIANT_VIOLATIONS_TOTAL = PREFIX + "invariant_violations_total"
+CHECK_WHEN = ("running", "idle")
+"""When the SGLang plugin's self-checks run (ess_sglang/sglang_plugin/health.py): between decode steps, and when
+the scheduler is idle."""
 
 _GAUGE_DOCS = {
     TRANSFER_GBPS: "Achieved FlashTrans bandwidth while transferring (bytes / transfer seconds) over the last readout "
@@ -122,6 +128,7 @@ _GAUGE_DOCS = {
     HOT_POOL_USED: "Used hot-pool slots (per layer with per-layer metrics, else summed over layers).",
     HOT_POOL_TOTAL: "Hot-pool slots (per layer with per-layer metrics, else summed over layers).",
     QUEUED_FOR_HOST: "Requests waiting for host-pool capacity before they can be admitted.",
+    ADMITTED: "Requests holding an ESS admission reservation (host entries, hot slots): 0 when the server is idle.",
 }
 
 
@@ -129,6 +136,7 @@ def series_names() -> dict[str, str]:
     """Every series name EssMetrics registers -> its prometheus type ("counter", "gauge" or "histogram")."""
     names = {s.name: "counter" for s in COUNTER_SERIES}
     names[STEPS_TOTAL] = names[READOUTS_DEFERRED_TOTAL] = "counter"
+    names[INVARIANT_CHECKS_TOTAL] = names[INVARIANT_VIOLATIONS_TOTAL] = "counter"
     names[TRANSFER_SECONDS] = "histogram"
     names.update(dict.fromkeys(_GAUGE_DOCS, "gauge"))
     return names
@@ -292,6 +300,12 @@ class EssMetrics:
         self._deferred = self._child(_family(
             reg, PromCounter, READOUTS_DEFERRED_TOTAL,
             "Readouts skipped because the previous counter copy had not completed (should stay near 0).", base))
+        checks = _family(reg, PromCounter, INVARIANT_CHECKS_TOTAL, "Self-checks of ESS's state run (maps, pools, "
+                         "reservations; at idle also the idle values), by when they ran.", base + ("when",))
+        self._checks = {w: self._child(checks, when=w) for w in CHECK_WHEN}
+        self._violations = self._child(_family(
+            reg, PromCounter, INVARIANT_VIOLATIONS_TOTAL,
+            "Violations those self-checks found (each one is logged as 'ESS invariant violated'): must stay 0.", base))
         hist = _family(reg, Histogram, TRANSFER_SECONDS, "Duration of one FlashTrans transfer (one layer's gather or "
                        "scatter), by direction, as timed by the caller of observe_transfer.", base + ("direction",),
                        buckets=TRANSFER_SECONDS_BUCKETS)
@@ -310,6 +324,8 @@ class EssMetrics:
         self._hot_total_g = self._kids(gauge(HOT_POOL_TOTAL, base + layer), {})
         self._queued = self._child(gauge(QUEUED_FOR_HOST, base))
         self._queued.set(0)
+        self._admitted = self._child(gauge(ADMITTED, base))
+        self._admitted.set(0)
         for g in self._hot_total_g:
             g.set(manager.slots_per_layer * (1 if self.per_layer else L))
         self._set_host_gauges(manager.host.num_used, manager.host.num_tokens)
@@ -410,6 +426,21 @@ class EssMetrics:
         """Requests the engine holds back because the host pool cannot take them yet (admission control)."""
         if self.enabled and not self._closed:
             self._queued.set(n)
+
+    def set_admitted_requests(self, n: int) -> None:
+        """Requests holding an admission reservation."""
+        if self.enabled and not self._closed:
+            self._admitted.set(n)
+
+    def note_invariant_check(self, when: str, violations: int) -> None:
+        """One self-check ran (`when`: "running" or "idle") and found `violations` violations."""
+        if not self.enabled or self._closed:
+            return
+        if when not in CHECK_WHEN:
+            raise ValueError(f"when must be one of {CHECK_WHEN}, got {when!r}")
+        self._checks[when].inc()
+        if violations:
+            self._violations.inc(violations)
 
     def flush(self, wait: bool = True) -> bool:
         """Publish everything counted so far: finish the readout in flight, then take and publish a fresh one.

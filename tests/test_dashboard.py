@@ -200,6 +200,9 @@ def test_alerts_fire_when_they_should(tmp_path):
                 # instance a: an all-resident lookup misses 2 entries at minute 10
                 {"series": f"sglang:ess_not_resident_entries_total{{{a}}}", "values": "0x9 2x20"},
                 {"series": f"sglang:ess_not_resident_entries_total{{{b}}}", "values": "0x30"},
+                # instance b: a self-check finds one violation at minute 6
+                {"series": f"sglang:ess_invariant_violations_total{{{a}}}", "values": "0x30"},
+                {"series": f"sglang:ess_invariant_violations_total{{{b}}}", "values": "0x5 1x25"},
             ],
             "alert_rule_test": [
                 {"eval_time": "4m", "alertname": "EssHitRateLow", "exp_alerts": []},  # pending (for: 5m)
@@ -216,6 +219,11 @@ def test_alerts_fire_when_they_should(tmp_path):
                 {"eval_time": "12m", "alertname": "EssNotResident", "exp_alerts": [{
                     "exp_labels": {**labels, "instance": "a:1", "severity": "critical"},
                     "exp_annotations": _annotations("EssNotResident", {**labels, "instance": "a:1"}, 2)}]},
+                {"eval_time": "4m", "alertname": "EssInvariantViolated", "exp_alerts": []},
+                {"eval_time": "8m", "alertname": "EssInvariantViolated", "exp_alerts": [{
+                    "exp_labels": {**labels, "instance": "b:1", "severity": "critical"},
+                    "exp_annotations": _annotations("EssInvariantViolated", {**labels, "instance": "b:1"}, 1)}]},
+                {"eval_time": "22m", "alertname": "EssInvariantViolated", "exp_alerts": []},
                 {"eval_time": "22m", "alertname": "EssHotPoolOverflow", "exp_alerts": [{
                     "exp_labels": {**labels, "instance": "b:1", "severity": "critical"},
                     "exp_annotations": _annotations("EssHotPoolOverflow", {**labels, "instance": "b:1"}, 3)}]},

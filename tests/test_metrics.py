@@ -101,7 +101,7 @@ def test_sglang_label_set():
         for s in fam.samples:
             extra = set(s.labels) - set(m.labels)
             assert set(m.labels) <= set(s.labels), s
-            assert extra <= {"direction", "le"}, (s.name, extra)  # no layer label unless per_layer
+            assert extra <= {"direction", "le", "when"}, (s.name, extra)  # no layer label unless per_layer
     assert set(SGLANG_LABEL_NAMES) <= set(sglang_labels("x"))
     assert "dp_rank" not in sglang_labels("x")
 
@@ -188,6 +188,21 @@ def test_pool_gauges_follow_the_manager():
     assert _value(reg, PREFIX + "transfer_bytes_total", direction="h2d") == 14 * E
     m.set_queued_for_host_capacity(5)
     assert _value(reg, PREFIX + "host_capacity_queue_reqs") == 5
+
+
+def test_self_checks_and_admitted_requests():
+    m, reg = _metrics(_manager())
+    assert _value(reg, PREFIX + "admitted_requests") == 0
+    m.set_admitted_requests(3)
+    assert _value(reg, PREFIX + "admitted_requests") == 3
+    m.note_invariant_check("idle", 0)
+    m.note_invariant_check("running", 2)
+    m.note_invariant_check("running", 0)
+    assert _value(reg, PREFIX + "invariant_checks_total", when="idle") == 1
+    assert _value(reg, PREFIX + "invariant_checks_total", when="running") == 2
+    assert _value(reg, PREFIX + "invariant_violations_total") == 2
+    with pytest.raises(ValueError, match="when must be one of"):
+        m.note_invariant_check("later", 0)
 
 
 def test_transfer_seconds_and_achieved_bandwidth():

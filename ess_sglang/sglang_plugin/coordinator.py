@@ -44,7 +44,7 @@ import torch
 
 from ess_sglang.cache_manager import NewTokens
 from ess_sglang.kernels.step_rows import step_rows_torch, step_rows_triton
-from ess_sglang.sglang_plugin import compat, echo
+from ess_sglang.sglang_plugin import compat, echo, health
 from ess_sglang.sglang_plugin import settings as settings_mod
 from ess_sglang.sglang_plugin.active import active_coordinator, set_active
 from ess_sglang.sglang_plugin.admission import EssAdmission
@@ -255,6 +255,9 @@ class EssCoordinator:
         self._capture_note: str | None = None
         self.metrics = None
         self.queued = 0
+        self.busy_since_idle_check = True  # health.py: the idle check runs once after every busy period
+        self.last_idle_check = 0.0
+        self._admitted_published = -1
         self._step = 0
         self._step_started = False  # the clock was advanced at layer 0's prefetch, for its swap-in (_start_step)
         set_active(self)
@@ -432,6 +435,10 @@ class EssCoordinator:
         # ==============================================================================================
         if self.metrics is not None:
             self.metrics.on_step()
+            if self.admission.running != self._admitted_published:
+                self._admitted_published = self.admission.running
+                self.metrics.set_admitted_requests(self._admitted_published)
+        health.after_step(self, step)  # the running self-check, every invariant_check_interval_steps steps
 
     def note_queued(self, n: int) -> None:
         """Requests held back by admission (the sglang:ess_* 'queued for host capacity' gauge)."""
@@ -548,6 +555,10 @@ class EssCoordinator:
                                                          self.req_to_host_pool_allocated_len[row])
         if host.numel() > 0:
             self.manager.release(host)
+            if self.config.scrub_on_free:  # on the stream, after every step that could still read them
+                rows = host.to(self.device, torch.int64)
+                for layer in range(self.num_layers):
+                    self.host.layer(layer).index_fill_(0, rows, 0)
             self.mem_pool_host.free(host)
         self.req_to_host_pool[row] = -1
         self.req_to_host_pool_allocated_len[row] = 0

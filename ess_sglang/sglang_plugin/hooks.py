@@ -19,6 +19,7 @@ from ess_sglang.sglang_plugin import (
     compat,
     coordinator,
     decode_batch,
+    health,
     indexer_tap,
     pd_windows,
     settings,
@@ -94,6 +95,9 @@ RUNTIME_HOOKS: tuple[HookSpec, ...] = (
              decode_batch.build_hisparse_decode_batch_hook,
              "asks the sampler for the token-id log-probabilities the requests asked for, not their prompts (an "
              "SGLang HiSparse bug that costs ~2.3 ms of host time per request per decode step with return_logprob)"),
+    HookSpec("sglang.srt.managers.scheduler.Scheduler.on_idle", "after", health.on_idle_hook,
+             "the idle self-check: ESS's state consistent and every request's reservation, host entries and hot "
+             "entries released; SGLang's own pool check, which it skips with HiSparse; the gauges published"),
     HookSpec("sglang.srt.managers.scheduler.Scheduler._add_request_to_queue", "before",
              admission.add_request_to_queue_hook, "rejects at once a request that can never fit"),
     HookSpec("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", "around", admission.add_one_req_hook,
