@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ess_sglang.cache_manager import NewTokens
@@ -209,6 +210,7 @@ class EssCoordinator:
         width = req_to_token_pool.req_to_token.shape[1] + page
         self.req_to_host_pool = torch.full((rows, width), -1, dtype=torch.int64, device=dev)
         self.req_to_host_pool_allocated_len = torch.zeros(rows, dtype=torch.int64)
+        self._host_allocated_len = self.req_to_host_pool_allocated_len.numpy()  # the same memory, for numpy reads
 
         # The device pool's layers, as [rows, entry_bytes] byte views; the hot pools are regions of them.
         self.device_kv = [pool.kv_buffer[i].view(torch.uint8).view(-1, E) for i in range(L)]
@@ -412,10 +414,11 @@ class EssCoordinator:
                                req_pool_indices: torch.Tensor, seq_lens_cpu: torch.Tensor,
                                req_pool_indices_cpu: torch.Tensor) -> None:
         """Before a decode step (host side): a host slot for each new token, its KV write to the new-token slot."""
-        rows_cpu = req_pool_indices_cpu.long()
-        pos_cpu = seq_lens_cpu.long() - 1
-        need = torch.nonzero(pos_cpu >= self.req_to_host_pool_allocated_len[rows_cpu]).view(-1).tolist()
-        for i in need:  # only when a request crosses into a new host page
+        # (numpy on the host tensors' memory: at one request this runs on the decode loop's critical path, and a
+        # handful of torch CPU ops cost tens of microseconds there)
+        rows_cpu = req_pool_indices_cpu.numpy()
+        pos_cpu = seq_lens_cpu.numpy() - 1
+        for i in np.flatnonzero(pos_cpu >= self._host_allocated_len[rows_cpu]).tolist():  # a new host page
             self.mem_pool_host.alloc_paged_token_slots(self.req_to_host_pool, self.req_to_host_pool_allocated_len,
                                                        int(rows_cpu[i]), int(pos_cpu[i]), 1)
         # set_mla_kv_buffer writes the new token where the mapping points: its request's new-token slot. Earlier
