@@ -2,7 +2,8 @@
 tests"): the same DeepSeek-V3.2-shaped model (configs/models/deepseek-v32-small, dummy weights) served twice, all
 latents in HBM and with ``--enable-ess --enable-metrics``; 8 requests of 8K-token prompts x 64 greedy decode steps
 sent at once to each. Every request's output tokens must be equal, and ``/metrics`` must carry the ``sglang:ess_*``
-series beside SGLang's own, with lookups counted.
+series beside SGLang's own, with lookups counted; ESS's self-checks (between decode steps and when the server goes
+idle) must find nothing, and once idle its gauges must show everything released.
 
 The ESS server's hot pool is smaller than the requests' contexts (misses are fetched over PCIe during decode), and
 its host pool and KV budget are capped so that it starts as fast as the all-HBM one.
@@ -11,6 +12,7 @@ its host pool and KV budget are capped so that it starts as fast as the all-HBM 
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,7 +40,19 @@ ESS_CONFIG = {
     "hot_slots_per_layer": 24576,  # 8 requests x (2048 + 1) slots per step fit; the contexts hold 66K tokens
     "memory_pool_size_gb": 1.0,  # the requests' latents take 0.35 GiB over 8 layers
     "max_kv_cache_gb": 0.4,  # the GPU budget binds: hot pool ~25.6K slots a layer, host pool 204K tokens
+    "invariant_check_interval_steps": 16,  # ESS's self-check between decode steps, four times a request
 }
+IDLE = 'when="idle"'
+
+
+def _after_idle_check(url: str, before: float, timeout_s: float = 60) -> dict:
+    """/metrics once ESS's idle self-check ran after the requests (its count grew past `before`)."""
+    deadline = time.time() + timeout_s
+    while True:
+        metrics = scrape(url)
+        if metric_sum(metrics, "sglang:ess_invariant_checks_total", IDLE) > before or time.time() > deadline:
+            return metrics
+        time.sleep(1)
 
 
 def _serve(system: str, tmp_path: Path, port: int, prompts):
@@ -46,8 +60,9 @@ def _serve(system: str, tmp_path: Path, port: int, prompts):
                       port=port, ess_config=ESS_CONFIG)
     logs = Path(os.environ.get("ESS_SERVER_LOGS", tmp_path))  # where the servers' logs go (default: tmp_path)
     with Server(spec, logs / f"server_{system}.log", tmp_path) as server:
+        idle_checks = metric_sum(scrape(spec.url), "sglang:ess_invariant_checks_total", IDLE)
         results, wall, running = run_requests(spec.url, prompts, DECODE_STEPS, REQUESTS)
-        metrics = scrape(spec.url)
+        metrics = _after_idle_check(spec.url, idle_checks) if system == "ess" else scrape(spec.url)
         print(f"\n{system}: {REQUESTS} x {DECODE_STEPS} tokens in {wall:.2f} s, at most {running} running; log "
               f"{server.log_path}")
     errors = [r.error for r in results if r.error]
@@ -77,3 +92,11 @@ def test_ess_server_is_token_identical_to_the_all_hbm_server(tmp_path):
     assert {"sglang:ess_lookups_total", "sglang:ess_hits_total", "sglang:ess_misses_total"} <= set(ess_series)
     # every decode step looks up top-k entries of every request in every layer
     assert lookups >= REQUESTS * (DECODE_STEPS - 1) * 2048
+    # ESS's self-checks: between decode steps, then at idle, where everything the requests held is back
+    checks = {w: metric_sum(metrics, "sglang:ess_invariant_checks_total", f'when="{w}"') for w in ("running", "idle")}
+    print(f"ess: self-checks {checks}, violations {metric_sum(metrics, 'sglang:ess_invariant_violations_total'):.0f}")
+    assert checks["running"] >= 1 and checks["idle"] >= 2, checks  # one at start-up, one after the requests
+    assert metric_sum(metrics, "sglang:ess_invariant_violations_total") == 0
+    for idle_zero in ("sglang:ess_host_pool_used_tokens", "sglang:ess_hot_pool_used_slots",
+                      "sglang:ess_admitted_requests", "sglang:ess_host_capacity_queue_reqs"):
+        assert metric_sum(metrics, idle_zero) == 0, idle_zero
