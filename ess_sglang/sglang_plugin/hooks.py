@@ -22,6 +22,7 @@ from ess_sglang.sglang_plugin import (
     health,
     indexer_tap,
     pd_windows,
+    request_checks,
     settings,
     sizing,
     warmup,
@@ -98,6 +99,10 @@ RUNTIME_HOOKS: tuple[HookSpec, ...] = (
     HookSpec("sglang.srt.managers.scheduler.Scheduler.on_idle", "after", health.on_idle_hook,
              "the idle self-check: ESS's state consistent and every request's reservation, host entries and hot "
              "entries released; SGLang's own pool check, which it skips with HiSparse; the gauges published"),
+    HookSpec("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "before",
+             request_checks.validate_one_request_hook,
+             "refuses token ids outside the vocabulary with an error answer (SGLang does not check them, and one "
+             "reaching the embedding on a GPU takes the scheduler down)"),
     HookSpec("sglang.srt.managers.scheduler.Scheduler._add_request_to_queue", "before",
              admission.add_request_to_queue_hook, "rejects at once a request that can never fit"),
     HookSpec("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", "around", admission.add_one_req_hook,
