@@ -1,4 +1,5 @@
 """ess_sglang.simulator: the ESS paper's table, capacity, calibration, config errors, monotonic sanity, CLI.
+(The validation against measured SGLang steps and the measured terms: tests/test_simulator_validation.py.)
 
 Run ``pytest tests/test_simulator.py -s -k paper`` to see the simulated table beside the paper's numbers.
 """
@@ -29,7 +30,7 @@ from ess_sglang.simulator.model import (
 )
 from ess_sglang.simulator.report import print_report
 from ess_sglang.simulator.scenario import load_scenario
-from ess_sglang.simulator.simulate import Simulator, fit_kernel_efficiency, run_scenario
+from ess_sglang.simulator.simulate import Simulator, fit_efficiencies, fit_kernel_efficiency, run_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "configs" / "scenarios"
@@ -122,10 +123,15 @@ def test_capacity_agrees_with_ess_plan(paper):
     assert rep.with_ess.bounds["host_memory"] == sim.cap.ess_bounds()["host_memory"]
 
 
-def test_refit_reproduces_the_stored_constant(paper):
-    assert fit_kernel_efficiency(paper) == pytest.approx(KERNEL_EFFICIENCY, abs=5e-4)
-    batch, _, _, per_request = PAPER_ROWS[0]
-    assert (batch, per_request) == (calibration.FIT_BATCH, calibration.FIT_PER_REQUEST)
+def test_refit_reproduces_the_stored_constants(paper):
+    """Both fitted efficiencies come back from their fit on the paper's rows at batch 52 and 160."""
+    eta, fp8_weights = fit_efficiencies(paper)
+    assert eta == pytest.approx(KERNEL_EFFICIENCY, abs=5e-4)
+    assert fp8_weights == pytest.approx(calibration.FP8_WEIGHT_EFFICIENCY, abs=5e-4)
+    assert fit_kernel_efficiency(paper, fp8_weights=calibration.FP8_WEIGHT_EFFICIENCY) == pytest.approx(
+        KERNEL_EFFICIENCY, abs=5e-4)
+    by_batch = {b: per_request for b, _, _, per_request in PAPER_ROWS}
+    assert all(by_batch[batch] == per_request for batch, per_request in calibration.FIT_ROWS)
 
 
 def test_ess_gain_at_32k_and_128k():
@@ -153,8 +159,8 @@ def test_every_scenario_runs(path):
 
 
 def test_hardware_presets_load():
-    assert {"h200", "h800", "h20"} <= set(preset_names())
-    for name in ("h200", "h800", "h20"):
+    assert {"h200", "h100", "h800", "h20"} <= set(preset_names())
+    for name in ("h200", "h100", "h800", "h20"):
         hw = load_hardware(name)
         assert hw.gpus_per_node == 8 and hw.pcie_gen == 5
 
@@ -180,6 +186,8 @@ def _hw_file(tmp_path, **changes) -> Path:
     ({"gpus_per_node": 0}, "hardware.gpus_per_node"),
     ({"overlap_interference": 1.5}, "hardware.overlap_interference"),
     ({"nic_gbps": "fast"}, "hardware.nic_gbps"),
+    ({"hbm_efficiency_weights": 1.2}, "hardware.hbm_efficiency_weights"),
+    ({"kernel_floor_us": -1}, "hardware.kernel_floor_us"),
 ])
 def test_bad_hardware_names_the_field(tmp_path, changes, field):
     with pytest.raises(SimulatorConfigError) as err:

@@ -4,11 +4,14 @@ Modules, one job each:
 
     hardware.py     the node description (HBM, tensor-core rates, NVLink / NIC, PCIe, host memory) from YAML
     scenario.py     scenario files: cluster, serving setup (context, MTP, TBO), ESS, batches, reference numbers
-    model.py        the decode-step cost model: per-layer rooflines, EP network, TBO, MTP, ESS exposure
+    model.py        the decode-step cost model: per-layer rooflines and fixed kernel costs, EP network, TBO, MTP,
+                    ESS exposure
     capacity.py     HBM -> largest batch without ESS; hot-pool ratio at a batch; host-memory bound with ESS
     traffic.py      ESS misses per layer (profile or miss model) -> PCIe bytes
-    calibration.py  the single fitted constant (kernel efficiency) and what it was fitted on
-    simulate.py     runs a scenario: table rows, sweep, comparison with the reference; the constant's fit
+    calibration.py  the two fitted efficiencies (compute, fp8 weight streaming), what they were fitted on, and the
+                    small-kernel counts of a decode step
+    simulate.py     runs a scenario: table rows, sweep, comparison with the reference; the efficiencies' fit
+    validate.py     predicts the decode steps measured in a real SGLang server (``ess simulate --validate``)
     report.py       table (rich / plain) and plot
     cli.py          ``ess simulate``
 

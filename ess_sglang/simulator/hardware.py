@@ -6,7 +6,7 @@ FLOP/s); capacities are in GiB (2**30 B), as drivers report them. Unknown fields
 error names its field (``hardware.hbm_bw_tbps: ...``).
 
 Presets are looked up by name in ``configs/hardware/<name>.yaml`` of the checkout: ``h800``, ``h20``,
-``h200``.
+``h200``, ``h100``.
 """
 
 from __future__ import annotations
@@ -72,6 +72,30 @@ class Hardware(BaseModel):
     """Dense FP8 tensor-core peak (TFLOPS, no sparsity)."""
     bf16_tflops: Positive
     """Dense BF16 tensor-core peak (TFLOPS, no sparsity)."""
+
+    # --- what decode kernels reach on it (measured; see configs/hardware/h200.yaml for the sources)
+    hbm_efficiency_weights: Share = 0.86
+    """Share of ``hbm_bw_tbps`` that the bf16 (and fp32) weight-streaming GEMMs of a decode step reach (projections,
+    experts, LM head, with their own launch and split-K costs). Fp8 weights stream at the fitted
+    ``calibration.FP8_WEIGHT_EFFICIENCY`` instead."""
+    hbm_efficiency_kv: Share = 0.86
+    """Share of ``hbm_bw_tbps`` that the KV-streaming kernels reach (the indexer over the indexer cache, sparse
+    attention's latents, top-k's logits, ESS's bookkeeping)."""
+    kernel_floor_us: NonNegative = 2.4
+    """Time of one small kernel of a decode layer (norms, RoPE, activations, quantisation, cache stores, routing
+    bookkeeping: ``calibration.SMALL_KERNELS`` counts them); also the indexer's and DA merge's fixed cost (us)."""
+    flashmla_fixed_us: NonNegative = 20.4
+    """Fixed cost of FlashMLA's sparse decode and its split-KV combine, per layer and micro-batch (us)."""
+    topk_fixed_us: NonNegative = 9.8
+    """Fixed cost of SGLang's decode top-k over the indexer logits, per layer and micro-batch (us)."""
+    step_fixed_us: NonNegative = 69.0
+    """Fixed cost once a step: sampling over the vocabulary and FlashMLA's scheduling metadata (us)."""
+    step_idle_us: NonNegative = 170.0
+    """Time a step leaves the GPU idle between its kernels and between steps (us)."""
+    ess_resolve_us: NonNegative = 14.5
+    """ESS's resolve (hot-pool lookup, victims, slot assignment) per layer and micro-batch at one request (us)."""
+    ess_resolve_per_request_us: NonNegative = 0.095
+    """What each request of the micro-batch adds to the resolve (us)."""
 
     # --- expert-parallel network
     nvlink_gbps: Positive

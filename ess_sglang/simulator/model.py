@@ -5,27 +5,35 @@ cache), experts spread over ``ep`` GPUs (DeepEP-style dispatch and combine), MTP
 that verifies ``q`` tokens per request and step, optionally two-batch overlap (TBO). Everything here
 is per GPU and per decode step; docs/simulator.md derives every term.
 
-Every GPU kernel is a roofline term scaled by one efficiency ``eta`` (the fitted constant, see
-``calibration.py``)::
+Every GPU kernel is a roofline term plus, where measurement says so, a fixed cost::
 
-    time(op) = max(flops / (peak(precision) * eta), bytes / (hbm_bw * eta))
+    time(op) = max(flops / (peak(precision) * eta), bytes / (hbm_bw * e_stream)) + fixed(op)
+
+``eta`` is the fitted compute efficiency; ``e_stream`` the share of the HBM peak its stream class reaches: bf16
+weight-streaming GEMMs and KV-streaming kernels at the hardware's measured shares, fp8 weight-streaming GEMMs at the
+fitted ``fp8_weights`` (calibration.py). Fixed costs (hardware preset): FlashMLA decode + combine and top-k per layer,
+one kernel floor for the indexer, ``calibration.SMALL_KERNELS`` small kernels (norms, RoPE, activations, ...) per
+layer at one floor each, ESS's resolve, and once a step sampling, metadata and the GPU's idle time.
 
 Per layer and micro-batch of ``b`` requests (``t = q * b`` query tokens, context ``L``):
 
     attention projections  fp8   flops 2 t P_attn          bytes P_attn (weights)
     absorbed W_UK / W_UV   bf16  flops 2 t P_absorb        bytes 2 P_absorb
-    indexer logits         fp8   flops 2 t 64*128 L        bytes b L 132 + t L 4
-    top-k                        bytes t L 4
-    sparse MLA (FlashMLA)  bf16  flops t 128 k (2*576 + 2*512)    bytes t k 656          (k = 2048)
+    indexer logits         fp8   flops 2 t 64*128 L        bytes b L 132 + t L 4              + kernel floor
+    top-k                        bytes t L 4                                                 + top-k fixed
+    sparse MLA (FlashMLA)  bf16  flops t 128 k (2*576 + 2*512)    bytes t k 656          (k = 2048) + FlashMLA fixed
+    small kernels                                                       (15 + 6 MoE or 1 dense) x kernel floor
     dense FFN (3 layers)   fp8   flops 2 t P_dense         bytes P_dense
     MoE (58 layers)        fp8   flops 2 t (8 + 1) P_exp   bytes (active local experts + shared) P_exp
     dispatch + combine     net   bytes t 8 (7168 + 224) + t 8 7168*2, split remote (NIC) / local (NVLink)
+    ESS resolve                  bytes t k 12                                   + resolve fixed + per request x b
     ESS fetch (misses)     PCIe  bytes b m 656 / h2d rate, exposed according to the overlap mode
 
 With TBO the two micro-batches' compute overlaps the other's communication, so a layer takes
 ``max(sum compute + exposed fetch, sum network, PCIe link busy)``; without TBO the three add up
-(compute + exposed fetch + network). A step is the 61 layers, the LM head over ``q B`` tokens, and the
-MTP draft (the MTP layer over ``q B`` tokens plus an LM head over ``B`` tokens). Output per request and
+(compute + exposed fetch + network). A step is the 61 layers, the LM head over ``q B`` tokens, the
+MTP draft (the MTP layer over ``q B`` tokens plus an LM head over ``B`` tokens) and the step's fixed costs.
+Routing is uniform unless the deployment says "identical" (dummy weights). Output per request and
 step is the MTP acceptance ``a`` tokens, so per-request rate = a / step time and per-node throughput =
 gpus_per_node x B x a / step time.
 """
@@ -36,9 +44,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ess_sglang.entry_sizes import INDEXER_ENTRY_BYTES, LATENT_ENTRY_BYTES  # bytes per token and layer
+from ess_sglang.simulator.calibration import FP8_WEIGHT_EFFICIENCY, SMALL_KERNELS, KernelCounts
 from ess_sglang.simulator.hardware import Hardware
 
 OVERLAP_MODES = ("sync", "da", "dba", "auto")
+ROUTINGS = ("uniform", "identical")
 
 
 @dataclass(frozen=True)
@@ -141,6 +151,10 @@ class Deployment:
     mtp_acceptance: float  # a: tokens emitted per request and step
     two_batch_overlap: bool
     overlap_mode: str = "auto"
+    routing: str = "uniform"
+    """How the batch's tokens spread over the routed experts: "uniform" (each token picks its experts independently
+    and uniformly: a real model's router, balanced) or "identical" (every token of the batch picks the same experts:
+    what the router of a model served with dummy weights does, measured in ``validate.py``)."""
 
 
 @dataclass
@@ -150,6 +164,7 @@ class Breakdown:
     step: float = 0.0
     hbm_bound: float = 0.0  # kernels limited by HBM bandwidth
     flops_bound: float = 0.0  # kernels limited by tensor-core rate
+    fixed: float = 0.0  # kernel floors: the fixed costs of kernels (small kernels, FlashMLA, top-k, launches)
     network: float = 0.0  # EP dispatch / combine time not hidden behind compute
     pcie: float = 0.0  # ESS fetch time not hidden (exposed), plus time the PCIe link alone sets
     pcie_busy: float = 0.0  # total H2D link time (for utilisation)
@@ -161,24 +176,32 @@ class Breakdown:
         self.per_op[name] = self.per_op.get(name, 0.0) + seconds
 
     def bottleneck(self) -> str:
-        shares = {"HBM bandwidth": self.hbm_bound, "compute": self.flops_bound, "network": self.network,
-                  "PCIe": self.pcie}
+        shares = {"HBM bandwidth": self.hbm_bound, "compute": self.flops_bound, "kernel floors": self.fixed,
+                  "network": self.network, "PCIe": self.pcie}
         return max(shares, key=shares.__getitem__)
 
 
 class Roofline:
-    """Kernel times on one GPU at efficiency ``eta``."""
+    """Kernel times on one GPU. Tensor-core work runs at the compute efficiency ``eta`` (fitted, calibration.py);
+    HBM traffic at the share of the peak bandwidth its stream class reaches: bf16 weight-streaming GEMMs and
+    KV-streaming kernels at the hardware's measured shares (``hbm_efficiency_weights``, ``hbm_efficiency_kv``), fp8
+    weight-streaming GEMMs at ``fp8_weights`` (fitted, calibration.py)."""
 
-    def __init__(self, hw: Hardware, eta: float):
-        if not 0 < eta <= 1:
-            raise ValueError(f"kernel efficiency must be in (0, 1] (got {eta})")
+    STREAMS = ("weights", "weights_fp8", "kv")
+
+    def __init__(self, hw: Hardware, eta: float, fp8_weights: float = FP8_WEIGHT_EFFICIENCY):
+        for name, v in (("kernel efficiency", eta), ("fp8 weight efficiency", fp8_weights)):
+            if not 0 < v <= 1:
+                raise ValueError(f"{name} must be in (0, 1] (got {v})")
         self.peak = {"fp8": hw.fp8_tflops * 1e12 * eta, "bf16": hw.bf16_tflops * 1e12 * eta}
-        self.bw = hw.hbm_bw_tbps * 1e12 * eta
+        bw = hw.hbm_bw_tbps * 1e12
+        self.bw = {"weights": bw * hw.hbm_efficiency_weights, "weights_fp8": bw * fp8_weights,
+                   "kv": bw * hw.hbm_efficiency_kv}
 
-    def time(self, flops: float, nbytes: float, precision: str = "bf16") -> tuple[float, bool]:
+    def time(self, flops: float, nbytes: float, precision: str = "bf16", stream: str = "kv") -> tuple[float, bool]:
         """(seconds, limited by HBM?)"""
         tc = flops / self.peak[precision]
-        tm = nbytes / self.bw
+        tm = nbytes / self.bw[stream]
         return max(tc, tm), tm >= tc
 
 
@@ -186,8 +209,9 @@ class Roofline:
 class LayerCost:
     """One layer, one micro-batch."""
 
-    compute: float  # kernels, seconds
+    compute: float  # kernels, seconds (rooflines and fixed costs)
     hbm_part: float  # of which HBM-bound
+    fixed_part: float  # of which fixed kernel costs (floors)
     network: float  # dispatch + combine
     fetch: float  # ESS H2D time on the link
     exposed: float  # of ``fetch``, what the compute stream waits for (after overlap)
@@ -195,9 +219,14 @@ class LayerCost:
     ops: dict[str, float]
 
 
-def _active_experts(local: int, tokens_global: float, arch: ModelArch) -> float:
-    """Expected local experts that receive at least one token (uniform routing)."""
-    p_idle = (1.0 - arch.experts_per_token / arch.num_routed_experts) ** tokens_global
+def active_experts(local: int, tokens_global: float, arch: ModelArch, routing: str = "uniform") -> float:
+    """Expected local experts that receive at least one token. Uniform routing: each of the ``tokens_global`` tokens
+    of the EP group picks ``experts_per_token`` of the routed experts independently. Identical routing: every token
+    picks the same experts, so the group reads as many experts as one token does."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r} (expected one of {', '.join(ROUTINGS)})")
+    tokens = min(tokens_global, 1.0) if routing == "identical" else tokens_global
+    p_idle = (1.0 - arch.experts_per_token / arch.num_routed_experts) ** tokens
     return local * (1.0 - p_idle)
 
 
@@ -232,44 +261,54 @@ def exposed_fetch(mode: str, fetch: float, attn: float, attn_hit_share: float, i
 
 
 def layer_cost(arch: ModelArch, hw: Hardware, roof: Roofline, dep: Deployment, requests: float, tokens: float,
-               context: int, kind: str, ess: bool = False, misses: float = 0.0, mode: str = "auto") -> LayerCost:
+               context: int, kind: str, ess: bool = False, misses: float = 0.0, mode: str = "auto",
+               kernels: KernelCounts = SMALL_KERNELS) -> LayerCost:
     """Cost of one layer for one micro-batch of ``requests`` requests and ``tokens`` query tokens.
 
     kind: "dense" or "moe". ess: latents live in host memory (new tokens are written back); misses: ESS
-    misses per request for this layer and step; mode: the overlap mode for the fetch (``exposed_fetch``).
+    misses per request for this layer and step; mode: the overlap mode for the fetch (``exposed_fetch``);
+    kernels: how many small kernels a layer launches (``calibration.SMALL_KERNELS``).
     """
     b, t, L = requests, tokens, context
     ops: dict[str, float] = {}
-    hbm_part = 0.0
+    hbm_part = fixed_part = 0.0
 
-    def run(name: str, flops: float, nbytes: float, precision: str = "bf16") -> float:
-        nonlocal hbm_part
-        s, mem = roof.time(flops, nbytes, precision)
-        ops[name] = ops.get(name, 0.0) + s
+    def run(name: str, flops: float, nbytes: float, precision: str = "bf16", stream: str = "kv",
+            fixed_us: float = 0.0) -> float:
+        """A kernel: its roofline plus its fixed cost (us)."""
+        nonlocal hbm_part, fixed_part
+        s, mem = roof.time(flops, nbytes, precision, stream)
         if mem:
             hbm_part += s
+        fixed_part += fixed_us * 1e-6
+        s += fixed_us * 1e-6
+        ops[name] = ops.get(name, 0.0) + s
         return s
 
     wb, wp = arch.weight_bytes, arch.weight_precision
-    run("attn_proj", 2 * t * arch.attn_fp8_params, wb * arch.attn_fp8_params, wp)
-    run("attn_absorb", 2 * t * arch.absorb_bf16_params, 2 * arch.absorb_bf16_params, "bf16")
+    ws = "weights_fp8" if wp == "fp8" else "weights"  # the stream class of the projections, FFNs and experts
+    floor = hw.kernel_floor_us
+    run("attn_proj", 2 * t * arch.attn_fp8_params, wb * arch.attn_fp8_params, wp, ws)
+    run("attn_absorb", 2 * t * arch.absorb_bf16_params, 2 * arch.absorb_bf16_params, "bf16", "weights")
     idx = run("indexer", 2 * t * arch.index_heads * arch.index_head_dim * L,
-              b * L * arch.indexer_bytes + t * L * 4, "fp8")
-    idx += run("topk", 0.0, t * L * 4)
+              b * L * arch.indexer_bytes + t * L * 4, "fp8", fixed_us=floor)
+    idx += run("topk", 0.0, t * L * 4, fixed_us=hw.topk_fixed_us)
     k = min(arch.index_topk, L)
     attn = run("sparse_mla", t * arch.sparse_attn_flops_per_token * k / arch.index_topk,
-               t * k * arch.latent_bytes, "bf16")
+               t * k * arch.latent_bytes, "bf16", fixed_us=hw.flashmla_fixed_us)
+    small = kernels.per_layer + (kernels.per_dense_layer if kind == "dense" else kernels.per_moe_layer)
+    run("small_kernels", 0.0, 0.0, fixed_us=small * floor)
 
     network = 0.0
     if kind == "dense":
-        run("dense_ffn", 2 * t * arch.dense_ffn_params, wb * arch.dense_ffn_params, wp)
+        run("dense_ffn", 2 * t * arch.dense_ffn_params, wb * arch.dense_ffn_params, wp, ws)
     else:
-        run("router", 2 * t * arch.router_params, 4 * arch.router_params, "bf16")
+        run("router", 2 * t * arch.router_params, 4 * arch.router_params, "bf16", "weights")
         copies = t * arch.experts_per_token  # token copies this GPU sends (and, balanced, receives)
-        active = _active_experts(dep.experts_per_gpu, t * dep.ep, arch)
-        run("moe_experts", 2 * copies * arch.expert_params, wb * active * arch.expert_params, wp)
+        active = active_experts(dep.experts_per_gpu, t * dep.ep, arch, dep.routing)
+        run("moe_experts", 2 * copies * arch.expert_params, wb * active * arch.expert_params, wp, ws)
         run("shared_expert", 2 * t * arch.num_shared_experts * arch.expert_params,
-            wb * arch.num_shared_experts * arch.expert_params, wp)
+            wb * arch.num_shared_experts * arch.expert_params, wp, ws)
         if dep.ep > 1:
             local_gpus = min(dep.gpus_per_node, dep.ep)
             remote = (dep.ep - local_gpus) / dep.ep
@@ -282,33 +321,36 @@ def layer_cost(arch: ModelArch, hw: Hardware, roof: Roofline, dep: Deployment, r
     fetch = exposed = writeback = 0.0
     if ess:
         writeback = t * arch.latent_bytes / hw.d2h_rate()  # the new tokens' latents go to the host pool
+        # the resolve (hot-pool lookup, victims, slot assignment): read the selected indices, probe the slot map,
+        # write the slot table; measured fixed cost a layer plus a cost a request
+        run("ess_resolve", 0.0, t * k * 12, fixed_us=hw.ess_resolve_us + hw.ess_resolve_per_request_us * b)
     if ess and misses > 0:
         fetch = b * misses * arch.latent_bytes / hw.h2d_rate() + hw.pcie_fetch_latency_us * 1e-6
-        # hot-pool bookkeeping: read the selected indices, probe the slot map, write the slot table
-        run("ess_lookup", 0.0, t * k * 12)
         selected = max(1.0, dep.mtp_tokens * k)  # entries selected per request (upper bound: disjoint top-k)
         hit_share = max(0.0, 1.0 - misses / selected)
-        # DA's log-sum-exp merge of two partial attentions: read two partial outputs, write one
-        merge, _ = roof.time(0.0, 3 * t * arch.num_heads * (arch.kv_lora_rank * 2 + 4))
+        # DA's log-sum-exp merge of two partial attentions: read two partial outputs, write one (one more kernel)
+        merge = roof.time(0.0, 3 * t * arch.num_heads * (arch.kv_lora_rank * 2 + 4))[0] + floor * 1e-6
         exposed, used = exposed_fetch(mode, fetch, attn, hit_share, idx, hw.overlap_interference, merge)
         ops["ess_exposed_" + used] = exposed
     compute = sum(v for n, v in ops.items() if not n.startswith("ess_exposed_"))
-    return LayerCost(compute=compute, hbm_part=hbm_part, network=network, fetch=fetch, exposed=exposed,
-                     writeback=writeback, ops=ops)
+    return LayerCost(compute=compute, hbm_part=hbm_part, fixed_part=fixed_part, network=network, fetch=fetch,
+                     exposed=exposed, writeback=writeback, ops=ops)
 
 
 def decode_step(arch: ModelArch, hw: Hardware, dep: Deployment, eta: float, batch: float, context: int,
                 misses_per_layer: Sequence[float] | None = None,
-                modes_per_layer: Sequence[str] | None = None) -> Breakdown:
+                modes_per_layer: Sequence[str] | None = None, kernels: KernelCounts = SMALL_KERNELS,
+                fp8_weights: float = FP8_WEIGHT_EFFICIENCY) -> Breakdown:
     """Time of one decode step on one GPU holding ``batch`` requests of ``context`` tokens.
 
     misses_per_layer: ESS misses per request and step for each of the ``num_kv_layers`` layers (main layers
     first, then the MTP layer); None runs without ESS (all latents in HBM). modes_per_layer overrides the
-    deployment's overlap mode per layer.
+    deployment's overlap mode per layer. kernels: the small kernels a layer and a step launch. eta and
+    fp8_weights: the fitted compute and fp8 weight-streaming efficiencies (``Roofline``).
     """
     if batch <= 0:
         raise ValueError(f"batch must be > 0 (got {batch})")
-    roof = Roofline(hw, eta)
+    roof = Roofline(hw, eta, fp8_weights)
     q = dep.mtp_tokens
     n_mb = 2 if dep.two_batch_overlap and batch >= 2 else 1
     b = batch / n_mb
@@ -321,6 +363,7 @@ def decode_step(arch: ModelArch, hw: Hardware, dep: Deployment, eta: float, batc
         """Add one layer (all its micro-batches) to ``out``."""
         comp = sum(c.compute for c in costs)
         hbm = sum(c.hbm_part for c in costs)
+        fixed = sum(c.fixed_part for c in costs)
         expo = sum(c.exposed for c in costs)
         net = sum(c.network for c in costs)
         link = sum(c.fetch for c in costs)
@@ -340,7 +383,8 @@ def decode_step(arch: ModelArch, hw: Hardware, dep: Deployment, eta: float, batc
             over_link = max(0.0, max(link, d2h) - (gpu + net))
         out.step += gpu + over_net + over_link
         out.hbm_bound += hbm
-        out.flops_bound += comp - hbm
+        out.fixed += fixed
+        out.flops_bound += comp - hbm - fixed
         out.pcie += expo + over_link
         out.network += over_net
 
@@ -348,12 +392,12 @@ def decode_step(arch: ModelArch, hw: Hardware, dep: Deployment, eta: float, batc
         kind = "dense" if layer < arch.num_dense_layers else "moe"
         m = misses_per_layer[layer] if ess else 0.0
         mode = modes_per_layer[layer] if modes_per_layer else dep.overlap_mode
-        cost = layer_cost(arch, hw, roof, dep, b, q * b, context, kind, ess, m, mode)
+        cost = layer_cost(arch, hw, roof, dep, b, q * b, context, kind, ess, m, mode, kernels)
         account([cost] * n_mb, overlapped=n_mb == 2)
 
     def head(tokens: float) -> None:
         params = arch.vocab * arch.hidden
-        s, mem = roof.time(2 * tokens * params, 2 * params, "bf16")
+        s, mem = roof.time(2 * tokens * params, 2 * params, "bf16", "weights")
         out.step += s
         out.add_op("lm_head", s)
         out.hbm_bound += s if mem else 0.0
@@ -367,9 +411,15 @@ def decode_step(arch: ModelArch, hw: Hardware, dep: Deployment, eta: float, batc
             idx = arch.num_layers + j
             m = misses_per_layer[idx] if ess else 0.0
             mode = modes_per_layer[idx] if modes_per_layer else dep.overlap_mode
-            cost = layer_cost(arch, hw, roof, dep, batch, q * batch, context, "moe", ess, m, mode)
+            cost = layer_cost(arch, hw, roof, dep, batch, q * batch, context, "moe", ess, m, mode, kernels)
             account([cost], overlapped=False)
         head(batch)
+    # once a step: sampling over the vocabulary, FlashMLA's scheduling metadata, the step's small kernels, and the
+    # time the GPU idles between kernels and steps
+    per_step = (hw.step_fixed_us + kernels.per_step * hw.kernel_floor_us + hw.step_idle_us) * 1e-6
+    out.step += per_step
+    out.fixed += per_step
+    out.add_op("step_fixed", per_step)
     return out
 
 

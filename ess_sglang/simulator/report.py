@@ -42,7 +42,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     hw = result["hardware"]
     out = [
         f"scenario {sc['name']}: {sc['description']}",
-        f"hardware {hw['name']} ({hw['description']}); kernel efficiency {result['kernel_efficiency']:.4f}; "
+        f"hardware {hw['name']} ({hw['description']}); compute efficiency {result['kernel_efficiency']:.4f}, "
+        f"fp8 weight-streaming efficiency {result.get('fp8_weight_efficiency', float('nan')):.4f}; "
         f"throughput is output tokens/s per node ({hw['gpus_per_node']} GPUs), batch is requests per GPU",
         f"per GPU: weights {cap['weights_gib']:.1f} GiB, KV budget {cap['kv_budget_gib']:.1f} GiB, "
         f"{sc['serving']['context_tokens']:,}-token request = {cap['latent_per_request_gib']:.3f} GiB latent + "

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ess_sglang.simulator.calibration import FIT_BATCH, FIT_PER_REQUEST, KERNEL_EFFICIENCY
+from ess_sglang.simulator.calibration import FIT_ROWS, FP8_WEIGHT_EFFICIENCY, KERNEL_EFFICIENCY
 from ess_sglang.simulator.capacity import Capacity, capacity
 from ess_sglang.simulator.model import DSV32, Deployment, ModelArch, decode_step, node_throughput, per_request_rate
 from ess_sglang.simulator.scenario import LoadedScenario
@@ -37,8 +37,9 @@ class Row:
 
 
 class Simulator:
-    def __init__(self, loaded: LoadedScenario, eta: float = KERNEL_EFFICIENCY, arch: ModelArch = DSV32):
-        self.loaded, self.eta, self.arch = loaded, eta, arch
+    def __init__(self, loaded: LoadedScenario, eta: float = KERNEL_EFFICIENCY, arch: ModelArch = DSV32,
+                 fp8_weights: float = FP8_WEIGHT_EFFICIENCY):
+        self.loaded, self.eta, self.arch, self.fp8_weights = loaded, eta, arch, fp8_weights
         sc, hw = loaded.scenario, loaded.hardware
         self.hw = hw
         total_experts = arch.num_routed_experts + sc.cluster.redundant_experts
@@ -58,10 +59,13 @@ class Simulator:
             ref = geometric_spread(mm.ref_misses_min, mm.ref_misses_max, arch.num_layers)
             self.misses = MissModel(arch, ref, mm.ref_ratio, mm.ref_context_tokens, mm.alpha)
 
-    def with_eta(self, eta: float) -> Simulator:
+    def with_eta(self, eta: float, fp8_weights: float | None = None) -> Simulator:
+        """The same scenario at another compute efficiency (and, if given, fp8 weight-streaming efficiency)."""
         other = object.__new__(Simulator)
         other.__dict__.update(self.__dict__)
         other.eta = eta
+        if fp8_weights is not None:
+            other.fp8_weights = fp8_weights
         return other
 
     def run_batch(self, batch: int, ess: bool | None = None, ratio: float | None = None) -> Row:
@@ -86,14 +90,15 @@ class Simulator:
             return row
         misses = self.misses.misses(r, self.context, dep.mtp_tokens) if ess else None
         modes = self.misses.modes if ess else None
-        bd = decode_step(arch, self.hw, dep, self.eta, batch, self.context, misses, modes)
+        bd = decode_step(arch, self.hw, dep, self.eta, batch, self.context, misses, modes,
+                         fp8_weights=self.fp8_weights)
         row.step_ms = bd.step * 1e3
         row.per_request = per_request_rate(dep, bd.step)
         row.throughput = node_throughput(dep, batch, bd.step)
         row.throughput_cluster = row.throughput * self.loaded.scenario.cluster.nodes
         row.bottleneck = bd.bottleneck()
         row.shares_ms = {"HBM bandwidth": bd.hbm_bound * 1e3, "compute": bd.flops_bound * 1e3,
-                         "network": bd.network * 1e3, "PCIe": bd.pcie * 1e3}
+                         "kernel floors": bd.fixed * 1e3, "network": bd.network * 1e3, "PCIe": bd.pcie * 1e3}
         row.pcie_busy_share = bd.pcie_busy / bd.step
         row.network_busy_share = bd.network_busy / bd.step
         row.per_op_ms = {k: v * 1e3 for k, v in sorted(bd.per_op.items())}
@@ -105,7 +110,7 @@ class Simulator:
     def ideal(self, batch: int) -> Row:
         """Without ESS, as if HBM held any batch (the reference for ESS's cost)."""
         dep = self.dep
-        bd = decode_step(self.arch, self.hw, dep, self.eta, batch, self.context)
+        bd = decode_step(self.arch, self.hw, dep, self.eta, batch, self.context, fp8_weights=self.fp8_weights)
         return Row(batch=batch, ess=False, fits=True, limit="", ratio=1.0, step_ms=bd.step * 1e3,
                    per_request=per_request_rate(dep, bd.step), throughput=node_throughput(dep, batch, bd.step),
                    bottleneck=bd.bottleneck())
@@ -129,9 +134,10 @@ class Simulator:
         raise ValueError(f"unknown sweep {mode!r}")
 
 
-def run_scenario(loaded: LoadedScenario, eta: float = KERNEL_EFFICIENCY) -> dict[str, Any]:
+def run_scenario(loaded: LoadedScenario, eta: float = KERNEL_EFFICIENCY,
+                 fp8_weights: float = FP8_WEIGHT_EFFICIENCY) -> dict[str, Any]:
     """Everything ``ess simulate`` prints and writes, as one JSON-able mapping."""
-    sim = Simulator(loaded, eta)
+    sim = Simulator(loaded, eta, fp8_weights=fp8_weights)
     sc = loaded.scenario
     max_ess, ess_limit = sim.cap.max_batch_with_ess()
     rows = [sim.run_batch(b) for b in sc.batches]
@@ -139,6 +145,7 @@ def run_scenario(loaded: LoadedScenario, eta: float = KERNEL_EFFICIENCY) -> dict
         "scenario": sc.model_dump(mode="json"),
         "hardware": loaded.hardware.model_dump(mode="json"),
         "kernel_efficiency": eta,
+        "fp8_weight_efficiency": fp8_weights,
         "deployment": asdict(sim.dep),
         "capacity": {**sim.cap.summary(), "max_batch_with_ess": max_ess, "max_batch_with_ess_limited_by": ess_limit,
                      "ess_bounds": sim.cap.ess_bounds()},
@@ -176,10 +183,11 @@ def compare(reference, rows: list[Row], max_plain: int) -> dict[str, Any]:
             "max_batch_without_ess_ref": reference.max_batch_without_ess}
 
 
-def fit_kernel_efficiency(loaded, batch: int = FIT_BATCH, per_request: float = FIT_PER_REQUEST,
-                          tol: float = 1e-7) -> float:
-    """The eta at which the baseline (no ESS) per-request rate at ``batch`` equals ``per_request``."""
-    sim = Simulator(loaded, eta=1.0)
+def fit_kernel_efficiency(loaded, batch: int = FIT_ROWS[0][0], per_request: float = FIT_ROWS[0][1],
+                          fp8_weights: float = FP8_WEIGHT_EFFICIENCY, tol: float = 1e-7) -> float:
+    """The compute efficiency at which the baseline (no ESS) per-request rate at ``batch`` equals ``per_request``,
+    at the given fp8 weight-streaming efficiency. Raises ValueError if even a compute efficiency of 1 is too slow."""
+    sim = Simulator(loaded, eta=1.0, fp8_weights=fp8_weights)
     lo, hi = 1e-3, 1.0
     if sim.with_eta(hi).run_batch(batch, ess=False).per_request < per_request:
         raise ValueError("even eta = 1 is slower than the target rate")
@@ -190,3 +198,33 @@ def fit_kernel_efficiency(loaded, batch: int = FIT_BATCH, per_request: float = F
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def fit_efficiencies(loaded, rows=FIT_ROWS, tol: float = 1e-5) -> tuple[float, float]:
+    """(compute efficiency, fp8 weight-streaming efficiency) that reproduce both ``rows`` ((batch, per-request rate)
+    pairs: a baseline row without ESS, then a larger batch) exactly. For each fp8 weight efficiency the compute
+    efficiency is fitted on the first row; the fp8 weight efficiency is then bisected on the second row, whose rate
+    falls as it rises (a faster weight stream leaves more of the first row's step to FLOP-bound work, which grows
+    with the batch)."""
+    (b1, r1), (b2, r2) = rows
+
+    def second_row_high(fp8_weights: float) -> tuple[bool, float]:
+        """(second row faster than the target?, compute efficiency fitted on the first row)"""
+        try:
+            eta = fit_kernel_efficiency(loaded, b1, r1, fp8_weights, tol=tol / 10)
+        except ValueError:  # weights so slow the first row cannot be reached: move up
+            return True, 1.0
+        rate = Simulator(loaded, eta, fp8_weights=fp8_weights).run_batch(b2).per_request
+        return rate > r2, eta
+
+    lo, hi = 0.05, 1.0
+    if second_row_high(hi)[0]:
+        raise ValueError("even an fp8 weight efficiency of 1 leaves the second row faster than its target")
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        if second_row_high(mid)[0]:
+            lo = mid
+        else:
+            hi = mid
+    fp8_weights = (lo + hi) / 2
+    return second_row_high(fp8_weights)[1], fp8_weights
