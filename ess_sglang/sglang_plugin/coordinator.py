@@ -143,6 +143,21 @@ def build_cache_manager(host: HostPoolView, slots: int, hot_views: LayerViews, d
                                decay_gamma=decay_gamma)
 
 
+def allocate_host_pool(pool: Any, host_tokens: int, pin_memory: bool) -> Any:
+    """SGLang's host pool for `host_tokens` latent entries of every layer; an allocation that fails (the machine's
+    memory, or the locked-memory limit for a pinned one) is one line that names the size and what to change."""
+    try:
+        return compat.make_host_pool(pool, host_tokens, pin_memory)
+    except (RuntimeError, MemoryError) as exc:
+        size = host_tokens * pool.layer_num * pool.kv_cache_dim * torch.empty((), dtype=pool.store_dtype).element_size()
+        what = "pinned " if pin_memory else ""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise compat.EssLaunchError(
+            f"ESS: could not allocate the {what}host pool of {size / (1 << 30):.2f} GiB ({host_tokens:,} tokens x "
+            f"{pool.layer_num} layers): {first}; lower ess_config.memory_pool_size_gb, or allow more locked memory "
+            f"(ulimit -l, the container's memlock limit)") from exc
+
+
 def _contiguous(indices: torch.Tensor) -> int | None:
     """First index when `indices` is one ascending run, else None."""
     if indices is None or indices.numel() == 0:
@@ -204,8 +219,7 @@ class EssCoordinator:
 
         # Host pool (pinned, layer-first, 656-byte rows): SGLang's class, sized by ESS.
         if host_pool is None:
-            host_pool = compat.make_host_pool(pool, host_tokens,
-                                              dev.type == "cuda" if pin_memory is None else pin_memory)
+            host_pool = allocate_host_pool(pool, host_tokens, dev.type == "cuda" if pin_memory is None else pin_memory)
         self.mem_pool_host = host_pool
         width = req_to_token_pool.req_to_token.shape[1] + page
         self.req_to_host_pool = torch.full((rows, width), -1, dtype=torch.int64, device=dev)

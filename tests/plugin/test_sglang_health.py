@@ -144,3 +144,21 @@ def test_the_running_check_follows_its_interval(coord):
     health.after_step(coord, 3)
     health.after_step(coord, 4)
     assert m.checks == [("running", 0)]
+
+
+def test_a_host_pool_that_cannot_be_allocated_is_one_clear_error(monkeypatch):
+    """A pinned allocation that fails (the locked-memory limit) names the pool's size and what to change."""
+    from ess_sglang.sglang_plugin import compat
+
+    def fail(pool, tokens, pin):
+        raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported")
+
+    monkeypatch.setattr(compat, "make_host_pool", fail)
+    with pytest.raises(compat.EssLaunchError) as err:
+        cpu_coordinator(page=PAGE, layers=LAYERS, rows=ROWS, top_k=TOPK, hot=HOT, staging=STAGING,
+                        config=EssConfig(top_k=TOPK))
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.startswith("ESS: could not allocate the host pool of ") and "CUDA error: out of memory;" in msg
+    assert "ess_config.memory_pool_size_gb" in msg and "ulimit -l" in msg
+    set_active(None)
