@@ -247,8 +247,9 @@ class EssConfig(BaseModel):
     invariant_check_interval_steps: NonNegativeInt = 0
     """SGLang plugin: every this many decode steps, between two steps, synchronise the GPU and check ESS's state (the
     hot pools' maps, the host pool's bookkeeping, the admission reservations); violations are logged and counted in
-    sglang:ess_invariant_violations_total. 0: never (the checks read every layer's maps back: milliseconds a check).
-    The same checks, and that everything is released, run whenever the scheduler goes idle, whatever this is."""
+    sglang:ess_invariant_violations_total. 0: never (each check stalls the step: it waits for the GPU and reads
+    every layer's maps back). The same checks, and that everything is released, run whenever the scheduler goes idle,
+    whatever this is."""
     overlap_profile: Annotated[str, _rule(lambda v: v.strip() != "", "a non-empty path")] | None = None
     """Path to a per-layer overlap profile YAML (which layers use DA and which DBA)."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)

@@ -4,7 +4,7 @@ Two moments, one list of checks (`state_violations`):
 
 * **running**: every ``ess_config.invariant_check_interval_steps`` decode steps (0, the default: never), at the
   coordinator's once-a-step call site (host side, outside the CUDA graph, before the step is launched). The GPU is
-  synchronised first: the checks read every layer's maps back (milliseconds), so this is for soak runs and
+  synchronised first and every layer's maps are read back (not timed), so this is for soak runs and
   debugging, not for production at full speed;
 * **idle**: when SGLang's scheduler is fully idle (AFTER ``Scheduler.on_idle``), once after every busy period and
   then at most every ``IDLE_RECHECK_S`` seconds. Besides the running checks, everything a request held must be back:
