@@ -113,15 +113,19 @@ def sglang_pool_violations(scheduler: Any) -> list[str]:
 
 
 def run_check(coord: Any, when: str, scheduler: Any = None) -> list[str]:
-    """Run the `when` ("running" or "idle") checks now; log and count what they find."""
+    """Run the `when` ("running" or "idle") checks now and log what they find (`count` counts them)."""
     if coord.device.type == "cuda":
         torch.cuda.synchronize(coord.device)
     found = idle_violations(coord, scheduler) if when == "idle" else state_violations(coord)
     for v in found:
         logger.error("ESS invariant violated (%s): %s", when, v)
+    return found
+
+
+def count(coord: Any, when: str, found: list[str]) -> None:
+    """Count one check of `when` and its violations (sglang:ess_invariant_checks_total, ..._violations_total)."""
     if coord.metrics is not None:
         coord.metrics.note_invariant_check(when, len(found))
-    return found
 
 
 def after_step(coord: Any, step: int) -> None:
@@ -129,7 +133,7 @@ def after_step(coord: Any, step: int) -> None:
     coord.busy_since_idle_check = True
     every = coord.config.invariant_check_interval_steps
     if every and step % every == 0:
-        run_check(coord, "running")
+        count(coord, "running", run_check(coord, "running"))
 
 
 def _idle_check_due(coord: Any, now: float) -> bool:
@@ -157,9 +161,10 @@ def on_idle_hook(result, scheduler, *args, **kwargs):
         return result
     coord.busy_since_idle_check = False
     coord.last_idle_check = now
-    run_check(coord, "idle", scheduler)
+    found = run_check(coord, "idle", scheduler)
     coord.note_queued(0)  # fully idle: nothing waits (a queued request may have been aborted while it waited)
     if coord.metrics is not None:
         coord.metrics.set_admitted_requests(coord.admission.running)
         coord.metrics.flush(wait=True)
+    count(coord, "idle", found)  # after the gauges: a reader that sees the count grow reads the idle values
     return result

@@ -60,9 +60,11 @@ def _serve(system: str, tmp_path: Path, port: int, prompts):
                       port=port, ess_config=ESS_CONFIG)
     logs = Path(os.environ.get("ESS_SERVER_LOGS", tmp_path))  # where the servers' logs go (default: tmp_path)
     with Server(spec, logs / f"server_{system}.log", tmp_path) as server:
-        idle_checks = metric_sum(scrape(spec.url), "sglang:ess_invariant_checks_total", IDLE)
         results, wall, running = run_requests(spec.url, prompts, DECODE_STEPS, REQUESTS)
-        metrics = _after_idle_check(spec.url, idle_checks) if system == "ess" else scrape(spec.url)
+        # the idle check that follows the requests: the count grows past what it is once they are done (the next
+        # check at the latest, IDLE_RECHECK_S later, if the first already ran)
+        done = metric_sum(scrape(spec.url), "sglang:ess_invariant_checks_total", IDLE)
+        metrics = _after_idle_check(spec.url, done) if system == "ess" else scrape(spec.url)
         print(f"\n{system}: {REQUESTS} x {DECODE_STEPS} tokens in {wall:.2f} s, at most {running} running; log "
               f"{server.log_path}")
     errors = [r.error for r in results if r.error]
