@@ -337,7 +337,7 @@ def main(argv=None) -> int:
         setups = [Setup(s, s, conc, json.loads(args.ess_config) if s == "ess" else {}, args.hisparse_ratio)
                   for s in systems]
     args.out.mkdir(parents=True, exist_ok=True)
-    # a run stopped from outside (timeout, Ctrl-C) still stops its server: it runs in a session of its own
+    # a run stopped from outside (timeout, Ctrl-C) still stops its server: it runs in a process group of its own
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows: list[dict] = earlier_rows(args.out) if args.resume else []
     t0 = time.time()

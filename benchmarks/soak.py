@@ -33,12 +33,11 @@ entry or hot slot leaked, nothing stayed admitted, no invariant violation (and n
 log), the running checks ran, the idle check was seen after the server went idle, every series read was on
 ``/metrics``, and the burst queued for host capacity (``max_queued_for_host > 0``). Writes ``soak.json``,
 ``requests.json`` (each request's outcome) and ``soak.png`` (the timeline) under ``--out``; exits 0 when ok, else 1.
-Runs on the GPU machine inside scripts/sglang_site.sh. In one call of 10 minutes with the server's start-up
-(8K context: about 4.3M prompt tokens instead of 7.4M at 16K; the hot pool then needs a larger ratio for 32 running
-requests), bounded by its own timeouts:
+Runs on the GPU machine inside scripts/sglang_site.sh. Under ten minutes with the server's start-up, at 8K context
+(about 4.3M prompt tokens instead of 7.4M at 16K; the hot pool then needs a larger ratio for 32 running requests):
 
     scripts/sglang_site.sh python3 benchmarks/soak.py --context 8192 --ess-config '{"sparse_memory_ratio": 0.35}' \
-        --deadline-s 170 --drain-timeout-s 100 --idle-timeout-s 30 --idle-check-timeout-s 25 --startup-timeout-s 230
+        --arrival-rate 9 --burst-size 48 --deadline-s 120 --drain-timeout-s 150
 """
 
 from __future__ import annotations
@@ -743,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
         except EssConfigError as exc:
             p.error(str(exc))
     args.out.mkdir(parents=True, exist_ok=True)
-    # a run stopped from outside (timeout, Ctrl-C) still stops its server: it runs in a session of its own
+    # a run stopped from outside (timeout, Ctrl-C) still stops its server: it runs in a process group of its own
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.time()
     server = None
