@@ -213,7 +213,8 @@ class HotPoolCacheManager:
     def __init__(self, host_pool: HostTotalPool, slots_per_layer: int, device: torch.device | str | None = None,
                  max_selected: int = 0, copy_impl: str = "auto", resolve_impl: str = "auto",
                  hot_entries: torch.Tensor | Sequence[torch.Tensor] | None = None, spare_slots: int = 0,
-                 resolve_pdl: bool | None = None, refill_interval: int = 1, decay_gamma: float | None = None):
+                 resolve_pdl: bool | None = None, refill_interval: int = 1, decay_gamma: float | None = None,
+                 spare_max_entries: int | None = None):
         """`max_selected` sizes scratch tensors for the largest selection (batch x q_tokens x top_k) one call sees,
         plus the batch where a resolve inserts the step's tokens (`NewTokens.insert`).
 
@@ -231,6 +232,10 @@ class HotPoolCacheManager:
         the layer, the layers in turn (layer l where clock + l is a multiple of K), and in any step where fewer than
         1/K of them are left: the two pool scans of a refill then run in 1/K of the steps. Size the spare slots to K
         steps' misses.
+        `spare_max_entries`: only calls of at most this many entries (a resolve's selection plus the tokens it inserts,
+        a warm-up's or prefetch's locations) take spare slots, and a layer's refill runs only after a resolve that
+        could take them; larger calls run as without spare slots (None: every call). The SGLang plugin keeps a
+        one-page reserve for one or two requests this way, where it prefetches nowhere.
         `resolve_pdl`: the fused resolve's kernels after its lookup use programmatic dependent launch (sm_90+, the
         Triton path only; 5-7 us a layer less at batch 64-128 / 32K together with the side-stream threshold update,
         benchmarks/RESULTS.md). None: wherever it can (the Triton resolve on a GPU of compute capability 9.0+).
@@ -247,6 +252,9 @@ class HotPoolCacheManager:
                 not 1 <= refill_interval <= MAX_REFILL_INTERVAL:
             raise ValueError(f"refill_interval must be an integer in [1, {MAX_REFILL_INTERVAL}], got "
                              f"{refill_interval!r}")
+        if spare_max_entries is not None and (isinstance(spare_max_entries, bool) or
+                                              not isinstance(spare_max_entries, int) or spare_max_entries < 1):
+            raise ValueError(f"spare_max_entries must be a positive integer or None, got {spare_max_entries!r}")
         dev = torch.device(device) if device is not None else host_pool.device
         resolve_impl, resolve_pdl = resolve_settings(resolve_impl, resolve_pdl, dev)
         decay = decay_retention(decay_gamma, device=dev) if decay_gamma is not None else None
@@ -268,6 +276,9 @@ class HotPoolCacheManager:
         self.counters = torch.zeros((L, len(Counter)), dtype=torch.int64, device=dev)
         self.num_spare = spare_slots
         self.refill_interval = refill_interval
+        self.spare_max_entries = spare_max_entries
+        # per layer: whether its last resolve could take spare slots (`uses_spare`); a refill follows only those
+        self._resolve_took_spare = [True] * L
         # spare[layer, spare_taken[layer]:num_spare] are free slots to take (all taken, i.e. none, until a refill);
         # one sink element at the end, like the maps
         self.spare = torch.full((L, spare_slots + 1), -1, dtype=torch.int32, device=dev)
@@ -289,6 +300,15 @@ class HotPoolCacheManager:
         # Optional observer of PCIe copies, called as on_transfer(direction, run) and expected to call run(): the
         # demo times them with it. The fused resolve copies misses inside its kernel, without passing through here.
         self.on_transfer = None
+
+    def uses_spare(self, entries: int) -> bool:
+        """Whether a call of `entries` entries takes spare slots (there are some, and `spare_max_entries` allows)."""
+        return self.num_spare > 0 and (self.spare_max_entries is None or entries <= self.spare_max_entries)
+
+    def refill_follows(self, layer: int) -> bool:
+        """Whether `refill_spares(layer)` does anything now: the layer has spare slots and its last resolve could take
+        them."""
+        return self.num_spare > 0 and self._resolve_took_spare[layer]
 
     def reset(self) -> None:
         """Empty every hot pool and zero the clock and counters (the host pool is untouched): benchmarks start each
@@ -368,6 +388,7 @@ class HotPoolCacheManager:
                     any(_lists_share_memory(r, fetch_list) for r in self._unsettled_prefetch[1]):
                 raise ValueError("resolve: the fetch list is the unsettled prefetch's own list; the resolve would "
                                  "overwrite the pairs its settle counts: give the prefetch and the resolve their own")
+        self._resolve_took_spare[layer] = self.uses_spare(topk_pos.numel() + (B if insert else 0))
         if self._fused is not None:
             pos = topk_pos.reshape(-1)
             slots = self._fused_run(layer, pos, MODE_POSITIONS, count=True, fetch=(Counter.MISSES, Counter.H2D_ENTRIES),
@@ -501,7 +522,7 @@ class HotPoolCacheManager:
             fetch_list.check_holds(flat.numel(), "prefetch", "candidates")
         record = fetch_list if fetch_list is not None else self._prefetch_scratch(flat.numel())
         self._check_unsettled(layer, record)
-        spare_only = self.num_spare > 0  # a prefetch never scans or evicts when there are spare slots
+        spare_only = self.uses_spare(locs.numel())  # a prefetch never scans or evicts when it has spare slots
         if self._fused is not None:
             slots = self._fused_run(layer, flat, MODE_LOCATIONS, count=False,
                                     fetch=(Counter.PREFETCHED, Counter.H2D_ENTRIES),
@@ -540,7 +561,8 @@ class HotPoolCacheManager:
         from ess_sglang.kernels.prefetch import check_claim_counters
 
         check_claim_counters(claim_counters, scored.rows)  # (on every path: a bad one fails here, not only on a GPU)
-        if self._fused is None or self.num_spare == 0 or not pf.runs_triton(scored.logits):
+        if self._fused is None or self.num_spare == 0 or self.spare_max_entries is not None or \
+                not pf.runs_triton(scored.logits):
             cand = scored.candidates(self.loc_to_slot[layer], self.num_locations)
             self.prefetch(layer, cand, fetch_list, programs=programs, chained=chained,
                           rows_per_program=rows_per_program)
@@ -676,7 +698,8 @@ class HotPoolCacheManager:
         else:
             slot = self._lookup(layer, flat)
             self._protect(layer, slot)
-            new_slot = self._insert(layer, torch.where((flat >= 0) & (slot < 0), flat, -1))
+            new_slot = self._insert(layer, torch.where((flat >= 0) & (slot < 0), flat, -1),
+                                    use_spare=self.uses_spare(n))
             slot = torch.where(slot >= 0, slot, new_slot)
             self.counters[layer, Counter.NEW_TOKENS] += (new_slot >= 0).sum()
         self._copy(entries, self.hot_entries[layer], torch.where(slot >= 0, rows, -1), slot)
@@ -718,6 +741,8 @@ class HotPoolCacheManager:
     def _fused_run(self, layer: int, src: torch.Tensor, mode: int, count: bool, fetch: tuple[int, int],
                    copy_from: torch.Tensor | None, fetch_list: FetchList | None = None, protect: bool = True,
                    spare_only: bool = False, chained: bool = False, **tables) -> torch.Tensor:
+        inserted = tables.get("insert_locs")
+        entries = src.numel() + (inserted.numel() if inserted is not None else 0)
         slots = self._fused.run(
             src=src.contiguous(), mode=mode, l2s=self.loc_to_slot[layer], s2l=self.slot_to_loc[layer],
             stamp=self.slot_stamp[layer], clock=self.clock, counters=self.counters[layer], count=count,
@@ -725,10 +750,9 @@ class HotPoolCacheManager:
             copy_from=copy_from if self.copy_impl != "none" else None, hot=self.hot_entries[layer],
             fetch_list=(fetch_list.src, fetch_list.dst, fetch_list.count) if fetch_list is not None else None,
             protect=protect, spare=self.spare[layer], spare_taken=self.spare_taken[layer:layer + 1],
-            spare_only=spare_only, chained=chained, **tables)
+            spare_only=spare_only, chained=chained, use_spare=self.uses_spare(entries), **tables)
         if fetch_list is not None:  # the assign kernel writes the first n pairs only (the inserted tokens count)
-            inserted = tables.get("insert_locs")
-            fetch_list.clear_from(src.numel() + (inserted.numel() if inserted is not None else 0))
+            fetch_list.clear_from(entries)
         return slots
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,
@@ -828,7 +852,7 @@ class HotPoolCacheManager:
         l2s.scatter_reduce_(0, miss_at, claim, reduce="amax", include_self=False)
         rep = miss & (l2s[miss_at] == claim)
         new_slot = self._insert(layer, torch.where(rep, flat, -1), stamp_back=0 if protect else 1,
-                                spare_only=spare_only)
+                                spare_only=spare_only, use_spare=self.uses_spare(n))
         l2s.scatter_(0, torch.where(rep & (new_slot < 0), flat, sink), -1)  # overflowed claims: back to "absent"
         slot = torch.where(miss, l2s[miss_at].long().clamp(min=-1), slot)
         fetched = new_slot >= 0
@@ -846,9 +870,11 @@ class HotPoolCacheManager:
             self._copy(self.host.layer(layer), self.hot_entries[layer], fetch_src, fetch_dst, direction="h2d")
         return slot, hit if fresh_from is not None else hit.sum(), fetched.sum()
 
-    def _insert(self, layer: int, flat: torch.Tensor, stamp_back: int = 0, spare_only: bool = False) -> torch.Tensor:
+    def _insert(self, layer: int, flat: torch.Tensor, stamp_back: int = 0, spare_only: bool = False,
+                use_spare: bool = True) -> torch.Tensor:
         """Give each location in `flat` (distinct, not resident; -1 skipped) a slot: the layer's spare slots first,
-        in order, then LRU victims (evicted); `spare_only` (a prefetch with spare slots): no victims.
+        in order, then LRU victims (evicted); `spare_only` (a prefetch with spare slots): no victims; `use_spare`
+        False: the spare slots are left alone (LRU victims only).
 
         Returns the slot of each (int64, -1 where skipped or where no slot was left: counted as overflow, except
         where `spare_only`).
@@ -857,12 +883,13 @@ class HotPoolCacheManager:
         need = flat >= 0
         n_need = need.sum()
         rank = (need.cumsum(0) - 1).clamp(min=0)
-        taken = self.spare_taken[layer]
+        taken = self.spare_taken[layer] if use_spare else self.spare_taken.new_tensor(self.num_spare)
         avail = self.num_spare - taken
         spare = self.spare[layer][(taken + rank).clamp(max=self.num_spare)].long()
         victims = self._take_victims(layer, (n_need - avail).clamp(min=0) * (not spare_only), n)
         slot = torch.where(need, torch.where(rank < avail, spare, victims[(rank - avail).clamp(min=0)]), -1)
-        self.spare_taken[layer] = (taken + n_need).clamp(max=self.num_spare)
+        if use_spare:
+            self.spare_taken[layer] = (taken + n_need).clamp(max=self.num_spare)
         got = slot >= 0
         if not spare_only:
             self.counters[layer, Counter.OVERFLOW] += (need & ~got).sum()
@@ -888,8 +915,9 @@ class HotPoolCacheManager:
         this step (and new tokens' reserved slots) are protected, so it may run while attention reads this step's
         slots. On the fused path it shares its scratch with every resolve and prefetch: order it with them (the
         decode stack queues it on its side stream, behind which the next layer's prefetches queue, and joins that
-        stream before the next exact resolve)."""
-        if self.num_spare == 0:
+        stream before the next exact resolve). Nothing is launched after a resolve of the layer that left the spare
+        slots alone (`spare_max_entries`): a CUDA graph of such a batch then holds no refill."""
+        if not self.refill_follows(layer):
             return
         K, phase = self.refill_interval, layer % self.refill_interval
         if self._fused is not None:

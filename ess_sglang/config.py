@@ -215,12 +215,15 @@ class EssConfig(BaseModel):
     """SGLang plugin: spare slots per layer (free slots evicted ahead, beside attention, so that a resolve or a
     prefetch takes no LRU scan), as a fraction of top_k x max_running_requests, in whole pages, at most 1/8 of the
     hot pool. None: 1/16 x the refill interval where the instance prefetches (about 1.25 x a step's misses at 95%
-    hits, per step between refills), else 0."""
+    hits, per step between refills); else one page a layer, taken only by resolves of one or two requests (larger
+    batches run as without spare slots), which took the decode step at one and two 32K requests from 1.042x all-HBM's
+    to 1.029x and 1.027x in the real server (H100). 0: none."""
     spare_refill_interval: Annotated[StrictInt, _rule(lambda v: 1 <= v <= 1024, "in [1, 1024]")] | None = None
     """SGLang plugin: a layer's spare slots are refilled in every decode step (1), or in every K-th step of the layer
     (the layers in turn) and in any step where fewer than 1/K of them are left. Size spare_slot_fraction to K steps'
     misses. None: the interval the overlap profile's spare-slot runs were measured with (4 in the shipped
-    SGLang-top-k profile) where a profile is loaded (not with prefetch_overlap_level none), else 1. In the decode
+    SGLang-top-k profile) where a profile is loaded (not with prefetch_overlap_level none), else 1; 64 for the
+    one-page reserve of an instance that prefetches nowhere (spare_slot_fraction unset). In the decode
     harness on the H200 (prefetch in three segments, hit 0.95, batch 64), K = 4 with twice the spare slots took
     9.4-11.3 us a layer less than refilling every step at 128K, 1.9-4.1 at 32K (docs/design.md, "Resolve");
     not measured inside SGLang."""

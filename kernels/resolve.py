@@ -753,6 +753,8 @@ class FusedResolver:
         self.max_entries = 0
         self.device = device
         self.scratch = torch.zeros(SCR_SIZE, dtype=torch.int32, device=device)
+        # the spare count of a call that leaves the spare slots alone (`run(use_spare=False)`): 0 before and after
+        self._no_spare_taken = torch.zeros(1, dtype=torch.int64, device=device)
         self._grow(max(max_entries, 1))
 
     def _grow(self, n: int) -> None:
@@ -775,7 +777,7 @@ class FusedResolver:
         return pdl_launch(on and self.pdl)
 
     def _scans(self, stamp: torch.Tensor, clock: torch.Tensor, spare_taken: torch.Tensor, refill: bool,
-               phase: int = 0, interval: int = 1) -> None:
+               phase: int = 0, interval: int = 1, num_spare: int | None = None) -> None:
         """K2 + K3 (R2 + R3): the LRU victims, when any are needed (otherwise both launches return at once; a refill
         needs them when it is due: `phase` and `interval` as `refill`'s).
 
@@ -788,7 +790,8 @@ class FusedResolver:
         refill; misses beyond the spare slots left) the short grid scans the pool with fewer programs at once: that
         case is not timed (docs/design.md, "Resolve")."""
         S = self.num_slots
-        resolve_grid = self.scan_programs if self.num_spare > 0 else None  # (a resolve's: short with spare slots)
+        num_spare = self.num_spare if num_spare is None else num_spare
+        resolve_grid = self.scan_programs if num_spare > 0 else None  # (a resolve's: short with spare slots)
 
         def per_program(block: int, grid: int | None) -> tuple[int, int]:  # (blocks per program, programs)
             blocks = triton.cdiv(S, block)
@@ -796,11 +799,11 @@ class FusedResolver:
             return per, triton.cdiv(blocks, per)
 
         per, programs = per_program(self.age_block, self.refill_age_programs if refill else resolve_grid)
-        _ages_kernel[(programs,)](stamp, clock, self.scratch, spare_taken, self.num_spare, S, per, phase, interval,
+        _ages_kernel[(programs,)](stamp, clock, self.scratch, spare_taken, num_spare, S, per, phase, interval,
                                   REFILL=refill, A=AGE_BUCKETS, SBLOCK=self.age_block, num_warps=self.age_warps,
                                   **self._pdl(not refill), **self.ages)
         per, programs = per_program(self.victim_block, self.refill_victim_programs if refill else resolve_grid)
-        _victims_kernel[(programs,)](stamp, clock, self.scratch, self.victims, spare_taken, self.num_spare, S, per,
+        _victims_kernel[(programs,)](stamp, clock, self.scratch, self.victims, spare_taken, num_spare, S, per,
                                      phase, interval, REFILL=refill, A=AGE_BUCKETS, BLOCK=self.victim_block,
                                      num_warps=self.victim_warps, **self._pdl(not refill), **self.ages)
 
@@ -814,7 +817,7 @@ class FusedResolver:
             protect: bool = True, spare_only: bool = False, chained: bool = False,
             table_offset: int | None = None,
             new_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-            insert_locs: torch.Tensor | None = None) -> torch.Tensor:
+            insert_locs: torch.Tensor | None = None, use_spare: bool = True) -> torch.Tensor:
         """Resolve the flat list `src` (positions in MODE_POSITIONS, KV locations in MODE_LOCATIONS); returns the
         int32 slot of each entry (-1 where padding, bad, or overflowed).
 
@@ -836,7 +839,10 @@ class FusedResolver:
         entry (-1: none): each gets a slot in this resolve, as a miss would, but is not copied (its entry is written
         there by the write-back: pass `new_tokens` too, or write it after) and not counted as a lookup, hit or
         fetch (counted NEW_TOKENS); a selected entry naming its own batch entry's token counts as a hit and reads
-        that slot. The token is then resident from the step that computes it (the replays' ``lru_newest``)."""
+        that slot. The token is then resident from the step that computes it (the replays' ``lru_newest``).
+        `use_spare` False: the call leaves the spare slots alone (`spare`, `spare_taken` are not read or written) and
+        runs as a resolver without them, every miss an LRU victim, against a spare count of its own that stays 0."""
+        spare_taken, num_spare = (spare_taken, self.num_spare) if use_spare else (self._no_spare_taken, 0)
         n_sel = src.numel()
         n_ins = insert_locs.numel() if insert_locs is not None else 0
         n = n_sel + n_ins
@@ -885,7 +891,7 @@ class FusedResolver:
         took_loc, took_slot = (pend_src, pend_dst) if spare_only else (self.took_loc, self.took_slot)
         _lookup_kernel[(triton.cdiv(n, self.lookup_block),)](
             src, seq, rpi, r2t, r2t_stride, r2t_rows, width, n, per_batch, l2s, s2l, stamp, clock, out, self.locs,
-            counters, self.scratch, self.over_loc, self.over_idx, spare, spare_taken, self.num_spare, took_loc,
+            counters, self.scratch, self.over_loc, self.over_idx, spare, spare_taken, num_spare, took_loc,
             took_slot, l2s.shape[0] - 1, S, src_w, dst_w, self.lookup_copy_cap, MODE=mode, COUNT=count, PROTECT=protect,
             LIST=copy or pend, SPARE_ONLY=spare_only, C_LOOKUPS=counter_ids["LOOKUPS"], C_HITS=counter_ids["HITS"],
             C_BAD=counter_ids["BAD_INDICES"], C_FETCH_A=fa, C_FETCH_B=fb, BLOCK=self.lookup_block,
@@ -900,7 +906,7 @@ class FusedResolver:
         if spare_only:
             for close in (False, True):  # (see _finish_kernel: the close is a one-program launch here)
                 _finish_kernel[(1 if close else triton.cdiv(n, block),)](
-                    self.locs, out, l2s, stamp, clock, self.scratch, spare_taken, self.num_spare, 0 if close else n,
+                    self.locs, out, l2s, stamp, clock, self.scratch, spare_taken, num_spare, 0 if close else n,
                     S, pend_src, pend_dst, pend_count, out, 0, REFILL=False, SPARE_ONLY=True, PEND=pend, CLOSE=close,
                     STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block, **self._pdl(chained))
             return out
@@ -911,23 +917,23 @@ class FusedResolver:
                     C_FETCH_B=fb, C_EVICT=counter_ids["EVICTIONS"], C_OVERFLOW=counter_ids["OVERFLOW"],
                     C_NEW=counter_ids["NEW_TOKENS"], STAMP_BACK=0 if protect else 1, ROWS=ROWS, CLEAR=block,
                     num_warps=NUM_WARPS, **self._pdl(True))
-        if self.tail_programs is not None and (self.num_spare > 0 or n <= self.merged_tail_max_entries):
+        if self.tail_programs is not None and (num_spare > 0 or n <= self.merged_tail_max_entries):
             # K2-K4 in one launch
             grid = 1 if _one_program(self.device) else max(self.tail_programs, assign)
             _tail_kernel[(grid,)](
                 stamp, clock, self.scratch, self.victims, self.over_loc, self.over_idx, self.took_loc,
                 self.took_slot, l2s, s2l, out, counters, src_w, dst_w, pend_src, pend_dst, pend_count, spare_taken,
-                self.num_spare, S, n, n_sel, self.lookup_copy_cap, triton.cdiv(triton.cdiv(S, self.age_block), grid),
+                num_spare, S, n, n_sel, self.lookup_copy_cap, triton.cdiv(triton.cdiv(S, self.age_block), grid),
                 triton.cdiv(triton.cdiv(S, self.victim_block), grid), min(assign, grid), A=AGE_BUCKETS,
                 SBLOCK=self.age_block, VBLOCK=self.victim_block, **walk, **self.ages)
         else:
-            self._scans(stamp, clock, spare_taken, refill=False)
+            self._scans(stamp, clock, spare_taken, refill=False, num_spare=num_spare)
             _assign_kernel[(assign,)](
                 self.scratch, self.victims, self.over_loc, self.over_idx, self.took_loc, self.took_slot, l2s, s2l,
                 stamp, clock, out, counters, src_w, dst_w, pend_src, pend_dst, pend_count, spare_taken,
-                self.num_spare, n, n_sel, self.lookup_copy_cap, **walk)
+                num_spare, n, n_sel, self.lookup_copy_cap, **walk)
         _finish_kernel[(new.get("new_programs", 0) + triton.cdiv(n, block),)](
-            self.locs, out, l2s, stamp, clock, self.scratch, spare_taken, self.num_spare, n, S, pend_src, pend_dst,
+            self.locs, out, l2s, stamp, clock, self.scratch, spare_taken, num_spare, n, S, pend_src, pend_dst,
             pend_count, table, table_offset or 0, REFILL=False, SPARE_ONLY=False, PEND=pend, CLOSE=True,
             STAMP_BACK=0 if protect else 1, SCR=SCR_SIZE, BLOCK=block, TABLE=table_offset is not None,
             n_sel=n_sel, **new, **self._pdl(True))

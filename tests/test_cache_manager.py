@@ -17,12 +17,13 @@ def impl(request):
 
 
 def make(layers=2, tokens=2048, slots=256, lengths=(300, 500), seed=0, copy_impl="auto", impl="torch", spare=0,
-         refill_interval=1, decay_gamma=None):
+         refill_interval=1, decay_gamma=None, spare_max_entries=None):
     host = HostTotalPool(layers, tokens, device="cpu")
     host.entries.copy_(torch.randint(0, 256, host.entries.shape, dtype=torch.uint8,
                                      generator=torch.Generator().manual_seed(seed)))
     m = HotPoolCacheManager(host, slots, device="cpu", max_selected=1024, copy_impl=copy_impl, resolve_impl=impl,
-                            spare_slots=spare, refill_interval=refill_interval, decay_gamma=decay_gamma)
+                            spare_slots=spare, refill_interval=refill_interval, decay_gamma=decay_gamma,
+                            spare_max_entries=spare_max_entries)
     table = RequestTable(8, 1024)
     rows = []
     for n in lengths:
@@ -261,12 +262,14 @@ def test_shapes_are_checked(impl):
         m.resolve(0, torch.zeros(2, 1, 8, dtype=torch.int32), table.req_to_token, rpi, sl[:1])
 
 
-@pytest.mark.parametrize("small_blocks,spare,interval,gamma", [
-    (False, 0, 1, None), (True, 0, 1, None), (False, 24, 1, None), (True, 24, 1, None), (True, 120, 1, None),
-    (True, 120, 3, None), (False, 120, 4, None),
+@pytest.mark.parametrize("small_blocks,spare,interval,gamma,spare_max", [
+    (False, 0, 1, None, None), (True, 0, 1, None, None), (False, 24, 1, None, None), (True, 24, 1, None, None),
+    (True, 120, 1, None, None), (True, 120, 3, None, None), (False, 120, 4, None, None),
     # decayed retention: the stamps carry bonuses, the scans bucket by decayed count
-    (False, 0, 1, 0.75), (True, 24, 1, 0.75), (False, 120, 3, 0.6)])
-def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, spare, interval, gamma):
+    (False, 0, 1, 0.75, None), (True, 24, 1, 0.75, None), (False, 120, 3, 0.6, None),
+    # spare slots for small calls only: the resolves of one query token (120 entries) take them, of two (240) not
+    (False, 24, 1, None, 150), (True, 120, 3, None, 150)])
+def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, spare, interval, gamma, spare_max):
     """A random mix of every operation on both paths: every map, stamp, counter and hot entry equal, every step.
 
     (Triton's interpreter runs programs in order, so even the order of the miss and victim lists matches.)
@@ -278,13 +281,14 @@ def test_fused_kernels_equal_the_torch_definition_state_for_state(small_blocks, 
     (the assign kernel copies the spare-slot winners after those). `spare`: spare slots per layer, refilled after each
     layer's resolve (24: fewer than the misses of most resolves, so the rest take LRU victims; 120: most covered),
     when due (`interval`: a refill interval, so that some refills are not due although spare slots were taken, and
-    others are due for want of spare slots).
+    others are due for want of spare slots). `spare_max`: only calls of at most this many entries take spare slots
+    (and a refill follows only their resolves).
     """
     from ess_sglang.kernels.resolve import BONUS_SHIFT
 
     g = torch.Generator().manual_seed(7)
     pair = [make(slots=320, lengths=(300, 500, 250), seed=5, impl=impl, spare=spare, refill_interval=interval,
-                 decay_gamma=gamma) for impl in ("torch", "triton")]
+                 decay_gamma=gamma, spare_max_entries=spare_max) for impl in ("torch", "triton")]
     if small_blocks:
         f = pair[1][0]._fused
         f.age_block, f.victim_block, f.lookup_block = 64, 32, 16
@@ -1016,3 +1020,33 @@ def test_a_spare_only_resolve_without_spare_slots_gives_no_slot_on_both_paths():
         assert int(m.counters[0, Counter.OVERFLOW]) == 0
         m.check_invariants()
     assert torch.equal(outs[0], outs[1]) and bool((outs[0] == -1).all())
+
+
+def test_spare_slots_for_small_calls_only(impl):
+    """`spare_max_entries`: a resolve of more entries leaves the spare slots alone (LRU victims, as without spare
+    slots) and no refill follows it; one of at most that many takes them, and its refill runs."""
+    m, host, table, rpi, sl = make(slots=128, impl=impl, spare=16, spare_max_entries=60)
+    locs = table.req_to_token[rpi[1]].long()
+    m.begin_step()
+    m.resolve(0, _positions(range(40)), table.req_to_token, rpi, sl)  # 2 x 40 entries (one row padding): > 60
+    assert not m.refill_follows(0) and not m.uses_spare(80) and m.uses_spare(60)
+    m.refill_spares(0)  # follows a resolve that left them alone: nothing happens
+    assert int(m.spare_taken[0]) == 16 and bool((m.spare[0] == -1).all())
+    m.begin_step()
+    pos = _positions(range(40, 70))[1:]  # one batch entry: 30 entries
+    slots = m.resolve(0, pos, table.req_to_token, rpi[1:], sl[1:])
+    check_slots(m, host, 0, slots[0, 0], locs[40:70])
+    assert m.refill_follows(0)
+    m.refill_spares(0)  # now it runs: 16 free slots set aside
+    assert int(m.spare_taken[0]) == 0
+    spare = m.spare[0, :16].long().clone()
+    m.begin_step()
+    big = m.resolve(0, _positions(range(70, 105)), table.req_to_token, rpi, sl)  # 70 entries: LRU only
+    check_slots(m, host, 0, big[1, 0], locs[70:105])
+    assert int(m.spare_taken[0]) == 0 and torch.equal(m.spare[0, :16].long(), spare)
+    assert not set(big[1, 0].long().tolist()) & set(spare.tolist())
+    m.begin_step()
+    small = m.resolve(0, _positions(range(105, 125)), table.req_to_token, rpi, sl)  # 40 entries: spare first
+    check_slots(m, host, 0, small[1, 0], locs[105:125])
+    assert torch.equal(small[1, 0, :16].long(), spare) and int(m.spare_taken[0]) == 16
+    m.check_invariants()

@@ -132,7 +132,7 @@ class LayerViews:
 def build_cache_manager(host: HostPoolView, slots: int, hot_views: LayerViews, device: torch.device,
                         max_selected: int, copy_impl: str = "auto", resolve_impl: str = "auto",
                         spare_slots: int = 0, resolve_pdl: bool | None = None, refill_interval: int = 1,
-                        decay_gamma: float | None = None):
+                        decay_gamma: float | None = None, spare_max_entries: int | None = None):
     """A HotPoolCacheManager whose hot pools are `hot_views` (regions of SGLang's device pool); `decay_gamma`:
     decayed retention with that factor (None: LRU)."""
     from ess_sglang.cache_manager import HotPoolCacheManager
@@ -140,7 +140,7 @@ def build_cache_manager(host: HostPoolView, slots: int, hot_views: LayerViews, d
     return HotPoolCacheManager(host, slots, device=device, max_selected=max_selected, copy_impl=copy_impl,
                                resolve_impl=resolve_impl, hot_entries=hot_views, spare_slots=spare_slots,
                                resolve_pdl=resolve_pdl, refill_interval=refill_interval,
-                               decay_gamma=decay_gamma)
+                               decay_gamma=decay_gamma, spare_max_entries=spare_max_entries)
 
 
 def allocate_host_pool(pool: Any, host_tokens: int, pin_memory: bool) -> Any:
@@ -238,6 +238,7 @@ class EssCoordinator:
                                            copy_impl=copy_impl, resolve_impl=resolve_impl,
                                            spare_slots=self.overlap_plan.spare_slots, resolve_pdl=self.resolve_pdl,
                                            refill_interval=self.overlap_plan.refill_interval,
+                                           spare_max_entries=self.overlap_plan.spare_max_entries,
                                            decay_gamma=config.decay_gamma if config.retention == "decay" else None)
         self.max_selected = rows * top_k
         self.overlap = echo.DecodeOverlap(self.manager, self.overlap_plan, rows, width, rows, config)

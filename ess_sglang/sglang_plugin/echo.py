@@ -57,6 +57,7 @@ import torch
 from ess_sglang.cache_manager import MAX_REFILL_INTERVAL, FetchList, HotPoolCacheManager
 from ess_sglang.config import EssConfig
 from ess_sglang.kernels.prefetch import new_claim_counters
+from ess_sglang.kernels.resolve import MERGED_TAIL_MAX_ENTRIES
 from ess_sglang.kernels.topk import kth_of_selection_any
 from ess_sglang.overlap_policy import ONE_CALL_MODES, PREFETCH_CHUNKS, load_profile
 from ess_sglang.prefetch import EchoPrefetcher
@@ -67,6 +68,13 @@ logger = logging.getLogger("ess_sglang.sglang_plugin")
 PREFETCH_PROGRAMS = 16  # persistent copy programs of a prefetch beside the top-k (decode_layers.py's setting)
 AUTO_SPARE_FRACTION = 1 / 16  # of top_k x max_running_requests: 1.25 x the misses of a step at 95% hits
 MAX_SPARE_SHARE = 1 / 8  # spare slots never take more than this share of a layer's hot pool
+# Where no layer prefetches: one page of spare slots a layer, refilled every 64 steps, taken only by calls of up to
+# MERGED_TAIL_MAX_ENTRIES entries (one or two requests at top-k 2,048 with their tokens), so that those resolves run no
+# pool scan in most steps. In the real server at 32K on an H100 (one run with all-HBM, docs/design.md, "In the real
+# server") the decode step went from 1.042x all-HBM's to 1.029x at one request and from 1.042x to 1.027x at two;
+# larger batches run as without spare slots (their graphs hold no refill)
+SMALL_BATCH_SPARE_REFILL_INTERVAL = 64
+SMALL_BATCH_SPARE_MAX_ENTRIES = MERGED_TAIL_MAX_ENTRIES
 PLUGIN_MODES = ONE_CALL_MODES
 """What the plugin runs in a decode layer: SGLang computes a layer's indexer logits in one call and its attention in
 one, so ECHO prefetch in one chunk (beside the top-k), or none. DA, DBA and the prefetch in chunks run in the decode
@@ -85,6 +93,7 @@ class OverlapPlan:
     prefetch_margins: tuple[float, ...] = ()  # per layer: its ECHO threshold margin (empty: DecodeOverlap gives every
     # layer ess_config.prefetch_threshold_margin)
     refill_interval: int = 1  # a layer's spare slots are refilled every this many steps (and when few are left)
+    spare_max_entries: int | None = None  # only calls of at most this many entries take spare slots (None: all)
 
 
 def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: int, hot_slots_per_layer: int,
@@ -92,7 +101,8 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
     """Prefetching layers, their threshold margins and spare slots per layer, from ``prefetch_overlap_level``,
     ``overlap_profile``, ``prefetch_threshold_margin``, ``spare_slot_fraction`` and ``spare_refill_interval`` (unset:
     the interval the profile's spare-slot runs were measured with, else 1; the automatic spare size covers that many
-    steps). Without a profile, level
+    steps; where no layer prefetches and ``spare_slot_fraction`` is unset, one page a layer for resolves of one or two
+    requests, refilled every 64 steps unless set: ``SMALL_BATCH_SPARE_*``). Without a profile, level
     ``auto`` (the default) prefetches in no layer and ``full`` in every one: in the decode harness's last three tables,
     this one-chunk prefetch with spare slots was slower than no prefetch without them in 13, 14 and 14 of 18
     configurations at batch 16-128 (benchmarks/RESULTS.md, decode_layers), and a profile
@@ -140,9 +150,14 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
         raise ValueError(f"overlap profile {config.overlap_profile}: its spare_refill_interval {interval} is outside "
                          f"[1, {MAX_REFILL_INTERVAL}]; set ess_config.spare_refill_interval")
     fraction = config.spare_slot_fraction
-    if fraction is None:
-        fraction = AUTO_SPARE_FRACTION * interval if any(layers) else 0.0
-    wanted = math.ceil(fraction * top_k * max_running_requests / page_size) * page_size
+    small_batch = fraction is None and not any(layers)  # the one-page reserve for one or two requests
+    if small_batch:
+        interval = config.spare_refill_interval or SMALL_BATCH_SPARE_REFILL_INTERVAL
+        wanted = page_size
+    else:
+        if fraction is None:
+            fraction = AUTO_SPARE_FRACTION * interval
+        wanted = math.ceil(fraction * top_k * max_running_requests / page_size) * page_size
     cap = int(hot_slots_per_layer * MAX_SPARE_SHARE) // page_size * page_size
     spare = min(wanted, cap)
     if spare and theirs is not None and theirs != interval:
@@ -153,9 +168,12 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
     note = (f"ECHO prefetch in {sum(layers)} of {num_layers} layers ({why})"
             + (f", threshold margin {' / '.join(f'{m:g}' for m in with_margin)}" if with_margin else "")
             + f"; {spare} spare slots per layer"
+            + (f" for resolves of up to {SMALL_BATCH_SPARE_MAX_ENTRIES:,} entries (one or two requests)"
+               if spare and small_batch else "")
             + (f", refilled every {interval} steps" if spare and interval > 1 else "")
             + (f" (asked {wanted}, capped at 1/8 of the hot pool)" if spare < wanted else ""))
-    return OverlapPlan(tuple(layers), spare, note, tuple(float(m) for m in margins), interval)
+    return OverlapPlan(tuple(layers), spare, note, tuple(float(m) for m in margins), interval,
+                       SMALL_BATCH_SPARE_MAX_ENTRIES if small_batch and spare else None)
 
 
 class DecodeOverlap:
@@ -239,7 +257,8 @@ class DecodeOverlap:
     def after_resolve(self, layer: int) -> None:
         """3d-e: settle, move the thresholds and refill beside attention; the last layer joins the side stream."""
         pending, self._folding = self._folding, None
-        if pending is not None or self.prefetches(layer) or self.m.num_spare:
+        refill = self.m.refill_follows(layer)  # (not after a resolve that left the spare slots alone)
+        if pending is not None or self.prefetches(layer) or refill:
             with self.streams.on_side():
                 self.m.settle_prefetch(layer)  # (nothing to count where the tap did not prefetch)
                 if pending is not None:  # after this layer's candidate reads, queued before on this stream
@@ -247,7 +266,7 @@ class DecodeOverlap:
                     self._side_reads.extend(pending)
                     # (one launch for what SGLang's decode top-k gives: float32 logits, int32 positions)
                     self.prefetcher.update(layer, kth_of_selection_any(logits, positions, short_rows="lowest"), rows)
-                if self.m.num_spare:
+                if refill:
                     self.m.refill_spares(layer)
         if layer == self.num_layers - 1:
             self.streams.wait()

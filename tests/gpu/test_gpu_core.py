@@ -46,14 +46,14 @@ def test_flashtrans_full_size_both_directions():
 
 
 def _setup(layers=3, lengths=(3000, 5000, 4000, 2000), slots=4096, top_k=512, impl="triton", spare=0,
-           refill_interval=1, decay_gamma=None):
+           refill_interval=1, decay_gamma=None, spare_max_entries=None):
     dev = torch.device("cuda")
     T = sum(lengths) + 64 * len(lengths)
     host = HostTotalPool(layers, T, device=dev)
     host.entries.copy_(torch.randint(0, 256, host.entries.shape, dtype=torch.uint8))
     m = HotPoolCacheManager(host, slots, device=dev, max_selected=len(lengths) * top_k, resolve_impl=impl,
                             spare_slots=spare, refill_interval=refill_interval,
-                            decay_gamma=decay_gamma)
+                            decay_gamma=decay_gamma, spare_max_entries=spare_max_entries)
     table = RequestTable(len(lengths), max(lengths) + 64, device=dev)
     rows = []
     for n in lengths:
@@ -159,8 +159,9 @@ def test_fused_resolve_with_many_programs_at_once_keeps_maps_and_entries_exact(s
           f"hit rate {1 - c[:, Counter.MISSES].sum().item() / c[:, Counter.LOOKUPS].sum().item():.3f}")
 
 
-@pytest.mark.parametrize("spare,insert", [(0, False), (6000, False), (0, True), (6000, True)])
-def test_plugin_seam_kernels_at_scale(spare, insert):
+@pytest.mark.parametrize("spare,insert,spare_max", [(0, False, None), (6000, False, None), (0, True, None),
+                                                   (6000, True, None), (64, True, 4608)])
+def test_plugin_seam_kernels_at_scale(spare, insert, spare_max):
     """What the SGLang plugin's decode seam asks of the kernels, at scale (coordinator.swap_in_selected_pages): the
     resolve writes each token back after the selection (`new_tokens`), reading its entry in place from rows of a
     larger table; CUDA-graph padding entries arrive as request row -1 with positions that would be valid; the resolve
@@ -168,12 +169,14 @@ def test_plugin_seam_kernels_at_scale(spare, insert):
     entry is -1 and counts nothing, each real token's entry is written back from its row, and where the selection
     names the token (its host row not yet written when the resolve fetched it), its slot holds the token's entry.
     With `insert` (new_tokens: insert) every real token is resident after its own layer's resolve, holding its
-    entry, and a selection naming it counts a hit."""
+    entry, and a selection naming it counts a hit. `spare_max`: the plugin's one-page reserve for small resolves,
+    which these (8 requests) leave alone: their spare count never moves."""
     from ess_sglang.cache_manager import NewTokens
 
     dev = torch.device("cuda")
     lengths, top_k, layers, pad, offset = (16000,) * 8, 2048, 2, 2, 123_456
-    m, host, table, rpi, seq = _setup(layers, lengths=lengths, slots=48_000, top_k=top_k, spare=spare)
+    m, host, table, rpi, seq = _setup(layers, lengths=lengths, slots=48_000, top_k=top_k, spare=spare,
+                                      spare_max_entries=spare_max)
     B = len(lengths)
     live = torch.arange(B, device=dev) < B - pad
     live_rpi = torch.where(live, rpi, -1)
@@ -210,6 +213,8 @@ def test_plugin_seam_kernels_at_scale(spare, insert):
         for layer in range(layers):
             assert torch.equal(host.entries[layer][new_locs[live].cpu()].cuda(), big[rows[live]])
         m.check_invariants()
+        if spare_max is not None:
+            assert bool((m.spare_taken == spare).all())  # (none until a refill, and no refill follows these)
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])

@@ -318,11 +318,14 @@ def _check_cuda_graph_padding(coord, rpi, seq, sel, B):
     """Batch entries past num_real_reqs (CUDA-graph padding: row 0, seq_len 1, whatever top-k the indexer left) are
     not live: no write-back, no lookup, every returned row -1; the real entries beside them are served as usual."""
     m = coord.manager
-    maps = [t.clone() for t in (m.loc_to_slot, m.slot_to_loc, m.counters)]
-    host = coord.mem_pool_host.kv_buffer[0].clone()
     coord.num_real_reqs.fill_(0)
     pad_rows, pad_seq = torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
     junk = torch.arange(2 * TOPK, dtype=torch.int32).view(2, TOPK)  # positions a padded row must never read
+    # twice: the first step's spare-slot refill beside the resolve (two entries' resolve takes the one-page reserve,
+    # echo.plan) may evict for itself; the second finds the reserve full, so every change would be the padding's
+    assert bool((coord.swap_in_selected_pages(pad_rows, pad_seq, junk, coord.start_layer) == -1).all())
+    maps = [t.clone() for t in (m.loc_to_slot, m.slot_to_loc, m.counters)]
+    host = coord.mem_pool_host.kv_buffer[0].clone()
     out = coord.swap_in_selected_pages(pad_rows, pad_seq, junk, coord.start_layer)
     assert bool((out == -1).all())
     assert all(torch.equal(a, b) for a, b in zip(maps, (m.loc_to_slot, m.slot_to_loc, m.counters), strict=True))
@@ -365,8 +368,8 @@ def test_decode_seam_bit_identical(mode, steps, new_tokens, resolve_impl, replac
     else:  # except those the prefetch had already given one
         assert 0 < stats["new"] < steps * 4 * LAYERS
     assert stats["overflow"] == 0 and stats["bad"] == 0
-    if level == "none":
-        assert stats["prefetched"] == 0 and stats["spare_slots"] == 0
+    if level == "none":  # no prefetch; one page of spare slots for these small resolves (echo.plan)
+        assert stats["prefetched"] == 0 and stats["spare_slots"] == PAGE
     else:  # prefetched entries were selected, every one counted useful or wasted, from spare slots only
         assert stats["spare_slots"] > 0 and stats["useful"] > 0
         assert stats["useful"] + stats["wasted"] == stats["prefetched"]

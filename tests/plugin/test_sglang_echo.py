@@ -36,20 +36,29 @@ def _profile_with(tmp_path, modes: dict[int, str]) -> str:
 
 
 def test_plan_levels_and_spare_slots():
+    from ess_sglang.kernels.resolve import MERGED_TAIL_MAX_ENTRIES
+
     off = _plan(prefetch_overlap_level="none")
-    assert not any(off.prefetch_layers) and off.spare_slots == 0
-    # the default level without a profile: no prefetch, and so no spare slots (one-chunk prefetch with spare slots
-    # measured slower than this in 13 of 18 harness configurations, benchmarks/RESULTS.md)
+    # no layer prefetches: one page of spare slots for the resolves of one or two requests, refilled every 64 steps
+    assert not any(off.prefetch_layers) and off.spare_slots == 64 and off.refill_interval == 64
+    assert off.spare_max_entries == MERGED_TAIL_MAX_ENTRIES == 4608
+    assert "64 spare slots per layer for resolves of up to 4,608 entries" in off.note
+    # the default level without a profile: no prefetch (one-chunk prefetch with spare slots measured slower than
+    # this in 13 of 18 harness configurations, benchmarks/RESULTS.md), and so the same reserve
     auto = _plan()
     assert auto.prefetch_layers == off.prefetch_layers and auto.prefetch_margins == off.prefetch_margins
-    assert not any(auto.prefetch_layers) and auto.spare_slots == 0
+    assert not any(auto.prefetch_layers) and auto.spare_slots == 64 and auto.spare_max_entries == 4608
     assert "0 of 30 layers" in auto.note and "auto without an overlap_profile" in auto.note
+    assert _plan(page=32).spare_slots == 32 and _plan(spare_refill_interval=8).refill_interval == 8
+    none = _plan(spare_slot_fraction=0)  # 0: no spare slots at all
+    assert none.spare_slots == 0 and none.spare_max_entries is None and "spare slots per layer for" not in none.note
     full = _plan(prefetch_overlap_level="full")  # every layer prefetches, 1/16 of top_k x requests spare, whole pages
     assert all(full.prefetch_layers) and len(full.prefetch_layers) == 30
-    assert full.spare_slots == 8192 and "30 of 30 layers" in full.note
+    assert full.spare_slots == 8192 and "30 of 30 layers" in full.note and full.spare_max_entries is None
     assert _plan(prefetch_overlap_level="full", spare_slot_fraction=0.1).spare_slots == 13120  # 0.1 x 2048 x 64
     assert _plan(prefetch_overlap_level="none", spare_slot_fraction=0.05).spare_slots == 6592  # spares without prefetch
     assert _plan(spare_slot_fraction=0.05).spare_slots == 6592
+    assert _plan(spare_slot_fraction=0.05).spare_max_entries is None  # a size given: every resolve takes them
     # refilled every 4th step: the automatic size covers 4 steps (1/4 of top_k x requests), the note says so
     every4 = _plan(prefetch_overlap_level="full", spare_refill_interval=4)
     assert every4.spare_slots == 32768 and "refilled every 4 steps" in every4.note
