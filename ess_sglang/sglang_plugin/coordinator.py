@@ -243,9 +243,11 @@ class EssCoordinator:
         self.max_selected = rows * top_k
         self.overlap = echo.DecodeOverlap(self.manager, self.overlap_plan, rows, width, rows, config)
 
+        # (a reserve of spare slots for small resolves only is no slot for the larger ones: it is not admitted on)
+        reserve = self.overlap_plan.spare_slots if self.overlap_plan.spare_max_entries is not None else 0
         self.admission = EssAdmission(
             host_tokens=self.host.num_tokens, indexer_tokens=int(allocator.logical_attn_allocator.available_size()),
-            hot_slots_per_layer=hot_slots_per_layer, top_k=top_k, page_size=page, q_tokens=1,
+            hot_slots_per_layer=hot_slots_per_layer - reserve, top_k=top_k, page_size=page, q_tokens=1,
             max_requests=self.max_running_requests)
         # SGLang's budget checks read allocator.available_size(), min(logical, physical) for HiSparse. With ESS a
         # decoded token needs no physical slot (new-token slots are static), so the logical pool is the budget;

@@ -162,3 +162,19 @@ def test_a_host_pool_that_cannot_be_allocated_is_one_clear_error(monkeypatch):
     assert msg.startswith("ESS: could not allocate the host pool of ") and "CUDA error: out of memory;" in msg
     assert "ess_config.memory_pool_size_gb" in msg and "ulimit -l" in msg
     set_active(None)
+
+
+def test_admission_leaves_the_small_batch_spare_reserve_out():
+    """The one-page spare reserve (echo.plan, where nothing prefetches) serves only resolves of one or two requests:
+    a larger batch cannot take those slots, so admission counts the hot pool without them, and a full admission's
+    selections still fit what the larger resolve can evict. Without the reserve, the whole pool."""
+    for config, reserve in ((EssConfig(top_k=TOPK, warmup_windows=0), PAGE),
+                            (EssConfig(top_k=TOPK, warmup_windows=0, spare_slot_fraction=0), 0)):
+        coord, _, _ = cpu_coordinator(page=PAGE, layers=LAYERS, rows=ROWS, top_k=TOPK, hot=HOT, staging=STAGING,
+                                      config=config)
+        try:
+            assert coord.overlap_plan.spare_slots == reserve
+            assert coord.admission.hot_slots_per_layer == HOT - reserve
+        finally:
+            coord.destroy()
+            set_active(None)
