@@ -883,8 +883,8 @@ class HotPoolCacheManager:
         need = flat >= 0
         n_need = need.sum()
         rank = (need.cumsum(0) - 1).clamp(min=0)
-        taken = self.spare_taken[layer] if use_spare else self.spare_taken.new_tensor(self.num_spare)
-        avail = self.num_spare - taken
+        taken = self.spare_taken[layer]
+        avail = self.num_spare - taken if use_spare else torch.zeros_like(taken)
         spare = self.spare[layer][(taken + rank).clamp(max=self.num_spare)].long()
         victims = self._take_victims(layer, (n_need - avail).clamp(min=0) * (not spare_only), n)
         slot = torch.where(need, torch.where(rank < avail, spare, victims[(rank - avail).clamp(min=0)]), -1)
