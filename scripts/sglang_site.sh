@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # On the GPU test machine, from the repository root: unpack the SGLang bundle that scripts/sglang_bundle.sh built
-# (.bundle/site.tar.xz.part-*, carried with the call) into $ESS_SITE, install this package there from the working
+# (.bundle/site.tar.xz.part-*, copied with the working tree) into $ESS_SITE, install this package there from the working
 # tree, and run a command with that folder on the path.
 #
 #   scripts/sglang_site.sh python3 benchmarks/serving.py ...
 #
-# The parts may arrive over several calls while the machine stays warm: each call adds the parts it carries to
+# The parts may arrive over several transfers while the machine keeps its files: each run adds the parts it finds to
 # $ESS_SITE.parts, and the site is unpacked once they are all there (scripts/sglang_bundle.sh writes a .count file).
 # A command given before that exits 3.
 #
