@@ -5,6 +5,13 @@ the GPU time per step summed over kernels, and the kernels that take it, grouped
 
     scripts/sglang_site.sh python3 benchmarks/serving_profile.py --systems ess,hbm --context 32768 --batch 4
 
+``--transition`` profiles one request from before it is sent instead, over ``--steps`` forward steps (its prefill
+chunks and first decode steps), and writes ``transition_<system>.json``: the trace's last ``--tail-ms`` as the GPU's
+busy and idle stretches beside the host's spans and blocking CUDA calls, with the client's chunk arrival times: where
+the time between the prompt's first token and its second goes.
+
+    scripts/sglang_site.sh python3 benchmarks/serving_profile.py --transition --steps 10 --output-len 8
+
 Uses the same server settings as benchmarks/serving.py (``--hbm-capacity-requests`` sets every system's KV HBM bytes).
 """
 
@@ -109,6 +116,43 @@ def kernel_diff(trace_a: Path, trace_b: Path, steps: int, least_us: float = 1.0)
             "kernels": [r for r in rows if abs(r["us_per_step_diff"]) >= least_us]}
 
 
+def transition_table(trace_path: Path, tail_ms: float, least_us: float = 200.0) -> dict:
+    """The last `tail_ms` of a trace, on one clock (ms from the window's start): the GPU's busy stretches (kernels
+    less than 50 us apart merged; each with its longest kernels) and the idle ones between them; the host's Python
+    spans in SGLang's and ESS's code and its CUDA runtime calls (synchronisations, blocking copies, graph launches)
+    of at least `least_us`, with their thread."""
+    events, kernels = trace_events(trace_path)
+    if not kernels:
+        return {"tail_ms": tail_ms, "gpu": [], "host": []}
+    end = max(e["ts"] + e["dur"] for e in kernels)
+    t0 = end - tail_ms * 1000
+    gpu: list[dict] = []
+    names: dict[str, float] = defaultdict(float)
+    lo = hi = None
+    for e in sorted((k for k in kernels if k["ts"] + k["dur"] >= t0), key=lambda k: k["ts"]):
+        if hi is not None and e["ts"] > hi + 50:
+            gpu.append(_stretch(lo, hi, names, t0))
+            gpu.append({"start_ms": (hi - t0) / 1000, "ms": (e["ts"] - hi) / 1000, "busy": False})
+            lo, names = None, defaultdict(float)
+        lo = e["ts"] if lo is None else lo
+        hi = max(hi or 0, e["ts"] + e["dur"])
+        names[e["name"][:100]] += e["dur"]
+    gpu.append(_stretch(lo, hi, names, t0))
+    host = sorted(({"start_ms": (e["ts"] - t0) / 1000, "ms": e["dur"] / 1000, "tid": e.get("tid"),
+                    "name": e["name"][:140]}
+                   for e in events if "dur" in e and e["ts"] + e["dur"] >= t0 and e["dur"] >= least_us
+                   and ((e.get("cat") == "python_function" and "sglang" in e["name"])
+                        or e.get("cat") == "cuda_runtime")),
+                  key=lambda r: r["start_ms"])
+    return {"tail_ms": tail_ms, "gpu": gpu, "host": host}
+
+
+def _stretch(lo: float, hi: float, names: dict, t0: float) -> dict:
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:3]
+    return {"start_ms": (lo - t0) / 1000, "ms": (hi - lo) / 1000, "busy": True,
+            "kernels": [f"{us:.0f} us {n}" for n, us in top]}
+
+
 def _per_step(events: list, steps: int, top: int) -> list[dict]:
     by_name: dict[str, list[float]] = defaultdict(list)
     for e in events:
@@ -129,6 +173,8 @@ def profile_system(system: str, args) -> dict:
     try:
         server.start()
         run_requests(spec.url, make_prompts(1, args.context - args.output_len, seed=7), 8, 1)  # warm-up
+        if args.transition:
+            return profile_transition(system, spec.url, trace_dir, args)
         prompts = make_prompts(args.batch, args.context - args.output_len, seed=args.context)
         done: list = []
         sender = threading.Thread(target=lambda: done.append(run_requests(
@@ -138,27 +184,61 @@ def profile_system(system: str, args) -> dict:
         while time.time() - t0 < 600 and metric_sum(scrape(spec.url), "sglang:num_running_reqs") < args.batch:
             time.sleep(0.2)
         time.sleep(1.0)  # past the first decode windows (warm-up misses)
-        body = json.dumps({"output_dir": str(trace_dir), "num_steps": args.steps, "activities": ["CPU", "GPU"],
-                           "profile_prefix": system}).encode()
-        req = urllib.request.Request(spec.url + "/start_profile", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as r:
-            r.read()
+        start_profile(spec.url, trace_dir, args.steps, system)
         sender.join()
-        traces: list[Path] = []
-        for _ in range(120):  # the profiler writes its trace after the profiled steps, in the scheduler process
-            traces = sorted(trace_dir.rglob("*.json*"), key=lambda p: p.stat().st_size)
-            if traces and time.time() - traces[-1].stat().st_mtime > 3:
-                break
-            time.sleep(1)
-        if not traces:
-            raise RuntimeError(f"{system}: no trace written under {trace_dir}")
-        table = kernel_table(traces[-1], args.steps)
+        trace = newest_trace(trace_dir, system)
+        table = kernel_table(trace, args.steps)
         results = done[0][0] if done else []
-        table.update(system=system, context=args.context, batch=args.batch, trace=str(traces[-1].name),
+        table.update(system=system, context=args.context, batch=args.batch, trace=str(trace.name),
                      errors=sum(1 for r in results if r.error))
         return table
     finally:
         server.stop()
+
+
+def start_profile(url: str, trace_dir: Path, steps: int, prefix: str) -> None:
+    body = json.dumps({"output_dir": str(trace_dir), "num_steps": steps, "activities": ["CPU", "GPU"],
+                       "profile_prefix": prefix}).encode()
+    req = urllib.request.Request(url + "/start_profile", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        r.read()
+
+
+def newest_trace(trace_dir: Path, system: str) -> Path:
+    """The trace the profiler writes after the profiled steps, in the scheduler process, once it stops growing."""
+    traces: list[Path] = []
+    for _ in range(120):
+        traces = sorted(trace_dir.rglob("*.json*"), key=lambda p: p.stat().st_size)
+        if traces and time.time() - traces[-1].stat().st_mtime > 3:
+            return traces[-1]
+        time.sleep(1)
+    raise RuntimeError(f"{system}: no trace written under {trace_dir}")
+
+
+def profile_transition(system: str, url: str, trace_dir: Path, args) -> dict:
+    """One request profiled from before it is sent: its prefill, the move to decoding, its first decode steps."""
+    start_profile(url, trace_dir, args.steps, f"{system}_transition")
+    results = run_requests(url, make_prompts(1, args.context - args.output_len, seed=args.context), args.output_len,
+                           1, logprobs=serving.LOGPROBS[system])[0]
+    trace = newest_trace(trace_dir, system)
+    table = transition_table(trace, args.tail_ms)
+    r = results[0]
+    table.update(system=system, context=args.context, trace=trace.name, error=r.error, ttft_ms=r.ttft_s * 1000,
+                 chunks_ms=[(t * 1000, n) for t, n in r.chunks[:6]])
+    return table
+
+
+def print_transition(table: dict) -> None:
+    print(f"\n{table['system']}: TTFT {table['ttft_ms']:.1f} ms; chunks (ms, tokens so far): "
+          + ", ".join(f"({t:.1f}, {n})" for t, n in table["chunks_ms"]))
+    print(f"  GPU, last {table['tail_ms']} ms of the trace:")
+    for g in table["gpu"]:
+        if g["ms"] >= 0.1:
+            what = "; ".join(g["kernels"]) if g["busy"] else "idle"
+            print(f"  {g['start_ms']:8.2f} +{g['ms']:7.2f} ms  {what[:150]}")
+    print("  host spans and CUDA runtime calls:")
+    for h in table["host"][:150]:
+        print(f"  {h['start_ms']:8.2f} +{h['ms']:7.2f} ms  t{h['tid']}  {h['name'][:120]}")
 
 
 def main(argv=None) -> int:
@@ -166,7 +246,10 @@ def main(argv=None) -> int:
     p.add_argument("--systems", default="ess,hbm")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--batch", type=int, default=4, help="requests decoding at once while profiled")
-    p.add_argument("--steps", type=int, default=20, help="decode steps profiled")
+    p.add_argument("--steps", type=int, default=20, help="decode steps profiled (--transition: forward steps)")
+    p.add_argument("--transition", action="store_true",
+                   help="profile one request from before it is sent: its prefill and first decode steps")
+    p.add_argument("--tail-ms", type=float, default=60.0, help="--transition: the trace's last milliseconds shown")
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--hbm-capacity-requests", type=int, default=12)
     p.add_argument("--hisparse-ratio", type=int, default=8)
@@ -179,6 +262,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     tables = {}
+    if args.transition:
+        for system in args.systems.split(","):
+            table = profile_system(system, args)
+            (args.out / f"transition_{system}.json").write_text(json.dumps(table, indent=1))
+            print_transition(table)
+        return 0
     for system in args.systems.split(","):
         table = tables[system] = profile_system(system, args)
         (args.out / f"profile_{system}.json").write_text(json.dumps(table, indent=1))

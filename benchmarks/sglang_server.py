@@ -186,6 +186,10 @@ class RequestResult:
     """Time to the first chunk that carries a second output token: ``second_s - ttft_s`` is the wait between the
     prefill's token and the first decode step (a prefill of another request, staging to host memory)."""
 
+    chunks: list[tuple[float, int]] = field(default_factory=list)
+    """(seconds since the request was sent, output tokens so far) of every chunk that carried output tokens: whether
+    the first chunk already holds two tokens (the server sent the prefill's token only after the first decode step)."""
+
     @property
     def tpot_s(self) -> float | None:
         n = len(self.output_ids)
@@ -208,6 +212,7 @@ def _one(url: str, prompt: list[int], max_new_tokens: int, timeout_s: float = 36
     ttft = second = None
     out: list[int] = []
     logprobs: list[float] = []
+    chunks: list[tuple[float, int]] = []
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
         conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
@@ -223,20 +228,23 @@ def _one(url: str, prompt: list[int], max_new_tokens: int, timeout_s: float = 36
             if "error" in chunk:
                 return RequestResult(out, ttft or 0.0, time.perf_counter() - t0, str(chunk["error"]))
             ids = chunk.get("output_ids") or []
-            if ids and ttft is None:
-                ttft = time.perf_counter() - t0
             if ids:
+                now = time.perf_counter() - t0
+                ttft = now if ttft is None else ttft
                 out = list(ids)  # cumulative (non-incremental streaming)
+                chunks.append((now, len(out)))
                 if len(out) >= 2 and second is None:
-                    second = time.perf_counter() - t0
+                    second = now
             lp = (chunk.get("meta_info") or {}).get("output_token_logprobs")
             if lp:
                 logprobs = [float(x[0]) for x in lp]  # (logprob, token id, text) each
     except Exception as exc:
-        return RequestResult(out, ttft or 0.0, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}", logprobs)
+        return RequestResult(out, ttft or 0.0, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}", logprobs,
+                             chunks=chunks)
     finally:
         conn.close()
-    return RequestResult(out, ttft or 0.0, time.perf_counter() - t0, logprobs=logprobs, second_s=second)
+    return RequestResult(out, ttft or 0.0, time.perf_counter() - t0, logprobs=logprobs, second_s=second,
+                         chunks=chunks)
 
 
 def run_requests(url: str, prompts, max_new_tokens: int, concurrency: int, logprobs: bool = True):

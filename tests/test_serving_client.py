@@ -70,6 +70,7 @@ def test_streamed_tokens_logprobs_and_errors(url):
         # the stand-in sleeps FIRST_GAP_S between its first two chunks; the client times each chunk when it has read
         # it, so the gap it sees may come out a little shorter (the first chunk read late) but never near 0
         assert 0 < r.ttft_s <= r.second_s <= r.latency_s and r.first_gap_s >= FIRST_GAP_S / 2
+        assert [n for _, n in r.chunks] == [1, 2, 3, 4] and r.chunks[0][0] == r.ttft_s and r.chunks[1][0] == r.second_s
     assert results[3].error.startswith("HTTP 400") and results[3].output_ids == []
 
 
@@ -131,6 +132,29 @@ def test_profile_kernel_table_groups_kernels_per_step(tmp_path):
     assert t["host"] == [{"name": "x", "calls_per_step": 0.5, "us_per_step": 499.5}]
     assert [(k["name"], k["us_per_step"], k["calls_per_step"]) for k in t["kernels"]] == [("resolve", 50, 0.5),
                                                                                            ("attn", 30, 1.0)]
+
+
+def test_profile_transition_table_shows_busy_and_idle_stretches_beside_host_spans(tmp_path):
+    import gzip
+
+    from serving_profile import transition_table
+
+    events = [{"cat": "kernel", "name": "prefill", "ts": 0, "dur": 10_000},
+              {"cat": "kernel", "name": "copy", "ts": 10_020, "dur": 1_000},  # 20 us later: the same stretch
+              {"cat": "kernel", "name": "decode", "ts": 15_000, "dur": 4_000},
+              {"cat": "python_function", "name": "sglang/x.py(1): build", "ts": 11_500, "dur": 3_000, "tid": 7},
+              {"cat": "python_function", "name": "numpy/y.py(1): other", "ts": 11_500, "dur": 3_000, "tid": 7},
+              {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 16_000, "dur": 150, "tid": 7},
+              {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 14_900, "dur": 300, "tid": 7}]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    t = transition_table(path, tail_ms=9.0)  # from 10 ms: the prefill's stretch starts before the window
+    assert [(g["busy"], round(g["start_ms"], 2), round(g["ms"], 2)) for g in t["gpu"]] == [
+        (True, -10.0, 11.02), (False, 1.02, 3.98), (True, 5.0, 4.0)]
+    assert t["gpu"][0]["kernels"] == ["10000 us prefill", "1000 us copy"]
+    assert [(h["name"], h["start_ms"]) for h in t["host"]] == [("sglang/x.py(1): build", 1.5),
+                                                               ("cudaGraphLaunch", 4.9)]  # 150 us: under 200
 
 
 def test_profile_busy_time_counts_overlapping_kernels_once():
