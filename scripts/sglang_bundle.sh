@@ -7,10 +7,9 @@
 # SGLang 0.5.17 is the newest release that pins the machine's torch (2.11.0). The bundle holds SGLang 0.5.17 and
 # every cp312 package it imports at server start that the machine's image lacks, unpacked as one site folder, less
 # what the DSA path never loads (FA3's flash_ops library, sm100 kernels, multimodal generation, gRPC, tests, static
-# libraries), compressed with xz and cut into parts that each fit one transfer to the test machine (its transfers
-# are capped at 64 MiB, the working tree included: 46 MiB parts leave it 18). scripts/sglang_site.sh joins and
-# unpacks them on the machine. This package is not in the bundle:
-# it is built from the working tree there.
+# libraries), compressed with xz and cut into 46-MiB parts, so that each part with the working tree fits a copy of at
+# most 64 MiB. scripts/sglang_site.sh joins and unpacks them on the machine. This package is not in the bundle: it is
+# built from the working tree there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PART_MIB=${PART_MIB:-46}

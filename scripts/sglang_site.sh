@@ -5,7 +5,7 @@
 #
 #   scripts/sglang_site.sh python3 benchmarks/serving.py ...
 #
-# The parts may arrive over several transfers while the machine keeps its files: each run adds the parts it finds to
+# The parts may be copied one at a time while the machine keeps its files: each run adds the parts it finds to
 # $ESS_SITE.parts, and the site is unpacked once they are all there (scripts/sglang_bundle.sh writes a .count file).
 # A command given before that exits 3.
 #
