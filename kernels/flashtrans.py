@@ -70,7 +70,7 @@ def _program_rows(src_rows_ptr, dst_rows_ptr, n_rows, ROWS: tl.constexpr):
     return s, d, (s >= 0) & (d >= 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_rows",))
 def _copy_rows_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n_rows, SRC_STRIDE: tl.constexpr,
                       DST_STRIDE: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
                       C3: tl.constexpr, ROWS: tl.constexpr):
@@ -95,7 +95,7 @@ def _copy_masked(src_ptr, dst_ptr, s, d, live, WORDS: tl.constexpr, SRC_STRIDE: 
     tl.store(dst_ptr + d[:, None] * DST_STRIDE + w[None, :], vals, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_rows",))
 def _copy_rows_masked_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n_rows, WORDS: tl.constexpr,
                              SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr, BLOCK_WORDS: tl.constexpr,
                              ROWS: tl.constexpr):
@@ -104,7 +104,7 @@ def _copy_rows_masked_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n_row
     _copy_masked(src_ptr, dst_ptr, s, d, live, WORDS, SRC_STRIDE, DST_STRIDE, BLOCK_WORDS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_rows",))
 def _copy_rows_flat_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n_rows, WORDS: tl.constexpr,
                            SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr, BLOCK: tl.constexpr):
     # The copy as one flat range of n_rows x WORDS words, one word per lane: each warp reads 128 contiguous bytes,
@@ -120,7 +120,7 @@ def _copy_rows_flat_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n_rows,
     tl.store(dst_ptr + d * DST_STRIDE + w, vals, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_rows",))
 def _copy_rows_counted_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, count_ptr, n_rows, WORDS: tl.constexpr,
                               SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr, BLOCK_WORDS: tl.constexpr,
                               ROWS: tl.constexpr, PROGRAMS: tl.constexpr):

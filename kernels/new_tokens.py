@@ -38,7 +38,7 @@ def _store_entries(entries_ptr, src, entry_stride, host_ptr, loc, hot_ptr, slot,
     tl.store(hot_ptr + slot[:, None] * HOT_STRIDE + w[None, :], vals, mask=resident[:, None] & cols)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n",))
 def _store_reserved_kernel(entries_ptr, host_ptr, hot_ptr, locs_ptr, l2s_ptr, stamp_ptr, clock_ptr, cnt_ptr,
                            slots_out_ptr, n, num_locations, num_slots, rows_ptr, entry_stride, entry_rows,
                            WORDS: tl.constexpr, HOST_STRIDE: tl.constexpr, HOT_STRIDE: tl.constexpr,

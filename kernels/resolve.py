@@ -148,7 +148,7 @@ def _victims_needed(scr_ptr, taken_ptr, num_spare, clock_ptr, phase, interval, R
     return tl.maximum(tl.load(scr_ptr + SCR_MISS).to(tl.int64) - (num_spare - taken), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("width", "n", "per_batch", "n_sel"))
 def _lookup_kernel(src_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_rows, width, n, per_batch,
                    l2s_ptr, s2l_ptr, stamp_ptr, clock_ptr, out_ptr, loc_ptr, cnt_ptr, scr_ptr, over_loc_ptr,
                    over_idx_ptr, spare_ptr, taken_ptr, num_spare, took_loc_ptr, took_slot_ptr, num_locations,
@@ -306,7 +306,7 @@ def _age_histogram(stamp_ptr, clock_ptr, scr_ptr, num_slots, per, pid, A: tl.con
     tl.atomic_add(scr_ptr + SCR_HIST + tl.arange(0, A), hist, mask=hist > 0, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("per",))
 def _ages_kernel(stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, num_slots, per, phase, interval,
                  REFILL: tl.constexpr, A: tl.constexpr, SBLOCK: tl.constexpr, PDL: tl.constexpr,
                  UNITS: tl.constexpr = 1, OFFSET: tl.constexpr = 0):
@@ -349,7 +349,7 @@ def _list_victims(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, need, num_slots, p
             tl.store(victims_ptr + n_above + rt, s + 1, mask=at_t & (rt < need - n_above))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("per",))
 def _victims_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, taken_ptr, num_spare, num_slots, per, phase,
                     interval, REFILL: tl.constexpr, A: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
                     UNITS: tl.constexpr = 1, OFFSET: tl.constexpr = 0):
@@ -451,7 +451,7 @@ def _assign_walk(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr,
         tl.atomic_add(cnt_ptr + C_OVERFLOW, n_over_left, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n", "n_sel"))
 def _assign_kernel(scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr, l2s_ptr, s2l_ptr,
                    stamp_ptr, clock_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr,
                    pend_count_ptr, taken_ptr, num_spare, n, n_sel, copy_cap, COPY: tl.constexpr, PEND: tl.constexpr,
@@ -480,7 +480,7 @@ def _grid_sync(bar_ptr, programs):
     tl.debug_barrier()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n", "n_sel", "age_per", "victim_per", "assign_programs"))
 def _tail_kernel(stamp_ptr, clock_ptr, scr_ptr, victims_ptr, over_loc_ptr, over_idx_ptr, took_loc_ptr, took_slot_ptr,
                  l2s_ptr, s2l_ptr, out_ptr, cnt_ptr, src_ptr, dst_ptr, pend_src_ptr, pend_dst_ptr, pend_count_ptr,
                  taken_ptr, num_spare, num_slots, n, n_sel, copy_cap, age_per, victim_per, assign_programs,
@@ -568,7 +568,7 @@ def _write_back_new_tokens(new_loc_ptr, new_rows_ptr, entries_ptr, entry_stride,
         tl.atomic_add(cnt_ptr + C_D2H, n_ok, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n", "table_offset", "n_new", "new_programs", "n_sel"))
 def _finish_kernel(loc_ptr, out_ptr, l2s_ptr, stamp_ptr, clock_ptr, scr_ptr, taken_ptr, num_spare, n, num_slots,
                    pend_src_ptr, pend_dst_ptr, pend_count_ptr, table_ptr, table_offset, REFILL: tl.constexpr,
                    SPARE_ONLY: tl.constexpr, PEND: tl.constexpr, CLOSE: tl.constexpr, STAMP_BACK: tl.constexpr,

@@ -48,7 +48,7 @@ def position_to_location(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, num_row
     return pos, loc, valid, ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n", "per_batch"))
 def _translate_kernel(pos_ptr, seq_ptr, rpi_ptr, r2t_ptr, r2t_stride, num_rows, width, n, per_batch, num_locations,
                       out_ptr,
                       l2s_ptr, num_slots, cnt_ptr, THROUGH_SLOTS: tl.constexpr, C_LOOKUPS: tl.constexpr,

@@ -468,3 +468,42 @@ def test_one_launch_prefetch_claim_on_thousands_of_programs(cap_fraction):
         assert int(m.counters[0, Counter.PREFETCHED]) == before + k
         before += k
         m.check_invariants()
+
+
+def _compiled_variants(kernel) -> int:
+    """How many specialisations of a Triton kernel are compiled on the current device."""
+    return len(kernel.device_caches[torch.cuda.current_device()][0])
+
+
+def test_request_sized_launches_compile_each_kernel_once():
+    """A prompt's staging copy and its warm-up run outside CUDA graphs with sizes every request changes (a 32 760-
+    token prompt, then a 32 512-token one): each such kernel compiles once, whatever the size's divisibility, and
+    never again in the middle of serving (a Triton compile is about a second, and it was a request's first gap)."""
+    from ess_sglang.kernels import resolve
+    from ess_sglang.kernels.flashtrans import _copy_rows_masked_kernel
+
+    dev = torch.device("cuda")
+    host = HostTotalPool(1, 65536, device=dev)
+    hot = torch.zeros(65536, 656, dtype=torch.uint8, device=dev)
+    g = torch.Generator(device=dev).manual_seed(1)
+    for n in (32760, 32512, 1, 17):
+        src = torch.randperm(65536, device=dev, generator=g)[:n]
+        dst = torch.randperm(65536, device=dev, generator=g)[:n]
+        hot[src] = torch.randint(0, 256, (n, 656), dtype=torch.uint8, device=dev, generator=g)
+        copy_rows_triton(hot, host.layer(0), src, dst)
+        torch.cuda.synchronize()
+        assert torch.equal(host.entries[0][dst.cpu()], hot[src].cpu())
+    assert _compiled_variants(_copy_rows_masked_kernel) == 1
+
+    m = HotPoolCacheManager(host, 8192, device=dev, max_selected=2048)
+    start = 0
+    for n in (2048, 1888, 1, 17, 1000):  # a warm-up's chunks: max_selected, then what is left
+        m.warm_up(0, torch.arange(start, start + n, device=dev))
+        start += n
+    torch.cuda.synchronize()
+    m.check_invariants()
+    launched = [k for k in (resolve._lookup_kernel, resolve._tail_kernel, resolve._assign_kernel,
+                            resolve._finish_kernel, resolve._ages_kernel, resolve._victims_kernel)
+                if _compiled_variants(k) > 0]
+    assert resolve._lookup_kernel in launched and resolve._finish_kernel in launched
+    assert {k.__name__: _compiled_variants(k) for k in launched} == {k.__name__: 1 for k in launched}
