@@ -265,8 +265,9 @@ class EssCoordinator:
         self.padded_buffer_size = 1  # SGLang's PD queue divides free physical slots by this per request
         self.device_buffer_size = hot_slots_per_layer
         self.decode_producer_stream = None
-        self.ack_staging_queue: list = []  # staging completes synchronously: nothing is ever pending
-        self._ready: list = []
+        self.ack_staging_queue: list = []  # HiSparse's staging acknowledgements: ESS's staging needs none
+        self._staged_at_launch: dict[int, int] = {}  # row -> prompt tokens copied to host, device slots still held
+        self._staging_stream = None  # the prompts' copies to host memory (CUDA, created on first use)
         self._rids: dict[int, str] = {}
         # A prompt that fits its warm-up budget is loaded whole: its windows are not needed.
         self.capture = WindowCapture(L, config.warmup_windows, min_seq_len=self.warmup_budget(1 << 62)) \
@@ -309,7 +310,7 @@ class EssCoordinator:
             self.req_to_host_pool_allocated_len.zero_()
             self.mem_pool_host.clear()
             self._staging.clear()
-            self._ready.clear()
+            self._staged_at_launch.clear()
             self._rids.clear()
 
         return clear
@@ -489,24 +490,62 @@ class EssCoordinator:
         """An admitted prompt will occupy device slots until it is staged to host memory."""
         self._staging[rid] = -(-int(prompt_tokens) // self.page_size) * self.page_size
 
+    def stage_at_launch(self, req: Any) -> None:
+        """Colocated, overlap scheduler: the request's prefill is launched and its result not processed yet; SGLang
+        merges it into the decode batch it launches next, as without HiSparse (``transition.py``). Its prompt's copy
+        to host memory is queued behind the prefill, with no host synchronisation, and the decode stream waits for
+        it; its device slots are freed and its warm-up loaded when the prefill's result is processed
+        (`admit_request_into_staging`), while that first decode step runs."""
+        row, n = compat.req_row(req), compat.req_extend_end(req)
+        self._copy_prompt_to_host(row, n)
+        self._staged_at_launch[row] = n
+        self._rids[row] = req.rid
+        req.hisparse_staging = False
+
     def admit_request_into_staging(self, req: Any) -> None:
-        """Colocated: the prompt was prefilled into device slots; copy it to the host pool, warm up, free them."""
-        req.hisparse_staging = True
-        row = compat.req_row(req)
-        n = compat.req_extend_end(req)
+        """Colocated: the prefill's result is processed (SGLang calls this for each request that goes on to decode).
+        A request staged at its prefill's launch has its device slots freed and its warm-up loaded; any other (SGLang's
+        loop without overlap) is staged first. SGLang then merges it into its decode batch (``transition.py``)."""
+        row, n = compat.req_row(req), compat.req_extend_end(req)
+        if self._staged_at_launch.pop(row, None) is None:
+            self._copy_prompt_to_host(row, n)
+            self._rids[row] = req.rid
+        self._free_prompt_slots(row, n, req.rid)
+        self._warm_up(row, n, self.capture.take(row, seq_len=n) if self.capture is not None else None)
+        req.hisparse_staging = False
+
+    def _copy_prompt_to_host(self, row: int, n: int) -> None:
+        """Host slots for the prompt's `n` tokens, and its entries copied there from its device slots: on a stream of
+        their own that waits for the prefill (the decode stream's work so far), and that the decode stream then waits
+        for; on the current stream where there is no decode stream (CPU)."""
+        from ess_sglang.kernels.flashtrans import copy_rows
+
         logical = self.req_to_token_pool.req_to_token[row, :n].to(dtype=torch.int64, device=self.device)
         physical = self.mem_pool_device.translate_loc_from_full_to_hisparse_device(logical).long()
         host = self.mem_pool_host.alloc_paged_token_slots(self.req_to_host_pool, self.req_to_host_pool_allocated_len,
-                                                          row, 0, n)
-        from ess_sglang.kernels.flashtrans import copy_rows
+                                                          row, 0, n).long()
+        producer = self.decode_producer_stream
+        if producer is None or self.device.type != "cuda":
+            for layer in range(self.num_layers):
+                copy_rows(self.device_kv[layer], self.host.layer(layer), physical, host, self.manager.copy_impl)
+            return
+        if self._staging_stream is None:
+            self._staging_stream = torch.cuda.Stream(self.device)
+        side = self._staging_stream
+        side.wait_stream(torch.cuda.current_stream())  # the rows and slots computed above
+        side.wait_stream(producer)  # the prefill that wrote the entries
+        with torch.cuda.stream(side):
+            for layer in range(self.num_layers):
+                copy_rows(self.device_kv[layer], self.host.layer(layer), physical, host, self.manager.copy_impl)
+        for t in (physical, host):
+            t.record_stream(side)
+        producer.wait_stream(side)  # the next decode step (and a prefill reusing the slots) after the copy
 
-        for layer in range(self.num_layers):  # D2H on the current stream: ordered after the prefill that wrote it
-            copy_rows(self.device_kv[layer], self.host.layer(layer), physical, host.long(), self.manager.copy_impl)
-        self.token_to_kv_pool_allocator.free_hisparse(logical)
-        self._staging.pop(req.rid, None)
-        self._warm_up(row, n, self.capture.take(row, seq_len=n) if self.capture is not None else None)
-        self._rids[row] = req.rid
-        self._ready.append(req)
+    def _free_prompt_slots(self, row: int, n: int, rid: str) -> None:
+        """The prompt's device slots go back to SGLang's allocator (their copy is ordered before any later forward)."""
+        self.token_to_kv_pool_allocator.free_hisparse(
+            self.req_to_token_pool.req_to_token[row, :n].to(dtype=torch.int64, device=self.device))
+        self._staging.pop(rid, None)
 
     def admit_request_direct(self, req: Any) -> None:
         """PD decode: the KV arrived from the prefill instance straight into the host pool; warm up from the window
@@ -522,14 +561,16 @@ class EssCoordinator:
         self._rids[row] = req.rid
         req.hisparse_staging = False
 
+    def holds_row(self, row: int) -> bool:
+        """The request row is staged (its prompt has host slots) and decoding or about to."""
+        return row in self._rids
+
     def collect_ready_reqs(self) -> list:
-        ready, self._ready = self._ready, []
-        for req in ready:
-            req.hisparse_staging = False
-        return ready
+        """Nothing waits in a queue of HiSparse's: SGLang merges each prefill into its decode batch (transition.py)."""
+        return []
 
     def has_ongoing_staging(self) -> bool:
-        return bool(self._ready)
+        return False
 
     def warmup_budget(self, seq_len: int) -> int:
         """Hot slots per layer a new request warms up (its share of the hot pool), at most its length."""
@@ -538,27 +579,30 @@ class EssCoordinator:
     def _warm_up(self, row: int, seq_len: int, windows: list | None, ranked: torch.Tensor | None = None) -> None:
         """Load a new request's warm-up positions per layer: from the query windows' top-k sets (`windows`, per
         layer [windows, k], ranked here for all layers in one pass; or `ranked`, per layer the union in priority
-        order, as the PD prefill sends it), else the most recent tokens."""
+        order, as the PD prefill sends it), else the most recent tokens. What needs the host (the ranking, the
+        positions) is done before the wait for an in-flight decode step, so that the host never waits for it."""
         from ess_sglang.sglang_plugin.warmup import rank_window_sets, ranked_warmup_positions
 
         if self.config.warmup_windows <= 0 or seq_len <= 0:
             return
-        self._after_inflight_decode()
         budget = self.warmup_budget(seq_len)
         if ranked is None and windows is not None:
             ranked = rank_window_sets(windows, seq_len, budget)[0]
-        recent = None
+        per_layer = [ranked_warmup_positions(seq_len, budget, ranked[layer] if ranked is not None
+                                             and layer < ranked.shape[0] else None) for layer in range(self.num_layers)]
+        width = max(p.numel() for p in per_layer)
+        if width == 0:
+            return
+        positions = torch.full((self.num_layers, width), -1, dtype=torch.int64)
+        for layer, p in enumerate(per_layer):
+            positions[layer, :p.numel()] = p
+        positions = positions.to(self.device)
         table = self.req_to_host_pool[row]
+        locs = torch.where(positions >= 0, table[positions.clamp(min=0)], -1)
+        self._after_inflight_decode()
         for layer in range(self.num_layers):
-            if ranked is not None and layer < ranked.shape[0]:
-                pos = ranked_warmup_positions(seq_len, budget, ranked[layer]).to(self.device)
-            else:
-                if recent is None:
-                    recent = ranked_warmup_positions(seq_len, budget, None).to(self.device)
-                pos = recent
-            locs = table[pos]
-            for start in range(0, locs.numel(), self.max_selected):  # never grow the manager's scratch
-                self.manager.warm_up(layer, locs[start:start + self.max_selected])
+            for start in range(0, width, self.max_selected):  # never grow the manager's scratch
+                self.manager.warm_up(layer, locs[layer, start:start + self.max_selected])
 
     # ------------------------------------------------------------------------------------------ release
     def _after_inflight_decode(self) -> None:
@@ -571,6 +615,9 @@ class EssCoordinator:
         """Finished or aborted: forget its hot entries, free its host slots and its admission reservation."""
         self._after_inflight_decode()
         row = compat.req_row(req)
+        staged = self._staged_at_launch.pop(row, None)
+        if staged is not None:  # finished or aborted before its prefill's result: its device slots are still held
+            self._free_prompt_slots(row, staged, req.rid)
         host = self.mem_pool_host.allocated_host_indices(self.req_to_host_pool, row,
                                                          self.req_to_host_pool_allocated_len[row])
         if host.numel() > 0:
@@ -592,7 +639,6 @@ class EssCoordinator:
             self.capture.drop(row)
         self.overlap.forget_rows([row])
         self._staging.pop(req.rid, None)
-        self._ready = [r for r in self._ready if r is not req]
         self.admission.release(req.rid)
         req.hisparse_staging = False
 

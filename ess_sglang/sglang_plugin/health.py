@@ -81,8 +81,9 @@ def idle_violations(coord: Any, scheduler: Any = None) -> list[str]:
     resident = [coord.manager.resident_count(layer) for layer in range(coord.num_layers)]
     if any(resident):
         out.append(f"idle: {sum(resident):,} hot-pool entries still resident (per layer: {resident})")
-    for name, held in (("prompts awaiting staging", coord._staging), ("staged requests not yet collected",
-                                                                      coord._ready), ("decoding rows", coord._rids)):
+    for name, held in (("prompts awaiting staging", coord._staging),
+                       ("prompts staged at their prefill's launch and never processed", coord._staged_at_launch),
+                       ("decoding rows", coord._rids)):
         if held:
             out.append(f"idle: {len(held)} {name} left")
     if scheduler is not None:

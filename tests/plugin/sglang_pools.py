@@ -28,3 +28,23 @@ def cpu_coordinator(*, page: int, layers: int, rows: int, top_k: int, hot: int, 
                            hot_slots_per_layer=hot, host_tokens=allocator.size_full, device="cpu", top_k=top_k,
                            max_running_requests=rows, pin_memory=False, copy_impl="torch")
     return coord, allocator, req_pool
+
+
+def prefilled_request(coord, allocator, req_pool, row: int, n: int, rid: str, max_new: int = 8):
+    """A stand-in request of an `n`-token prompt that ESS admitted (its reservation and prefill staging room) and
+    SGLang prefilled into device slots of request row `row` (entries 7, so that a copy or a scrub shows)."""
+    import types
+
+    from sglang_versions import request_fields
+
+    req = types.SimpleNamespace(rid=rid, **request_fields(row, n, n), origin_input_ids=[0] * n, output_ids=[],
+                                sampling_params=types.SimpleNamespace(max_new_tokens=max_new), hisparse_staging=False,
+                                finished=lambda: False)
+    assert coord.admission.admit(rid, n + max_new).decision.value == "admit"
+    coord.hold_staging(rid, n)
+    one = torch.tensor([0])
+    logical = allocator.alloc_extend(one, one, torch.tensor([n]), torch.tensor([n]), torch.tensor([-1]), n)
+    req_pool.req_to_token[row, :n] = logical.to(torch.int32)
+    for layer in range(coord.num_layers):
+        coord.device_kv[layer][coord.mem_pool_device.translate_loc_to_hisparse_device(logical).long()] = 7
+    return req

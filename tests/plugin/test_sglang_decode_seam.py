@@ -204,8 +204,11 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
                 warmup.forward_extend_hook(types.SimpleNamespace(use_fused_topk=False), None, None, None,
                                            _layer(layer), fb, topk_indices=windows[layer])
             free_before = allocator.hisparse_attn_allocator.available_size()
-            coord.admit_request_into_staging(req)
-            assert coord.collect_ready_reqs() == [req]
+            if i % 2 == 0:  # the overlap scheduler: staged when the prefill is launched, its device slots held
+                coord.stage_at_launch(req)
+                assert coord.holds_row(row) and allocator.hisparse_attn_allocator.available_size() == free_before
+            coord.admit_request_into_staging(req)  # its result processed (without overlap: staged here)
+            assert coord.holds_row(row) and coord.collect_ready_reqs() == []  # SGLang merges it: no queue of ours
             assert allocator.hisparse_attn_allocator.available_size() == free_before + -(-n // PAGE) * PAGE  # freed
         else:
             # what the PD transfer hands over (pd_windows): the ranked union for request 0, nothing for 1 and 3 (a

@@ -8,8 +8,7 @@ import types
 
 import pytest
 import torch
-from sglang_pools import cpu_coordinator
-from sglang_versions import request_fields
+from sglang_pools import cpu_coordinator, prefilled_request
 
 from ess_sglang.config import EssConfig
 from ess_sglang.sglang_plugin import health
@@ -60,17 +59,9 @@ def coord():
 def _staged(coord, row: int, n: int, rid: str = "r"):
     """A request of an `n`-token prompt admitted, prefilled into device slots and staged to host memory (warmed up
     from its most recent tokens), as the colocated path does it."""
-    req = types.SimpleNamespace(rid=rid, **request_fields(row, n, n), origin_input_ids=[0] * n, output_ids=[],
-                                sampling_params=types.SimpleNamespace(max_new_tokens=8), hisparse_staging=False)
-    assert coord.admission.admit(rid, n + 8).decision.value == "admit"
-    one = torch.tensor([0])
-    logical = coord.test_allocator.alloc_extend(one, one, torch.tensor([n]), torch.tensor([n]), torch.tensor([-1]), n)
-    coord.test_req_pool.req_to_token[row, :n] = logical.to(torch.int32)
-    for layer in range(LAYERS):  # nonzero entries, so that a scrub shows
-        rows = coord.mem_pool_device.translate_loc_to_hisparse_device(logical)
-        coord.device_kv[layer][rows.long()] = 7
+    req = prefilled_request(coord, coord.test_allocator, coord.test_req_pool, row, n, rid)
     coord.admit_request_into_staging(req)
-    assert coord.collect_ready_reqs() == [req]
+    assert coord.holds_row(row)
     return req
 
 
