@@ -55,9 +55,14 @@ def get_next_batch_to_run_hook(original, scheduler, *args, **kwargs):
     mode = getattr(scheduler, "disaggregation_mode", None)
     if not isinstance(coord, EssCoordinator) or str(getattr(mode, "value", mode or "null")) != "null":
         return original(scheduler, *args, **kwargs)
+    running_batch = kwargs["running_batch"] if "running_batch" in kwargs else args[0] if args else None
     last_batch = kwargs["last_batch"] if "last_batch" in kwargs else args[1] if len(args) > 1 else None
     for req in prefill_requests_joining_decode(scheduler, last_batch, coord):
         coord.stage_at_launch(req)
+    if running_batch is not None:
+        # as SGLang's HiSparse branch does every call: a prefill that waited for room ESS frees when a result is
+        # processed (the prompt's device slots) is tried again, not only when a request leaves the batch
+        running_batch.batch_is_full = False
     scheduler.enable_hisparse = False
     try:
         return original(scheduler, *args, **kwargs)

@@ -58,8 +58,10 @@ def test_a_launched_prefill_is_staged_then_merged_by_sglang_as_without_hisparse(
         return "plan"
 
     batch = _batch([joining, chunked, done])
-    assert transition.get_next_batch_to_run_hook(get_next_batch_to_run, scheduler, None, batch) == "plan"
+    running = types.SimpleNamespace(batch_is_full=True)
+    assert transition.get_next_batch_to_run_hook(get_next_batch_to_run, scheduler, running, batch) == "plan"
     assert seen == [False] and scheduler.enable_hisparse  # SGLang merged it as without HiSparse, for that call only
+    assert not running.batch_is_full  # prefills are tried again every call, as SGLang's HiSparse branch does
     assert coord.holds_row(1) and not coord.holds_row(2) and not coord.holds_row(3)
     host = coord.req_to_host_pool[1, :300]
     assert bool((host >= 0).all())  # host slots, and the prompt's entries copied there
