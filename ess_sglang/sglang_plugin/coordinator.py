@@ -267,6 +267,7 @@ class EssCoordinator:
         self.decode_producer_stream = None
         self.ack_staging_queue: list = []  # HiSparse's staging acknowledgements: ESS's staging needs none
         self._staged_at_launch: dict[int, int] = {}  # row -> prompt tokens copied to host, device slots still held
+        self._pending_warm_ups: dict[int, torch.Tensor] = {}  # row -> warm-up locations prepared, not yet loaded
         self._staging_stream = None  # the prompts' copies to host memory (CUDA, created on first use)
         self._rids: dict[int, str] = {}
         # A prompt that fits its warm-up budget is loaded whole: its windows are not needed.
@@ -311,6 +312,7 @@ class EssCoordinator:
             self.mem_pool_host.clear()
             self._staging.clear()
             self._staged_at_launch.clear()
+            self._pending_warm_ups.clear()
             self._rids.clear()
 
         return clear
@@ -494,30 +496,47 @@ class EssCoordinator:
         """Colocated, overlap scheduler: the request's prefill is launched and its result not processed yet; SGLang
         merges it into the decode batch it launches next, as without HiSparse (``transition.py``). Its prompt's copy
         to host memory is queued behind the prefill, with no host synchronisation, and the decode stream waits for
-        it; its device slots are freed and its warm-up loaded when the prefill's result is processed
+        it; its device slots are freed and its warm-up prepared when the prefill's result is processed
         (`admit_request_into_staging`), while that first decode step runs."""
         row, n = compat.req_row(req), compat.req_extend_end(req)
-        self._copy_prompt_to_host(row, n)
+        self._copy_prompt_to_host(row, n, behind_forward=True)
         self._staged_at_launch[row] = n
         self._rids[row] = req.rid
         req.hisparse_staging = False
 
     def admit_request_into_staging(self, req: Any) -> None:
         """Colocated: the prefill's result is processed (SGLang calls this for each request that goes on to decode).
-        A request staged at its prefill's launch has its device slots freed and its warm-up loaded; any other (SGLang's
-        loop without overlap) is staged first. SGLang then merges it into its decode batch (``transition.py``)."""
-        row, n = compat.req_row(req), compat.req_extend_end(req)
-        if self._staged_at_launch.pop(row, None) is None:
-            self._copy_prompt_to_host(row, n)
+        A request staged at its prefill's launch has its device slots freed; any other (SGLang's loop without overlap)
+        is staged first, on the current stream, behind the prefill that ran on it. Its warm-up's host work is done
+        here, its kernels at the next scheduler iteration (`load_pending_warm_ups`), so that no request of the batch
+        makes the host wait for the decode step in flight. SGLang then merges it into its decode batch."""
+        row = compat.req_row(req)
+        n = self._staged_at_launch.pop(row, None)
+        if n is None:
+            n = compat.req_extend_end(req)
+            self._copy_prompt_to_host(row, n, behind_forward=False)
             self._rids[row] = req.rid
         self._free_prompt_slots(row, n, req.rid)
-        self._warm_up(row, n, self.capture.take(row, seq_len=n) if self.capture is not None else None)
+        locs = self._warm_up_locations(row, n, self.capture.take(row, seq_len=n) if self.capture is not None else None)
+        if locs is not None:
+            self._pending_warm_ups[row] = locs
         req.hisparse_staging = False
 
-    def _copy_prompt_to_host(self, row: int, n: int) -> None:
-        """Host slots for the prompt's `n` tokens, and its entries copied there from its device slots: on a stream of
-        their own that waits for the prefill (the decode stream's work so far), and that the decode stream then waits
-        for; on the current stream where there is no decode stream (CPU)."""
+    def load_pending_warm_ups(self) -> None:
+        """Load the warm-ups prepared since the last call (the scheduler's next iteration, before it picks a batch):
+        their kernels after the decode step in flight, one wait for all of them."""
+        if not self._pending_warm_ups:
+            return
+        pending, self._pending_warm_ups = self._pending_warm_ups, {}
+        self._after_inflight_decode()
+        for locs in pending.values():
+            self._load_warm_up(locs)
+
+    def _copy_prompt_to_host(self, row: int, n: int, behind_forward: bool) -> None:
+        """Host slots for the prompt's `n` tokens, and its entries copied there from its device slots. On the current
+        stream (after the prefill that ran on it, or whose result the host has waited for); `behind_forward`: the
+        prefill is still running on the decode stream, so the copy runs on a stream of its own that waits for it, and
+        that the decode stream then waits for (the next forward, and any prefill reusing the freed slots)."""
         from ess_sglang.kernels.flashtrans import copy_rows
 
         logical = self.req_to_token_pool.req_to_token[row, :n].to(dtype=torch.int64, device=self.device)
@@ -525,7 +544,7 @@ class EssCoordinator:
         host = self.mem_pool_host.alloc_paged_token_slots(self.req_to_host_pool, self.req_to_host_pool_allocated_len,
                                                           row, 0, n).long()
         producer = self.decode_producer_stream
-        if producer is None or self.device.type != "cuda":
+        if not behind_forward or producer is None or self.device.type != "cuda":
             for layer in range(self.num_layers):
                 copy_rows(self.device_kv[layer], self.host.layer(layer), physical, host, self.manager.copy_impl)
             return
@@ -554,7 +573,11 @@ class EssCoordinator:
         n = compat.req_allocated_len(req)
         ranked = getattr(req, "ess_warmup_ranked", None)
         windows = getattr(req, "ess_window_topk", None)
-        self._warm_up(row, n, list(windows) if windows is not None and ranked is None else None, ranked=ranked)
+        locs = self._warm_up_locations(row, n, list(windows) if windows is not None and ranked is None else None,
+                                       ranked=ranked)
+        if locs is not None:
+            self._after_inflight_decode()
+            self._load_warm_up(locs)
         for attr in ("ess_warmup_ranked", "ess_window_topk"):  # 1 MB per request: not kept while it decodes
             if getattr(req, attr, None) is not None:
                 setattr(req, attr, None)
@@ -576,15 +599,16 @@ class EssCoordinator:
         """Hot slots per layer a new request warms up (its share of the hot pool), at most its length."""
         return min(int(seq_len), self.hot_slots_per_layer // max(1, self.max_running_requests))
 
-    def _warm_up(self, row: int, seq_len: int, windows: list | None, ranked: torch.Tensor | None = None) -> None:
-        """Load a new request's warm-up positions per layer: from the query windows' top-k sets (`windows`, per
-        layer [windows, k], ranked here for all layers in one pass; or `ranked`, per layer the union in priority
-        order, as the PD prefill sends it), else the most recent tokens. What needs the host (the ranking, the
-        positions) is done before the wait for an in-flight decode step, so that the host never waits for it."""
+    def _warm_up_locations(self, row: int, seq_len: int, windows: list | None,
+                           ranked: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A new request's warm-up, per layer the host locations to load ([layers, width] on the device, -1 padding),
+        or None: from the query windows' top-k sets (`windows`, per layer [windows, k], ranked here for all layers in
+        one pass; or `ranked`, per layer the union in priority order, as the PD prefill sends it), else the most recent
+        tokens. Host work only (it synchronises with the current stream, never with a decode step)."""
         from ess_sglang.sglang_plugin.warmup import rank_window_sets, ranked_warmup_positions
 
         if self.config.warmup_windows <= 0 or seq_len <= 0:
-            return
+            return None
         budget = self.warmup_budget(seq_len)
         if ranked is None and windows is not None:
             ranked = rank_window_sets(windows, seq_len, budget)[0]
@@ -592,16 +616,18 @@ class EssCoordinator:
                                              and layer < ranked.shape[0] else None) for layer in range(self.num_layers)]
         width = max(p.numel() for p in per_layer)
         if width == 0:
-            return
+            return None
         positions = torch.full((self.num_layers, width), -1, dtype=torch.int64)
         for layer, p in enumerate(per_layer):
             positions[layer, :p.numel()] = p
         positions = positions.to(self.device)
         table = self.req_to_host_pool[row]
-        locs = torch.where(positions >= 0, table[positions.clamp(min=0)], -1)
-        self._after_inflight_decode()
+        return torch.where(positions >= 0, table[positions.clamp(min=0)], -1)
+
+    def _load_warm_up(self, locs: torch.Tensor) -> None:
+        """Load warm-up locations ([layers, width], -1 skipped) into the hot pools (after `_after_inflight_decode`)."""
         for layer in range(self.num_layers):
-            for start in range(0, width, self.max_selected):  # never grow the manager's scratch
+            for start in range(0, locs.shape[1], self.max_selected):  # never grow the manager's scratch
                 self.manager.warm_up(layer, locs[layer, start:start + self.max_selected])
 
     # ------------------------------------------------------------------------------------------ release
@@ -618,6 +644,7 @@ class EssCoordinator:
         staged = self._staged_at_launch.pop(row, None)
         if staged is not None:  # finished or aborted before its prefill's result: its device slots are still held
             self._free_prompt_slots(row, staged, req.rid)
+        self._pending_warm_ups.pop(row, None)  # its host locations are freed below: never load them
         host = self.mem_pool_host.allocated_host_indices(self.req_to_host_pool, row,
                                                          self.req_to_host_pool_allocated_len[row])
         if host.numel() > 0:

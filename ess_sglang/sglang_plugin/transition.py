@@ -19,7 +19,8 @@ With ESS (`get_next_batch_to_run_hook`):
    the prefill batch into the running batch, and the first decode step, which takes the first token from SGLang's
    future map, is launched before the prefill's result is processed.
 3. While it runs, the prefill's result is processed: ``admit_request_into_staging`` frees the prompt's device slots
-   and loads its warm-up (its host work before the wait for the decode step, its kernels after).
+   and prepares its warm-up on the host; the next call of the hook loads the warm-ups prepared, after the decode
+   step in flight (so that no request of the batch makes the host wait for that step).
 The first decode step runs before the warm-up: its selection misses, and is fetched from host memory (lossless).
 A request that finishes at its prefill is released by ``request_finished`` with its device slots. Without the
 overlap scheduler the same hook lets SGLang merge the prefill batch, whose requests were staged when its result was
@@ -57,8 +58,14 @@ def get_next_batch_to_run_hook(original, scheduler, *args, **kwargs):
         return original(scheduler, *args, **kwargs)
     running_batch = kwargs["running_batch"] if "running_batch" in kwargs else args[0] if args else None
     last_batch = kwargs["last_batch"] if "last_batch" in kwargs else args[1] if len(args) > 1 else None
+    coord.load_pending_warm_ups()  # the warm-ups of the prefill results processed since the last call
     for req in prefill_requests_joining_decode(scheduler, last_batch, coord):
         coord.stage_at_launch(req)
+    for batch in (running_batch, last_batch):
+        if batch is not None:
+            # SGLang 0.5.17 sets a batch's coordinator only in its HiSparse branch (0.5.23 also for prefill batches):
+            # without it prepare_for_decode skips map_last_loc_to_buffer, and the new tokens get no host slot
+            batch.hisparse_coordinator = coord
     if running_batch is not None:
         # as SGLang's HiSparse branch does every call: a prefill that waited for room ESS frees when a result is
         # processed (the prompt's device slots) is tried again, not only when a request leaves the batch

@@ -222,6 +222,7 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
 
     for i, (row, n) in enumerate(zip(rows, lens, strict=True)):
         reqs.append(admit(i, row, n, f"r{i}", steps)[0])
+    coord.load_pending_warm_ups()  # the scheduler's next iteration (transition.py), before the first decode step
     warm = coord.manager.counters[:, 7].clone()  # Counter.WARMUP_ENTRIES
     assert bool((warm > 0).all())
     assert coord.staging_free() == staging

@@ -18,17 +18,13 @@ from ess_sglang.sglang_plugin.active import set_active
 pytest.importorskip("sglang")  # CI installs sglang; this only guards machines without it
 
 PAGE = 64
-LAYERS = 2
-TOPK = 128
-HOT = 1024
-ROWS = 6
-STAGING = 16 * PAGE
 
 
 @pytest.fixture
 def pools():
-    coord, allocator, req_pool = cpu_coordinator(page=PAGE, layers=LAYERS, rows=ROWS, top_k=TOPK, hot=HOT,
-                                                 staging=STAGING, config=EssConfig(top_k=TOPK))
+    """Two layers, six request rows, top-k 128, a 1,024-slot hot pool and 16 pages of prefill staging."""
+    coord, allocator, req_pool = cpu_coordinator(page=PAGE, layers=2, rows=6, top_k=128, hot=1024, staging=16 * PAGE,
+                                                 config=EssConfig(top_k=128))
     yield coord, allocator, req_pool
     set_active(None)
 
@@ -58,10 +54,12 @@ def test_a_launched_prefill_is_staged_then_merged_by_sglang_as_without_hisparse(
         return "plan"
 
     batch = _batch([joining, chunked, done])
-    running = types.SimpleNamespace(batch_is_full=True)
+    running = types.SimpleNamespace(batch_is_full=True, hisparse_coordinator=None)
     assert transition.get_next_batch_to_run_hook(get_next_batch_to_run, scheduler, running, batch) == "plan"
     assert seen == [False] and scheduler.enable_hisparse  # SGLang merged it as without HiSparse, for that call only
     assert not running.batch_is_full  # prefills are tried again every call, as SGLang's HiSparse branch does
+    # both batches name the coordinator: SGLang 0.5.17's prepare_for_decode calls map_last_loc_to_buffer through it
+    assert running.hisparse_coordinator is coord and batch.hisparse_coordinator is coord
     assert coord.holds_row(1) and not coord.holds_row(2) and not coord.holds_row(3)
     host = coord.req_to_host_pool[1, :300]
     assert bool((host >= 0).all())  # host slots, and the prompt's entries copied there
@@ -72,10 +70,22 @@ def test_a_launched_prefill_is_staged_then_merged_by_sglang_as_without_hisparse(
     coord.admit_request_into_staging(joining)  # its result processed while its first decode step runs
     assert allocator.hisparse_attn_allocator.available_size() == held + 5 * PAGE
     assert coord.collect_ready_reqs() == [] and not coord.has_ongoing_staging()
+    assert coord.manager.resident_count(0) == 0  # the warm-up is prepared on the host, not loaded yet
 
-    # the next call: nothing is staged twice, and the chunked request's last chunk was a later batch's
+    # the next call loads it; nothing is staged twice, and the chunked request's last chunk was a later batch's
     assert transition.get_next_batch_to_run_hook(get_next_batch_to_run, scheduler, None, batch) == "plan"
+    assert coord.manager.resident_count(0) > 0 and health.state_violations(coord) == []
     assert coord.req_to_host_pool_allocated_len[1] == 320 and not coord.holds_row(2)
+
+
+def test_a_warm_up_never_loads_once_its_request_is_gone(pools):
+    """Finished between its result and the next scheduler iteration: its prepared warm-up names freed host slots."""
+    coord, allocator, req_pool = pools
+    req = prefilled_request(coord, allocator, req_pool, 1, 300, "short")
+    coord.admit_request_into_staging(req)
+    coord.request_finished(req)
+    coord.load_pending_warm_ups()
+    assert coord.manager.resident_count(0) == 0 and health.state_violations(coord) == []
 
 
 def test_a_request_finished_at_prefill_after_staging_gives_everything_back(pools):
