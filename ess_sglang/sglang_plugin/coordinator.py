@@ -195,6 +195,8 @@ class EssCoordinator:
         # what the resolve can run on this device: checked before SGLang's pools are touched or the host pool pinned
         resolve_impl, self.resolve_pdl = resolve_settings(resolve_impl, getattr(config, "resolve_pdl", None), dev)
         self.config = config
+        # colocated: a prompt joins the decode batch launched right after its prefill (transition.py), or the next one
+        self.merges_prefills = getattr(config, "prefill_to_decode", "staged") == "merged"
         self.device = dev
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = allocator = token_to_kv_pool_allocator
@@ -266,6 +268,7 @@ class EssCoordinator:
         self.device_buffer_size = hot_slots_per_layer
         self.decode_producer_stream = None
         self.ack_staging_queue: list = []  # HiSparse's staging acknowledgements: ESS's staging needs none
+        self._ready: list = []  # prefill_to_decode "staged": staged requests for SGLang's next decode batch
         self._staged_at_launch: dict[int, int] = {}  # row -> prompt tokens copied to host, device slots still held
         self._pending_warm_ups: dict[int, torch.Tensor] = {}  # row -> warm-up locations prepared, not yet loaded
         self._staging_stream = None  # the prompts' copies to host memory (CUDA, created on first use)
@@ -311,6 +314,7 @@ class EssCoordinator:
             self.req_to_host_pool_allocated_len.zero_()
             self.mem_pool_host.clear()
             self._staging.clear()
+            self._ready.clear()
             self._staged_at_launch.clear()
             self._pending_warm_ups.clear()
             self._rids.clear()
@@ -506,10 +510,11 @@ class EssCoordinator:
 
     def admit_request_into_staging(self, req: Any) -> None:
         """Colocated: the prefill's result is processed (SGLang calls this for each request that goes on to decode).
-        A request staged at its prefill's launch has its device slots freed; any other (SGLang's loop without overlap)
-        is staged first, on the current stream, behind the prefill that ran on it. Its warm-up's host work is done
+        A request staged at its prefill's launch has its device slots freed; any other is staged first, on the
+        current stream, behind the prefill that ran on it. prefill_to_decode "staged": its warm-up is loaded now and
+        it waits for SGLang's next decode batch (`collect_ready_reqs`); "merged": its warm-up's host work is done
         here, its kernels at the next scheduler iteration (`load_pending_warm_ups`), so that no request of the batch
-        makes the host wait for the decode step in flight. SGLang then merges it into its decode batch."""
+        makes the host wait for the decode step in flight, and SGLang merges it into its decode batch."""
         row = compat.req_row(req)
         n = self._staged_at_launch.pop(row, None)
         if n is None:
@@ -518,9 +523,16 @@ class EssCoordinator:
             self._rids[row] = req.rid
         self._free_prompt_slots(row, n, req.rid)
         locs = self._warm_up_locations(row, n, self.capture.take(row, seq_len=n) if self.capture is not None else None)
+        if self.merges_prefills:
+            if locs is not None:
+                self._pending_warm_ups[row] = locs
+            req.hisparse_staging = False
+            return
         if locs is not None:
-            self._pending_warm_ups[row] = locs
-        req.hisparse_staging = False
+            self._after_inflight_decode()
+            self._load_warm_up(locs)
+        req.hisparse_staging = True
+        self._ready.append(req)
 
     def load_pending_warm_ups(self) -> None:
         """Load the warm-ups prepared since the last call (the scheduler's next iteration, before it picks a batch):
@@ -589,11 +601,15 @@ class EssCoordinator:
         return row in self._rids
 
     def collect_ready_reqs(self) -> list:
-        """Nothing waits in a queue of HiSparse's: SGLang merges each prefill into its decode batch (transition.py)."""
-        return []
+        """The staged requests for SGLang's next decode batch (prefill_to_decode "staged"; with "merged" SGLang merges
+        each prefill into its decode batch and none wait here, ``transition.py``)."""
+        ready, self._ready = self._ready, []
+        for req in ready:
+            req.hisparse_staging = False
+        return ready
 
     def has_ongoing_staging(self) -> bool:
-        return False
+        return bool(self._ready)
 
     def warmup_budget(self, seq_len: int) -> int:
         """Hot slots per layer a new request warms up (its share of the hot pool), at most its length."""
@@ -666,6 +682,7 @@ class EssCoordinator:
             self.capture.drop(row)
         self.overlap.forget_rows([row])
         self._staging.pop(req.rid, None)
+        self._ready = [r for r in self._ready if r is not req]
         self.admission.release(req.rid)
         req.hisparse_staging = False
 

@@ -95,9 +95,9 @@ RUNTIME_HOOKS: tuple[HookSpec, ...] = (
              coordinator.init_hisparse_coordinator_hook, "attaches the scheduler: metrics labels, admission"),
     HookSpec("sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", "around",
              transition.get_next_batch_to_run_hook,
-             "colocated: stages a launched prefill's requests to host memory on the GPU and lets SGLang merge them "
-             "into the decode batch it launches next, as without HiSparse (their first decode step overlaps the "
-             "prefill's result processing)"),
+             "colocated, prefill_to_decode merged: stages a launched prefill's requests to host memory on the GPU "
+             "and lets SGLang merge them into the decode batch it launches next, as without HiSparse (their first "
+             "decode step overlaps the prefill's result processing)"),
     HookSpec("sglang.srt.managers.scheduler.Scheduler._build_hisparse_decode_batch", "after",
              decode_batch.build_hisparse_decode_batch_hook,
              "asks the sampler for the token-id log-probabilities the requests asked for, not their prompts (an "

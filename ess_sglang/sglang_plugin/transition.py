@@ -1,5 +1,6 @@
-"""A colocated prompt's move from prefill to decode with ESS: it joins the decode batch launched right after its
-prefill, as it does in SGLang without HiSparse.
+"""A colocated prompt's move from prefill to decode with ESS, ``prefill_to_decode: merged``: it joins the decode batch
+launched right after its prefill, as it does in SGLang without HiSparse. (The default, "staged", is SGLang HiSparse's
+own transition, described next; this hook then calls SGLang's method unchanged.)
 
 SGLang's HiSparse (0.5.17 and 0.5.23, ``Scheduler.get_next_batch_to_run``) skips the overlap scheduler's merge of a
 prefill batch into the running batch. A prompt is staged to host memory while its prefill's result is processed,
@@ -48,13 +49,15 @@ def prefill_requests_joining_decode(scheduler: Any, last_batch: Any, coord: Any)
 
 
 def get_next_batch_to_run_hook(original, scheduler, *args, **kwargs):
-    """AROUND Scheduler.get_next_batch_to_run(running_batch, last_batch) on a colocated ESS instance: stage the
-    launched prefill's requests, then let SGLang merge them into its decode batch as without HiSparse."""
+    """AROUND Scheduler.get_next_batch_to_run(running_batch, last_batch) on a colocated ESS instance with
+    prefill_to_decode "merged": stage the launched prefill's requests, then let SGLang merge them into its decode batch
+    as without HiSparse."""
     from ess_sglang.sglang_plugin.coordinator import EssCoordinator
 
     coord = getattr(scheduler, "hisparse_coordinator", None)
     mode = getattr(scheduler, "disaggregation_mode", None)
-    if not isinstance(coord, EssCoordinator) or str(getattr(mode, "value", mode or "null")) != "null":
+    if not isinstance(coord, EssCoordinator) or not coord.merges_prefills \
+            or str(getattr(mode, "value", mode or "null")) != "null":
         return original(scheduler, *args, **kwargs)
     running_batch = kwargs["running_batch"] if "running_batch" in kwargs else args[0] if args else None
     last_batch = kwargs["last_batch"] if "last_batch" in kwargs else args[1] if len(args) > 1 else None

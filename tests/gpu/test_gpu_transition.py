@@ -30,7 +30,8 @@ def test_a_prompt_staged_at_launch_is_copied_behind_its_prefill_and_before_the_n
     from ess_sglang.sglang_plugin.active import set_active
 
     coord, allocator, req_pool = cpu_coordinator(page=PAGE, layers=2, rows=6, top_k=128, hot=1024, staging=16 * PAGE,
-                                                 config=EssConfig(top_k=128), device="cuda")
+                                                 config=EssConfig(top_k=128, prefill_to_decode="merged"),
+                                                 device="cuda")
     try:
         forward = torch.cuda.Stream()
         coord.set_decode_producer_stream(forward)

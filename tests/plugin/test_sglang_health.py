@@ -61,8 +61,7 @@ def _staged(coord, row: int, n: int, rid: str = "r"):
     from its most recent tokens), as the colocated path does it."""
     req = prefilled_request(coord, coord.test_allocator, coord.test_req_pool, row, n, rid)
     coord.admit_request_into_staging(req)
-    coord.load_pending_warm_ups()  # the scheduler's next iteration
-    assert coord.holds_row(row)
+    assert coord.collect_ready_reqs() == [req] and coord.holds_row(row)  # SGLang's next decode batch takes it
     return req
 
 

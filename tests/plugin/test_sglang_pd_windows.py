@@ -255,8 +255,7 @@ def _admit(coord, allocator, req_pool, mode: str, req) -> None:
         req_pool.req_to_token[row, :n] = logical.to(torch.int32)
         set_extend_end(req, n)
         coord.admit_request_into_staging(req)
-        coord.load_pending_warm_ups()  # the scheduler's next iteration
-        assert coord.holds_row(row)
+        assert coord.collect_ready_reqs() == [req] and coord.holds_row(row)
     else:  # PD: the transfer wrote the host pool directly
         logical = allocator.alloc_logical_only(one, one, torch.tensor([n]), torch.tensor([n]), torch.tensor([-1]), n)
         req_pool.req_to_token[row, :n] = logical.to(torch.int32)

@@ -130,7 +130,7 @@ def test_a_decoded_request_is_released_once(served):
     idle = _free(coord, allocator)
     req = _prefilled(coord, allocator, req_pool, "decoded", 700, 16)
     coord.admit_request_into_staging(req)
-    assert coord.holds_row(req_row(req))
+    assert coord.collect_ready_reqs() == [req] and coord.holds_row(req_row(req))
     assert coord.mem_pool_host.available_size() < idle[4]
     coord.request_finished(req)  # SGLang's finish path, then its release_kv_cache
     common.release_kv_cache(req, tree)

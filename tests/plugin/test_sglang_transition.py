@@ -1,7 +1,8 @@
-"""A colocated prompt's move from prefill to decode (ess_sglang/sglang_plugin/transition.py): the requests of a
-launched prefill batch are staged at once and SGLang merges them into its decode batch as without HiSparse; their
-device slots go when the prefill's result is processed, or when they finish first. Over SGLang's own HiSparse pools
-on CPU, and against the installed SGLang's own ``get_next_batch_to_run`` source."""
+"""A colocated prompt's move from prefill to decode with prefill_to_decode "merged"
+(ess_sglang/sglang_plugin/transition.py): the requests of a launched prefill batch are staged at once and SGLang
+merges them into its decode batch as without HiSparse; their device slots go when the prefill's result is processed,
+or when they finish first. Over SGLang's own HiSparse pools on CPU, and against the installed SGLang's own
+``get_next_batch_to_run`` source."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ PAGE = 64
 
 @pytest.fixture
 def pools():
-    """Two layers, six request rows, top-k 128, a 1,024-slot hot pool and 16 pages of prefill staging."""
+    """Two layers, six request rows, top-k 128, a 1,024-slot hot pool and 16 pages of prefill staging; prompts merged
+    into the decode batch launched after their prefill."""
     coord, allocator, req_pool = cpu_coordinator(page=PAGE, layers=2, rows=6, top_k=128, hot=1024, staging=16 * PAGE,
-                                                 config=EssConfig(top_k=128))
+                                                 config=EssConfig(top_k=128, prefill_to_decode="merged"))
     yield coord, allocator, req_pool
     set_active(None)
 
@@ -101,18 +103,20 @@ def test_a_request_finished_at_prefill_after_staging_gives_everything_back(pools
     assert health.idle_violations(coord) == []
 
 
-@pytest.mark.parametrize("case", ["pd", "no_ess", "decode_batch"])
+@pytest.mark.parametrize("case", ["pd", "no_ess", "decode_batch", "staged"])
 def test_the_hook_leaves_other_schedulers_and_batches_alone(pools, case):
     coord, allocator, req_pool = pools
     req = prefilled_request(coord, allocator, req_pool, 1, 300, "r")
     scheduler = _scheduler(coord, mode="decode" if case == "pd" else "null")
     if case == "no_ess":
         scheduler.hisparse_coordinator = object()
+    if case == "staged":  # the default: SGLang HiSparse's own transition
+        coord.merges_prefills = False
     seen = []
     transition.get_next_batch_to_run_hook(lambda s, *a: seen.append(s.enable_hisparse), scheduler, None,
                                           _batch([req], extend=case != "decode_batch"))
     assert not coord.holds_row(1)  # nothing staged
-    assert seen == [case != "decode_batch"]  # the flag lowered only where ESS serves colocated
+    assert seen == [case != "decode_batch"]  # the flag lowered only where ESS merges colocated prefills
 
 
 def test_sglangs_merge_is_what_enable_hisparse_turns_off():
