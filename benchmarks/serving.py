@@ -10,9 +10,10 @@ Each server gets the same requests (fixed seeds, greedy, ``ignore_eos``, token i
 shaped config under configs/models/ with dummy weights) at every concurrency, and reports requests running at once
 (SGLang's fullest decode batch, from its log), output tok/s (client: every output token over the wall time, prefills
 included), decode tok/s (the server's own ``gen throughput`` at its fullest decode batch: what a decode instance
-delivers), TPOT and TTFT p50/p99, the wait between each request's first and second token, ESS's hit rate and H2D GB/s
-from ``/metrics``, and whether every request's output tokens equal the all-HBM server's at the same concurrency. A
-system that decodes fewer requests than were sent at one concurrency is capacity-bound and is not sent more. Writes
+delivers), TPOT and TTFT p50/p99, the wait between each request's first and second token and the longest pause in
+decoding after it (a prefill or staging beside it, a compile), ESS's hit rate and H2D GB/s from ``/metrics``, and
+whether every request's output tokens equal the all-HBM server's at the same concurrency. A system that decodes
+fewer requests than were sent at one concurrency is capacity-bound and is not sent more. Writes
 ``serving.json`` and ``serving.png`` under ``--out`` (benchmarks/results/serving/ by default). Runs on the GPU
 machine inside scripts/sglang_site.sh.
 
@@ -190,6 +191,9 @@ def run_setup(setup: Setup, context: int, args, out: Path) -> list[dict]:
                    "first_gap_ms_p50": _ms(percentile([r.first_gap_s for r in results], 50)),
                    "first_gap_ms_max": _ms(max((r.first_gap_s for r in results if r.first_gap_s is not None),
                                                default=None)),
+                   # the longest pause after that, in any request (a prefill or staging beside it, a compile)
+                   "decode_gap_ms_max": _ms(max((r.longest_decode_gap_s for r in results
+                                                 if r.longest_decode_gap_s is not None), default=None)),
                    "wall_s": wall, "outputs": [r.output_ids for r in results],
                    "logprobs": [r.logprobs for r in results],
                    "hit_rate": None, "h2d_gbps": None, "ess_config": setup.ess_config or None}

@@ -199,6 +199,13 @@ class RequestResult:
     def first_gap_s(self) -> float | None:
         return None if self.second_s is None else self.second_s - self.ttft_s
 
+    @property
+    def longest_decode_gap_s(self) -> float | None:
+        """The longest wait between two chunks after the one that carried the second token: a pause in decoding (another
+        request's prefill or staging, a kernel compiled while serving); None with fewer than three chunks."""
+        times = [t for t, _ in self.chunks[1:]]
+        return max((b - a for a, b in zip(times[:-1], times[1:], strict=True)), default=None)
+
 
 def _one(url: str, prompt: list[int], max_new_tokens: int, timeout_s: float = 3600,
          logprobs: bool = True) -> RequestResult:

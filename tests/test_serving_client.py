@@ -18,6 +18,7 @@ import serving  # noqa: E402
 from sglang_server import make_prompts, run_requests  # noqa: E402
 
 FIRST_GAP_S = 0.05
+STALL_S = 0.03
 
 
 class _Generate(BaseHTTPRequestHandler):
@@ -49,6 +50,8 @@ class _Generate(BaseHTTPRequestHandler):
             self.wfile.flush()
             if i == 1:
                 time.sleep(FIRST_GAP_S)  # a wait between the prefill's token and the first decode step
+            if i == 3:
+                time.sleep(STALL_S)  # a pause in decoding (another request's prefill, a compile)
         self.wfile.write(b"data: [DONE]\n\n")
 
 
@@ -71,7 +74,16 @@ def test_streamed_tokens_logprobs_and_errors(url):
         # it, so the gap it sees may come out a little shorter (the first chunk read late) but never near 0
         assert 0 < r.ttft_s <= r.second_s <= r.latency_s and r.first_gap_s >= FIRST_GAP_S / 2
         assert [n for _, n in r.chunks] == [1, 2, 3, 4] and r.chunks[0][0] == r.ttft_s and r.chunks[1][0] == r.second_s
+        assert r.longest_decode_gap_s >= STALL_S / 2  # the pause before the fourth token
     assert results[3].error.startswith("HTTP 400") and results[3].output_ids == []
+
+
+def test_longest_decode_gap_leaves_out_the_first_gap():
+    from sglang_server import RequestResult
+
+    r = RequestResult([1, 2, 3, 4], 1.0, 2.0, chunks=[(1.0, 1), (1.5, 2), (1.6, 3), (2.0, 4)], second_s=1.5)
+    assert r.first_gap_s == 0.5 and abs(r.longest_decode_gap_s - 0.4) < 1e-9
+    assert RequestResult([1, 2], 1.0, 1.5, chunks=[(1.0, 1), (1.5, 2)]).longest_decode_gap_s is None
 
 
 def test_identity_marks_compare_tokens_and_logprobs():
