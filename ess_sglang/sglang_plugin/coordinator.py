@@ -628,8 +628,10 @@ class EssCoordinator:
         budget = self.warmup_budget(seq_len)
         if ranked is None and windows is not None:
             ranked = rank_window_sets(windows, seq_len, budget)[0]
-        per_layer = [ranked_warmup_positions(seq_len, budget, ranked[layer] if ranked is not None
-                                             and layer < ranked.shape[0] else None) for layer in range(self.num_layers)]
+        ranked_layers = 0 if ranked is None else min(ranked.shape[0], self.num_layers)
+        recent = ranked_warmup_positions(seq_len, budget, None) if ranked_layers < self.num_layers else None
+        per_layer = [ranked_warmup_positions(seq_len, budget, ranked[layer]) if layer < ranked_layers else recent
+                     for layer in range(self.num_layers)]
         width = max(p.numel() for p in per_layer)
         if width == 0:
             return None
