@@ -208,13 +208,6 @@ class EssConfig(BaseModel):
     top-k v2 kernel with the forward's plan, writing positions), so that ESS selects the entries SGLang without ESS
     selects; "hisparse": SGLang's HiSparse decode top-k (sgl_kernel.fast_topk_v2 with the default backend), which can
     select others where the k-th score's bin holds more candidates than it keeps."""
-    prefill_to_decode: Literal["staged", "merged"] = "staged"
-    """SGLang plugin, colocated: how a prompt moves from its prefill to decoding. "staged": as SGLang's HiSparse does
-    it, the prompt is copied to host memory and warmed up when its prefill's result is processed, and decodes from
-    the next scheduler iteration in a batch built for it. "merged": its copy is queued on the GPU behind its prefill,
-    SGLang merges it into the decode batch it launches right after, as without HiSparse, and its warm-up is loaded
-    while that first step runs. Both are exact; "merged" is measured against "staged" in the real server before it
-    can become the default (docs/design.md, "In the real server")."""
     prefetch_min_batch: PositiveInt = 16
     """SGLang plugin: decode batches smaller than this do not prefetch (on the H200 prefetch lost to synchronous
     fetching at batch 1-2 and won from batch 16 at hit rates 0.9-0.95; batches 3-15 were not measured)."""

@@ -102,10 +102,6 @@ def enable_on_namespace(args: Any, config_path: str | None) -> settings.EssSetti
     problems = check_raw_flags(args)
     if problems:
         raise EssLaunchError(_format(problems))
-    if getattr(args, "disaggregation_mode", "null") == "decode" and config.prefill_to_decode != "staged":
-        logger.warning("ESS (PD decode): ess_config.prefill_to_decode %r applies to colocated instances only (a PD "
-                       "decode instance receives its prompts' KV from the prefill instance); ignored",
-                       config.prefill_to_decode)
     args.enable_hisparse = True
     args.disable_radix_cache = True
     if args.kv_cache_dtype == "auto":

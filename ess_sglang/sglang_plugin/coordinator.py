@@ -195,8 +195,6 @@ class EssCoordinator:
         # what the resolve can run on this device: checked before SGLang's pools are touched or the host pool pinned
         resolve_impl, self.resolve_pdl = resolve_settings(resolve_impl, getattr(config, "resolve_pdl", None), dev)
         self.config = config
-        # colocated: a prompt joins the decode batch launched right after its prefill (transition.py), or the next one
-        self.merges_prefills = getattr(config, "prefill_to_decode", "staged") == "merged"
         self.device = dev
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = allocator = token_to_kv_pool_allocator
@@ -268,10 +266,7 @@ class EssCoordinator:
         self.device_buffer_size = hot_slots_per_layer
         self.decode_producer_stream = None
         self.ack_staging_queue: list = []  # HiSparse's staging acknowledgements: ESS's staging needs none
-        self._ready: list = []  # prefill_to_decode "staged": staged requests for SGLang's next decode batch
-        self._staged_at_launch: dict[int, int] = {}  # row -> prompt tokens copied to host, device slots still held
-        self._pending_warm_ups: dict[int, torch.Tensor] = {}  # row -> warm-up locations prepared, not yet loaded
-        self._staging_stream = None  # the prompts' copies to host memory (CUDA, created on first use)
+        self._ready: list = []  # staged requests for SGLang's next decode batch
         self._rids: dict[int, str] = {}
         # A prompt that fits its warm-up budget is loaded whole: its windows are not needed.
         self.capture = WindowCapture(L, config.warmup_windows, min_seq_len=self.warmup_budget(1 << 62)) \
@@ -315,8 +310,6 @@ class EssCoordinator:
             self.mem_pool_host.clear()
             self._staging.clear()
             self._ready.clear()
-            self._staged_at_launch.clear()
-            self._pending_warm_ups.clear()
             self._rids.clear()
 
         return clear
@@ -496,87 +489,29 @@ class EssCoordinator:
         """An admitted prompt will occupy device slots until it is staged to host memory."""
         self._staging[rid] = -(-int(prompt_tokens) // self.page_size) * self.page_size
 
-    def stage_at_launch(self, req: Any) -> None:
-        """Colocated, overlap scheduler: the request's prefill is launched and its result not processed yet; SGLang
-        merges it into the decode batch it launches next, as without HiSparse (``transition.py``). Its prompt's copy
-        to host memory is queued behind the prefill, with no host synchronisation, and the decode stream waits for
-        it; its device slots are freed and its warm-up prepared when the prefill's result is processed
-        (`admit_request_into_staging`), while that first decode step runs."""
-        row, n = compat.req_row(req), compat.req_extend_end(req)
-        self._copy_prompt_to_host(row, n, behind_forward=True)
-        self._staged_at_launch[row] = n
-        self._rids[row] = req.rid
-        req.hisparse_staging = False
-
     def admit_request_into_staging(self, req: Any) -> None:
         """Colocated: the prefill's result is processed (SGLang calls this for each request that goes on to decode).
-        A request staged at its prefill's launch has its device slots freed; any other is staged first, on the
-        current stream, behind the prefill that ran on it. prefill_to_decode "staged": its warm-up is loaded now and
-        it waits for SGLang's next decode batch (`collect_ready_reqs`); "merged": its warm-up's host work is done
-        here, its kernels at the next scheduler iteration (`load_pending_warm_ups`), so that no request of the batch
-        makes the host wait for the decode step in flight, and SGLang merges it into its decode batch."""
-        row = compat.req_row(req)
-        n = self._staged_at_launch.pop(row, None)
-        if n is None:
-            n = compat.req_extend_end(req)
-            self._copy_prompt_to_host(row, n, behind_forward=False)
-            self._rids[row] = req.rid
-        self._free_prompt_slots(row, n, req.rid)
+        Its prompt is copied to host memory on the current stream, behind the prefill that wrote it, its device slots
+        go back to SGLang's allocator, its warm-up is loaded, and it waits for SGLang's next decode batch
+        (`collect_ready_reqs`), as SGLang's HiSparse stages a request."""
+        from ess_sglang.kernels.flashtrans import copy_rows
+
+        row, n = compat.req_row(req), compat.req_extend_end(req)
+        logical = self.req_to_token_pool.req_to_token[row, :n].to(dtype=torch.int64, device=self.device)
+        physical = self.mem_pool_device.translate_loc_from_full_to_hisparse_device(logical).long()
+        host = self.mem_pool_host.alloc_paged_token_slots(self.req_to_host_pool, self.req_to_host_pool_allocated_len,
+                                                          row, 0, n).long()
+        for layer in range(self.num_layers):
+            copy_rows(self.device_kv[layer], self.host.layer(layer), physical, host, self.manager.copy_impl)
+        self.token_to_kv_pool_allocator.free_hisparse(logical)
+        self._staging.pop(req.rid, None)
+        self._rids[row] = req.rid
         locs = self._warm_up_locations(row, n, self.capture.take(row, seq_len=n) if self.capture is not None else None)
-        if self.merges_prefills:
-            if locs is not None:
-                self._pending_warm_ups[row] = locs
-            req.hisparse_staging = False
-            return
         if locs is not None:
             self._after_inflight_decode()
             self._load_warm_up(locs)
         req.hisparse_staging = True
         self._ready.append(req)
-
-    def load_pending_warm_ups(self) -> None:
-        """Load the warm-ups prepared since the last call (the scheduler's next iteration, before it picks a batch):
-        their kernels after the decode step in flight, one wait for all of them."""
-        if not self._pending_warm_ups:
-            return
-        pending, self._pending_warm_ups = self._pending_warm_ups, {}
-        self._after_inflight_decode()
-        for locs in pending.values():
-            self._load_warm_up(locs)
-
-    def _copy_prompt_to_host(self, row: int, n: int, behind_forward: bool) -> None:
-        """Host slots for the prompt's `n` tokens, and its entries copied there from its device slots. On the current
-        stream (after the prefill that ran on it, or whose result the host has waited for); `behind_forward`: the
-        prefill is still running on the decode stream, so the copy runs on a stream of its own that waits for it, and
-        that the decode stream then waits for (the next forward, and any prefill reusing the freed slots)."""
-        from ess_sglang.kernels.flashtrans import copy_rows
-
-        logical = self.req_to_token_pool.req_to_token[row, :n].to(dtype=torch.int64, device=self.device)
-        physical = self.mem_pool_device.translate_loc_from_full_to_hisparse_device(logical).long()
-        host = self.mem_pool_host.alloc_paged_token_slots(self.req_to_host_pool, self.req_to_host_pool_allocated_len,
-                                                          row, 0, n).long()
-        producer = self.decode_producer_stream
-        if not behind_forward or producer is None or self.device.type != "cuda":
-            for layer in range(self.num_layers):
-                copy_rows(self.device_kv[layer], self.host.layer(layer), physical, host, self.manager.copy_impl)
-            return
-        if self._staging_stream is None:
-            self._staging_stream = torch.cuda.Stream(self.device)
-        side = self._staging_stream
-        side.wait_stream(torch.cuda.current_stream())  # the rows and slots computed above
-        side.wait_stream(producer)  # the prefill that wrote the entries
-        with torch.cuda.stream(side):
-            for layer in range(self.num_layers):
-                copy_rows(self.device_kv[layer], self.host.layer(layer), physical, host, self.manager.copy_impl)
-        for t in (physical, host):
-            t.record_stream(side)
-        producer.wait_stream(side)  # the next decode step (and a prefill reusing the slots) after the copy
-
-    def _free_prompt_slots(self, row: int, n: int, rid: str) -> None:
-        """The prompt's device slots go back to SGLang's allocator (their copy is ordered before any later forward)."""
-        self.token_to_kv_pool_allocator.free_hisparse(
-            self.req_to_token_pool.req_to_token[row, :n].to(dtype=torch.int64, device=self.device))
-        self._staging.pop(rid, None)
 
     def admit_request_direct(self, req: Any) -> None:
         """PD decode: the KV arrived from the prefill instance straight into the host pool; warm up from the window
@@ -601,8 +536,7 @@ class EssCoordinator:
         return row in self._rids
 
     def collect_ready_reqs(self) -> list:
-        """The staged requests for SGLang's next decode batch (prefill_to_decode "staged"; with "merged" SGLang merges
-        each prefill into its decode batch and none wait here, ``transition.py``)."""
+        """The staged requests for SGLang's next decode batch."""
         ready, self._ready = self._ready, []
         for req in ready:
             req.hisparse_staging = False
@@ -659,10 +593,6 @@ class EssCoordinator:
         """Finished or aborted: forget its hot entries, free its host slots and its admission reservation."""
         self._after_inflight_decode()
         row = compat.req_row(req)
-        staged = self._staged_at_launch.pop(row, None)
-        if staged is not None:  # finished or aborted before its prefill's result: its device slots are still held
-            self._free_prompt_slots(row, staged, req.rid)
-        self._pending_warm_ups.pop(row, None)  # its host locations are freed below: never load them
         host = self.mem_pool_host.allocated_host_indices(self.req_to_host_pool, row,
                                                          self.req_to_host_pool_allocated_len[row])
         if host.numel() > 0:

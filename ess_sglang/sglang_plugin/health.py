@@ -83,8 +83,6 @@ def idle_violations(coord: Any, scheduler: Any = None) -> list[str]:
         out.append(f"idle: {sum(resident):,} hot-pool entries still resident (per layer: {resident})")
     for name, held in (("prompts awaiting staging", coord._staging),
                        ("staged requests not yet collected", coord._ready),
-                       ("prompts staged at their prefill's launch and never processed", coord._staged_at_launch),
-                       ("warm-ups prepared and never loaded", coord._pending_warm_ups),
                        ("decoding rows", coord._rids)):
         if held:
             out.append(f"idle: {len(held)} {name} left")

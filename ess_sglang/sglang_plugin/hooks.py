@@ -25,7 +25,6 @@ from ess_sglang.sglang_plugin import (
     request_checks,
     settings,
     sizing,
-    transition,
     warmup,
 )
 from ess_sglang.sglang_plugin.compat import HookSpec
@@ -93,11 +92,6 @@ RUNTIME_HOOKS: tuple[HookSpec, ...] = (
              "builds the ESS coordinator in place of HiSparse's (its swap_in_selected_pages drives the cache manager)"),
     HookSpec("sglang.srt.managers.scheduler.Scheduler.init_hisparse_coordinator", "after",
              coordinator.init_hisparse_coordinator_hook, "attaches the scheduler: metrics labels, admission"),
-    HookSpec("sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", "around",
-             transition.get_next_batch_to_run_hook,
-             "colocated, prefill_to_decode merged: stages a launched prefill's requests to host memory on the GPU "
-             "and lets SGLang merge them into the decode batch it launches next, as without HiSparse (their first "
-             "decode step overlaps the prefill's result processing)"),
     HookSpec("sglang.srt.managers.scheduler.Scheduler._build_hisparse_decode_batch", "after",
              decode_batch.build_hisparse_decode_batch_hook,
              "asks the sampler for the token-id log-probabilities the requests asked for, not their prompts (an "

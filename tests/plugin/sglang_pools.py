@@ -8,11 +8,9 @@ import torch
 from ess_sglang.config import EssConfig
 
 
-def cpu_coordinator(*, page: int, layers: int, rows: int, top_k: int, hot: int, staging: int, config: EssConfig,
-                    device: str = "cpu"):
+def cpu_coordinator(*, page: int, layers: int, rows: int, top_k: int, hot: int, staging: int, config: EssConfig):
     """(coordinator, allocator, request pool): a device pool of `hot` + one page of new-token slots + `staging`
-    prefill slots, a logical space twice that, `rows` request rows of 1,024 tokens; on CPU (torch resolve and copies)
-    unless `device` is "cuda" (the Triton paths, a pinned host pool)."""
+    prefill slots, a logical space twice that, `rows` request rows of 1,024 tokens."""
     from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
     from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -21,15 +19,14 @@ def cpu_coordinator(*, page: int, layers: int, rows: int, top_k: int, hot: int, 
 
     device_tokens = hot + page + staging
     pool = HiSparseDSATokenToKVPool(size=device_tokens, host_to_device_ratio=2, page_size=page, kv_lora_rank=512,
-                                    dtype=torch.float8_e4m3fn, qk_rope_head_dim=64, layer_num=layers, device=device,
+                                    dtype=torch.float8_e4m3fn, qk_rope_head_dim=64, layer_num=layers, device="cpu",
                                     index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656)
-    allocator = HiSparseTokenToKVPoolAllocator(device_tokens, page_size=page, dtype=torch.float8_e4m3fn, device=device,
+    allocator = HiSparseTokenToKVPoolAllocator(device_tokens, page_size=page, dtype=torch.float8_e4m3fn, device="cpu",
                                                kvcache=pool, need_sort=False, host_to_device_ratio=2)
-    req_pool = ReqToTokenPool(size=rows, max_context_len=1024, device=device, enable_memory_saver=False)
+    req_pool = ReqToTokenPool(size=rows, max_context_len=1024, device="cpu", enable_memory_saver=False)
     coord = EssCoordinator(req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, config=config,
-                           hot_slots_per_layer=hot, host_tokens=allocator.size_full, device=device, top_k=top_k,
-                           max_running_requests=rows, pin_memory=device != "cpu",
-                           copy_impl="torch" if device == "cpu" else "auto")
+                           hot_slots_per_layer=hot, host_tokens=allocator.size_full, device="cpu", top_k=top_k,
+                           max_running_requests=rows, pin_memory=False, copy_impl="torch")
     return coord, allocator, req_pool
 
 
@@ -45,9 +42,8 @@ def prefilled_request(coord, allocator, req_pool, row: int, n: int, rid: str, ma
                                 finished=lambda: False)
     assert coord.admission.admit(rid, n + max_new).decision.value == "admit"
     coord.hold_staging(rid, n)
-    dev = coord.device
     zero, length = torch.tensor([0]), torch.tensor([n])
-    logical = allocator.alloc_extend(zero.to(dev), zero, length.to(dev), length, torch.tensor([-1], device=dev), n)
+    logical = allocator.alloc_extend(zero, zero, length, length, torch.tensor([-1]), n)
     req_pool.req_to_token[row, :n] = logical.to(torch.int32)
     for layer in range(coord.num_layers):
         coord.device_kv[layer][coord.mem_pool_device.translate_loc_to_hisparse_device(logical).long()] = 7

@@ -128,11 +128,9 @@ def _entries(g, n):
 
 
 def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str = "torch",
-         replace_at: int | None = None, level: str = "none", refill_interval: int = 1, retention: str = "lru",
-         transition: str = "staged"):
+         replace_at: int | None = None, level: str = "none", refill_interval: int = 1, retention: str = "lru"):
     """`replace_at` (PD mode): at that step request 1 finishes (ESS releases it, SGLang frees its locations) and a
-    new request takes its row and batch entry, its prompt written into the host slots the finished one freed.
-    `transition`: prefill_to_decode (colocated)."""
+    new request takes its row and batch entry, its prompt written into the host slots the finished one freed."""
     from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
     from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
@@ -159,7 +157,7 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
     req_pool = ReqToTokenPool(size=B, max_context_len=max_ctx, device="cpu", enable_memory_saver=False)
     config = EssConfig(top_k=TOPK, warmup_windows=WINDOWS, new_tokens=new_tokens, prefetch_overlap_level=level,
                        prefetch_min_batch=B,  # (4 requests here; the default 16 would leave them synchronous)
-                       spare_refill_interval=refill_interval, retention=retention, prefill_to_decode=transition)
+                       spare_refill_interval=refill_interval, retention=retention)
     coord = EssCoordinator(req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, config=config,
                            hot_slots_per_layer=HOT, host_tokens=allocator.size_full, device="cpu", top_k=TOPK,
                            max_running_requests=B, pin_memory=False, copy_impl="torch", resolve_impl=resolve_impl)
@@ -206,13 +204,8 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
                 warmup.forward_extend_hook(types.SimpleNamespace(use_fused_topk=False), None, None, None,
                                            _layer(layer), fb, topk_indices=windows[layer])
             free_before = allocator.hisparse_attn_allocator.available_size()
-            merged = transition == "merged"
-            if merged and i % 2 == 0:  # the overlap scheduler: staged when the prefill is launched, slots held
-                coord.stage_at_launch(req)
-                assert coord.holds_row(row) and allocator.hisparse_attn_allocator.available_size() == free_before
-            coord.admit_request_into_staging(req)  # its result processed (else staged here)
-            # "staged": SGLang's next decode batch collects it; "merged": SGLang merges it, no queue of ours
-            assert coord.holds_row(row) and coord.collect_ready_reqs() == ([] if merged else [req])
+            coord.admit_request_into_staging(req)  # its prefill's result processed
+            assert coord.holds_row(row) and coord.collect_ready_reqs() == [req]  # SGLang's next decode batch
             assert allocator.hisparse_attn_allocator.available_size() == free_before + -(-n // PAGE) * PAGE  # freed
         else:
             # what the PD transfer hands over (pd_windows): the ranked union for request 0, nothing for 1 and 3 (a
@@ -226,7 +219,6 @@ def _run(mode: str, steps: int, new_tokens: str = "on_demand", resolve_impl: str
 
     for i, (row, n) in enumerate(zip(rows, lens, strict=True)):
         reqs.append(admit(i, row, n, f"r{i}", steps)[0])
-    coord.load_pending_warm_ups()  # "merged": the scheduler's next iteration (transition.py), before the first step
     warm = coord.manager.counters[:, 7].clone()  # Counter.WARMUP_ENTRIES
     assert bool((warm > 0).all())
     assert coord.staging_free() == staging
@@ -389,15 +381,6 @@ def test_decode_seam_bit_identical_with_decayed_retention(resolve_impl, parallel
     the manager evicts by decayed count (the stamps of slots selected again carry a bonus)."""
     identical, stats = _run("colocated", 8, "insert", resolve_impl, level="full", retention="decay")
     assert identical == 8 and stats["evictions"] > 0 and stats["bonus_slots"] > 0
-
-
-def test_decode_seam_bit_identical_with_prompts_merged_into_the_next_decode_batch(parallel1):
-    """prefill_to_decode "merged": half the prompts staged at their prefill's launch, the other half when their result
-    is processed (SGLang's loop without overlap), every warm-up loaded at the next scheduler iteration; every output
-    stays bit-identical."""
-    identical, stats = _run("colocated", 16, "insert", transition="merged")
-    assert identical == 16 and stats["misses"] > stats["written_back"] and stats["evictions"] > 0
-    assert stats["new"] == 16 * 4 * LAYERS
 
 
 def test_decode_seam_bit_identical_with_a_refill_interval(parallel1):

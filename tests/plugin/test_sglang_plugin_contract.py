@@ -258,30 +258,6 @@ def test_pd_decode_refuses_immediate_release_of_aborted_transfers(loaded_plugins
                 if "DEFERRED_DECODE_KV_RELEASE" in p]
 
 
-@needs_pd_decode
-def test_pd_decode_ignores_prefill_to_decode_and_says_so(loaded_plugins, ess_env, tmp_path, model_argv, monkeypatch,
-                                                        caplog):
-    """prefill_to_decode is about a colocated prompt's move to decoding: a PD decode instance starts with ESS and
-    warns that it ignores the setting."""
-    import argparse
-    import logging
-
-    from sglang.srt.server_args import ServerArgs
-
-    from ess_sglang.sglang_plugin.cli_args import enable_on_namespace
-
-    monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "true")
-    path = tmp_path / "ess.yaml"
-    path.write_text("prefill_to_decode: merged\n")
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args([*model_argv, "--enable-ess", "--ess-config", str(path), "--disaggregation-mode", "decode"])
-    with caplog.at_level(logging.WARNING, logger="ess_sglang.sglang_plugin"):
-        s = enable_on_namespace(ns, str(path))
-    assert s.enabled and s.config.prefill_to_decode == "merged"
-    assert "prefill_to_decode 'merged' applies to colocated instances only" in caplog.text
-
-
 @pytest.mark.skipif(PD_DECODE, reason=f"SGLang {SGLANG_VERSION} serves PD decode with ESS")
 def test_pd_decode_is_refused_where_unsupported(loaded_plugins, ess_env, monkeypatch):
     """SGLang 0.5.17 frees an aborted request's KV destination at once and has no hook for ESS's PD admission: a PD
