@@ -11,7 +11,8 @@ shaped config under configs/models/ with dummy weights) at every concurrency, an
 (SGLang's fullest decode batch, from its log), output tok/s (client: every output token over the wall time, prefills
 included), decode tok/s (the server's own ``gen throughput`` at its fullest decode batch: what a decode instance
 delivers), TPOT and TTFT p50/p99, the wait between each request's first and second token and the longest pause in
-decoding after it (a prefill or staging beside it, a compile), ESS's hit rate and H2D GB/s from ``/metrics``, and
+decoding after it (a prefill or staging beside it, a compile), the Triton kernels compiled on the machine while the
+requests were served (``compiled_while_serving``), ESS's hit rate and H2D GB/s from ``/metrics``, and
 whether every request's output tokens equal the all-HBM server's at the same concurrency. A system that decodes
 fewer requests than were sent at one concurrency is capacity-bound and is not sent more. Writes
 ``serving.json`` and ``serving.png`` under ``--out`` (benchmarks/results/serving/ by default). Runs on the GPU
@@ -70,6 +71,22 @@ def percentile(xs: list[float], q: float) -> float | None:
         return None
     i = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
     return xs[i]
+
+
+def triton_cache() -> Path:
+    """Where Triton keeps the kernels it compiled on this machine (its own rule: TRITON_CACHE_DIR, else
+    TRITON_HOME or the home folder, then .triton/cache); the servers this benchmark starts inherit its environment."""
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return Path(os.environ["TRITON_CACHE_DIR"])
+    return Path(os.environ.get("TRITON_HOME") or Path.home()) / ".triton" / "cache"
+
+
+def compiled_kernels(cache: Path) -> dict[str, str]:
+    """{cache entry: kernel name} of every kernel Triton has compiled into `cache` (a folder per compiled variant
+    holding ``<kernel name>.json``; ``__grp__*`` files list a variant's files)."""
+    if not cache.is_dir():
+        return {}
+    return {meta.parent.name: meta.stem for meta in cache.glob("*/*.json") if not meta.name.startswith("__grp__")}
 
 
 def ess_counters(url: str) -> dict[str, float]:
@@ -172,7 +189,9 @@ def run_setup(setup: Setup, context: int, args, out: Path) -> list[dict]:
             prompts = make_prompts(c, context - args.output_len, seed=context)
             before = ess_counters(spec.url) if system == "ess" else None
             log_at = len(server.log_text())
+            cached = compiled_kernels(triton_cache())
             results, wall, running = run_requests(spec.url, prompts, args.output_len, c, logprobs=LOGPROBS[system])
+            compiled = sorted(name for entry, name in compiled_kernels(triton_cache()).items() if entry not in cached)
             errors = [r.error for r in results if r.error]
             after = ess_counters(spec.url) if system == "ess" else None
             rate = decode_rate(server.log_text()[log_at:])
@@ -196,7 +215,10 @@ def run_setup(setup: Setup, context: int, args, out: Path) -> list[dict]:
                                                  if r.longest_decode_gap_s is not None), default=None)),
                    "wall_s": wall, "outputs": [r.output_ids for r in results],
                    "logprobs": [r.logprobs for r in results],
-                   "hit_rate": None, "h2d_gbps": None, "ess_config": setup.ess_config or None}
+                   "hit_rate": None, "h2d_gbps": None, "ess_config": setup.ess_config or None,
+                   # Triton kernels first compiled on this machine while these requests were served (a compile
+                   # stalls the scheduler's thread; a later server finds them in the cache and does not)
+                   "compiled_while_serving": compiled}
             if before is not None and after is not None:
                 lookups = after["lookups"] - before["lookups"]
                 row["hit_rate"] = (after["hits"] - before["hits"]) / lookups if lookups else None
@@ -206,8 +228,8 @@ def run_setup(setup: Setup, context: int, args, out: Path) -> list[dict]:
                 row["first_error"] = errors[0][:300]
             rows.append(row)
             print(f"[{name} {context}] c={c}: {row['output_tok_s']:.0f} tok/s, decode {rate.tok_s} tok/s, decoding "
-                  f"{admitted} at once, tpot p50 {row['tpot_ms_p50']} ms, hit {row['hit_rate']}, errors {len(errors)}",
-                  flush=True)
+                  f"{admitted} at once, tpot p50 {row['tpot_ms_p50']} ms, hit {row['hit_rate']}, errors {len(errors)}"
+                  + (f", compiled while serving: {', '.join(compiled)}" if compiled else ""), flush=True)
             if admitted < c:  # capacity-bound: more requests at once only queue
                 break
     except ServerError as exc:

@@ -236,3 +236,22 @@ def test_a_bad_plan_entry_fails_before_any_server_starts(tmp_path, server, says)
     with pytest.raises(SystemExit):
         serving.main(["--plan", str(path), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_kernels_compiled_while_serving_are_read_from_tritons_cache(tmp_path, monkeypatch):
+    """A variant is a folder of Triton's cache holding ``<kernel>.json`` beside its group file; the folder follows
+    TRITON_CACHE_DIR, else TRITON_HOME, as Triton's own lookup does."""
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path))
+    cache = serving.triton_cache()
+    assert cache == tmp_path / ".triton" / "cache" and serving.compiled_kernels(cache) == {}
+    for entry, name in (("A1", "_lookup_kernel"), ("B2", "_copy_rows_masked_kernel"), ("C3", "_lookup_kernel")):
+        (cache / entry).mkdir(parents=True)
+        (cache / entry / f"{name}.json").write_text("{}")
+        (cache / entry / f"__grp__{name}.json").write_text("{}")
+        (cache / entry / f"{name}.cubin").write_bytes(b"")
+    before = {"A1": "_lookup_kernel"}
+    new = sorted(n for e, n in serving.compiled_kernels(cache).items() if e not in before)
+    assert new == ["_copy_rows_masked_kernel", "_lookup_kernel"]
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert serving.triton_cache() == tmp_path / "elsewhere"
