@@ -261,6 +261,7 @@ class EssCoordinator:
         self._step_rows_fn = step_rows_triton if self.manager.resolve_impl == "triton" else step_rows_torch
         self._step_rows: StepRows | None = None  # the decode step's per-request tensors (layer 0 computes them)
         self._write_rows: tuple[tuple, torch.Tensor] | None = None  # a forward's KV-write rows (first layer's)
+        self.decode_tap = None  # the indexer call of a decode layer in progress (indexer_tap.py)
         self.spec_swap = _NoSpeculation()
         self.padded_buffer_size = 1  # SGLang's PD queue divides free physical slots by this per request
         self.device_buffer_size = hot_slots_per_layer

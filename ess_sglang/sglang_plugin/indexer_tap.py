@@ -18,9 +18,10 @@ SGLang 0.5.23's DSA decode path computes the logits and selects in one method:
   and the coordinator keeps the selection and the logits (``note_selection``) after it, for the k-th best scores
   found beside attention.
 
-Anywhere else (prefill, speculative verify, ESS off) both pass straight through. The tap is plain process state:
-SGLang runs a scheduler's forward passes on one thread, and during CUDA-graph capture these hooks run once per
-captured batch size, queueing their kernels into the graph like the rest of the layer.
+Anywhere else (prefill, speculative verify, ESS off) both pass straight through. The open tap is the coordinator's
+(``EssCoordinator.decode_tap``), for the length of the indexer call: SGLang runs a scheduler's forward passes on one
+thread, and during CUDA-graph capture these hooks run once per captured batch size, queueing their kernels into the
+graph like the rest of the layer.
 """
 
 from __future__ import annotations
@@ -44,8 +45,15 @@ class _Tap:
     used: bool = False
 
 
-_OPEN: _Tap | None = None
 _WARNED: set[str] = set()
+"""Warnings logged once per process."""
+
+
+def open_tap() -> _Tap | None:
+    """The tap of the indexer call in progress in this process, if any."""
+    from ess_sglang.sglang_plugin.active import active_coordinator
+
+    return getattr(active_coordinator(), "decode_tap", None)
 
 
 def _arg(args: tuple, kwargs: dict, i: int, name: str) -> Any:
@@ -67,7 +75,6 @@ def _batch_size(forward_batch: Any) -> int | None:
 
 def get_topk_paged_hook(original, indexer, *args, **kwargs):
     """AROUND Indexer._get_topk_paged: open the tap for a decode layer of an ESS instance."""
-    global _OPEN
     from ess_sglang.sglang_plugin.active import active_coordinator
 
     coord = active_coordinator()
@@ -83,17 +90,17 @@ def get_topk_paged_hook(original, indexer, *args, **kwargs):
             logger.warning("ESS: the indexer's top-k is not the unfused one (positions) in this decode step; no "
                            "prefetch and no ESS top-k there")
         return original(indexer, *args, **kwargs)
-    _OPEN = _Tap(coord, int(layer_id), forward_batch.req_pool_indices, forward_batch.seq_lens, prefetch)
+    coord.decode_tap = _Tap(coord, int(layer_id), forward_batch.req_pool_indices, forward_batch.seq_lens, prefetch)
     try:
         return original(indexer, *args, **kwargs)
     finally:
-        _OPEN = None
+        coord.decode_tap = None
 
 
 def topk_transform_hook(original, metadata, logits, topk, *args, **kwargs):
     """AROUND DSAIndexerMetadata.topk_transform: prefetch before, the top-k as without ESS, keep the
     selection for its k-th best scores after."""
-    tap = _OPEN
+    tap = open_tap()
     if tap is None or tap.used or getattr(logits, "dim", lambda: 0)() != 2:
         return original(metadata, logits, topk, *args, **kwargs)
     tap.used = True  # one selection per call: any other top-k inside it is not the layer's decode selection

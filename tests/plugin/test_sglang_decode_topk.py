@@ -318,7 +318,7 @@ def test_other_paths_pass_through_untouched(why, kernels, caplog):
     assert out == "sglang's" and seen == [(meta, logits, TOPK, (), {"ks": None})]
     assert kernels.calls == []
     assert ("no ESS top-k there" in caplog.text) == (why == "fused top-k")
-    assert indexer_tap._OPEN is None
+    assert indexer_tap.open_tap() is None
 
 
 def test_only_the_first_top_k_of_a_layer_is_the_decode_selection(kernels):

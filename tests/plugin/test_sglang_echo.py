@@ -226,7 +226,7 @@ def _call_indexer(forward_batch, unfused=True):
     meta = types.SimpleNamespace(force_unfused_topk=unfused)
     out = indexer_tap.get_topk_paged_hook(get_topk_paged, "indexer", forward_batch, 5, None, None, meta)
     assert out.shape == (2, 3) and seen == [4, 3]  # the original calls ran, with their own arguments
-    assert indexer_tap._OPEN is None  # the tap never outlives the call
+    assert indexer_tap.open_tap() is None  # the tap never outlives the call
 
 
 @pytest.mark.parametrize("prefetching,decode,unfused,expected", [
