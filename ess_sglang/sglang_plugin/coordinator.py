@@ -26,14 +26,8 @@ tests/plugin/test_sglang_decode_seam.py with SGLang's own pools):
     returns           int32 [bs, k]    rows of ``token_to_kv_pool.get_key_buffer(layer_id)`` (the device pool)
                                        that FlashMLA reads with ``kv_format="V32"``; -1 where the input was -1
 
-Per layer, inside the captured decode graph: the positions are translated through ``req_to_host_pool`` to host
-locations and resolved (``resolve``: lookup, dedup, LRU eviction, H2D fetch of misses; it returns device-pool
-rows); the token being decoded (written by ``set_mla_kv_buffer`` into its request's new-token slot) is written
-back by the resolve's last launch (``resolve(new_tokens=)``): into the host pool, and over its hot slot where it
-has one, so that a selection naming it reads its entry; with ``new_tokens="insert"`` the same resolve gives it a
-protected hot slot (as a miss, but not copied), so it is resident from its own step and a selection naming it is a
-hit; with ``"on_demand"`` a selection naming it fetches it like any miss (from a host row not yet written: the
-write-back overwrites the slot). ``begin_step`` advances the LRU clock on the first layer.
+What the seam does in each layer, step by step, with the indexer tap around it: echo.py's docstring (one decode
+layer with ESS in SGLang, top to bottom).
 """
 
 from __future__ import annotations

@@ -25,9 +25,11 @@ graph, and everything below is fixed-shape device work):
           done (it shares the resolve's scratch buffers);
        b. (nothing: the thresholds move in d, off the main stream);
        c. the exact resolve: lookup, spare slots then LRU victims, fetch of whatever is still missing (exact
-          backfill: attention reads exactly the selected entries); its last launch writes the token back (host pool,
-          and its hot slot where it has one, over whatever the fetch or the prefetch copied from its unwritten host
-          row);
+          backfill: attention reads exactly the selected entries), with ``new_tokens: insert`` (the default) giving
+          this step's token a protected hot slot too (as a miss, not copied); its last launch writes the token back
+          (host pool, and its hot slot where it has one, over whatever the fetch or the prefetch copied from its
+          unwritten host row). On the first layer the step's request rows are computed once and the LRU clock
+          advances;
        d. on the side stream, beside attention: the prefetched entries counted useful or wasted
           (``settle_prefetch``), each row's k-th best score (the lowest logit among its selected positions, from
           the logits and positions kept in 2) folded into the layer's thresholds (after the prefetch's candidate
