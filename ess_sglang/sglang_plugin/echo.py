@@ -28,8 +28,8 @@ graph, and everything below is fixed-shape device work):
           backfill: attention reads exactly the selected entries), with ``new_tokens: insert`` (the default) giving
           this step's token a protected hot slot too (as a miss, not copied); its last launch writes the token back
           (host pool, and its hot slot where it has one, over whatever the fetch or the prefetch copied from its
-          unwritten host row). On the first layer the step's request rows are computed once and the LRU clock
-          advances;
+          unwritten host row). The step's request rows are computed and the LRU clock advanced once a step, in the
+          first layer (at its tap in 1 where that layer prefetches, else here);
        d. on the side stream, beside attention: the prefetched entries counted useful or wasted
           (``settle_prefetch``), each row's k-th best score (the lowest logit among its selected positions, from
           the logits and positions kept in 2) folded into the layer's thresholds (after the prefetch's candidate

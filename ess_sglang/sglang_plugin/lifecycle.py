@@ -4,7 +4,8 @@ staged requests SGLang's next decode batch collects, and the release of a finish
 
 ``RequestLifecycle`` is a part of ``EssCoordinator`` (coordinator.py), which SGLang holds where HiSparse's coordinator
 would be and calls by HiSparse's method names; it reads the coordinator's pools, cache manager, window capture,
-overlap and admission, which the coordinator builds before ``_init_requests``. Nothing here runs inside a decode step.
+overlap and admission, which the coordinator builds at start-up (``_init_requests`` itself reads none of them).
+Nothing here runs inside a decode step.
 """
 
 from __future__ import annotations

@@ -479,7 +479,8 @@ def _compiled_variants(kernel) -> int:
 def test_request_sized_launches_compile_each_kernel_once():
     """A prompt's staging copy and its warm-up run outside CUDA graphs with sizes every request changes (a 32 760-
     token prompt, then a 32 512-token one): once a kernel has run for one size, no other size compiles it again,
-    whatever the size's divisibility (a Triton compile is about a second, and it was a request's first gap)."""
+    whatever the size's divisibility (a Triton compile is about a second, and it was a request's first gap). The
+    counts are the process's: run alone (`-k compile_each`), the first size is the one that compiles."""
     from ess_sglang.kernels import resolve
     from ess_sglang.kernels.flashtrans import _copy_rows_masked_kernel
 
@@ -497,6 +498,7 @@ def test_request_sized_launches_compile_each_kernel_once():
         assert torch.equal(host.entries[0][dst.cpu()], hot[src].cpu())
         copy_variants = copy_variants or _compiled_variants(_copy_rows_masked_kernel)
         assert _compiled_variants(_copy_rows_masked_kernel) == copy_variants, f"recompiled for {n} rows"
+    assert copy_variants > 0  # the staging copy's kernel is the one that ran
 
     kernels = (resolve._lookup_kernel, resolve._tail_kernel, resolve._assign_kernel, resolve._finish_kernel,
                resolve._ages_kernel, resolve._victims_kernel)
