@@ -11,7 +11,7 @@ shaped config under configs/models/ with dummy weights) at every concurrency, an
 (SGLang's fullest decode batch, from its log), output tok/s (client: every output token over the wall time, prefills
 included), decode tok/s (the server's own ``gen throughput`` at its fullest decode batch: what a decode instance
 delivers), TPOT and TTFT p50/p99, the wait between each request's first and second token and the longest pause in
-decoding after it (a prefill or staging beside it, a compile), the Triton kernels compiled on the machine while the
+decoding after it (a prefill or staging beside it, a compile), the kernels any JIT compiled on the machine while the
 requests were served (``compiled_while_serving``), ESS's hit rate and H2D GB/s from ``/metrics``, and
 whether every request's output tokens equal the all-HBM server's at the same concurrency. A system that decodes
 fewer requests than were sent at one concurrency is capacity-bound and is not sent more. Writes
@@ -87,6 +87,31 @@ def compiled_kernels(cache: Path) -> dict[str, str]:
     if not cache.is_dir():
         return {}
     return {meta.parent.name: meta.stem for meta in cache.glob("*/*.json") if not meta.name.startswith("__grp__")}
+
+
+# What the other just-in-time compilers of a server leave: tvm-ffi, FlashInfer and DeepGEMM build shared objects or
+# cubins under ~/.cache; torch.compile writes its generated code under the temporary folder.
+JIT_SUFFIXES = (".so", ".cubin")
+
+
+def jit_caches() -> list[Path]:
+    """The folders other than Triton's where a server's just-in-time compilers write what they build."""
+    user = os.environ.get("USER") or os.environ.get("LOGNAME") or "root"
+    return [Path.home() / ".cache", Path(os.environ.get("TMPDIR") or "/tmp") / f"torchinductor_{user}"]
+
+
+def compiled_now() -> dict[str, str]:
+    """{cache entry: what it is} of every kernel compiled on this machine so far: Triton's by kernel name, the other
+    compilers' by their file (a path under one of `jit_caches()`; pip's own cache left out)."""
+    found = {f"triton:{entry}": name for entry, name in compiled_kernels(triton_cache()).items()}
+    for root in jit_caches():
+        if not root.is_dir():
+            continue
+        for path in root.rglob("*"):
+            rel = path.relative_to(root)
+            if rel.parts[0] != "pip" and path.suffix in JIT_SUFFIXES and path.is_file():
+                found[str(path)] = f"{root.name}/{rel}"
+    return found
 
 
 def ess_counters(url: str) -> dict[str, float]:
@@ -189,9 +214,9 @@ def run_setup(setup: Setup, context: int, args, out: Path) -> list[dict]:
             prompts = make_prompts(c, context - args.output_len, seed=context)
             before = ess_counters(spec.url) if system == "ess" else None
             log_at = len(server.log_text())
-            cached = compiled_kernels(triton_cache())
+            cached = compiled_now()
             results, wall, running = run_requests(spec.url, prompts, args.output_len, c, logprobs=LOGPROBS[system])
-            compiled = sorted(name for entry, name in compiled_kernels(triton_cache()).items() if entry not in cached)
+            compiled = sorted(name for entry, name in compiled_now().items() if entry not in cached)
             errors = [r.error for r in results if r.error]
             after = ess_counters(spec.url) if system == "ess" else None
             rate = decode_rate(server.log_text()[log_at:])
@@ -216,8 +241,8 @@ def run_setup(setup: Setup, context: int, args, out: Path) -> list[dict]:
                    "wall_s": wall, "outputs": [r.output_ids for r in results],
                    "logprobs": [r.logprobs for r in results],
                    "hit_rate": None, "h2d_gbps": None, "ess_config": setup.ess_config or None,
-                   # Triton kernels first compiled on this machine while these requests were served (a compile
-                   # stalls the scheduler's thread; a later server finds them in the cache and does not)
+                   # kernels first compiled on this machine while these requests were served, by Triton or another
+                   # JIT (a compile stalls the scheduler's thread; a later server finds them cached and does not)
                    "compiled_while_serving": compiled}
             if before is not None and after is not None:
                 lookups = after["lookups"] - before["lookups"]

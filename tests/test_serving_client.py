@@ -255,3 +255,23 @@ def test_kernels_compiled_while_serving_are_read_from_tritons_cache(tmp_path, mo
     assert new == ["_copy_rows_masked_kernel", "_lookup_kernel"]
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "elsewhere"))
     assert serving.triton_cache() == tmp_path / "elsewhere"
+
+
+def test_other_jit_compilers_outputs_count_as_compiled_while_serving(tmp_path, monkeypatch):
+    """A shared object or cubin that tvm-ffi, FlashInfer, DeepGEMM (under ~/.cache) or torch.compile (its temporary
+    folder) writes is listed by path beside Triton's kernels; pip's cache and other files are not."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setenv("USER", "ess")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_HOME", raising=False)
+    assert serving.compiled_now() == {}
+    written = ["home/.cache/tvm-ffi/hisparse_abc/lib.so", "home/.cache/deep_gemm/cache/kernel.cubin",
+               "tmp/torchinductor_ess/xy/cxy.so", "home/.triton/cache/A1/_lookup_kernel.json",
+               "home/.cache/pip/wheels/x.so", "home/.cache/tvm-ffi/hisparse_abc/build.ninja"]
+    for rel in written:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    assert sorted(serving.compiled_now().values()) == [
+        ".cache/deep_gemm/cache/kernel.cubin", ".cache/tvm-ffi/hisparse_abc/lib.so", "_lookup_kernel",
+        "torchinductor_ess/xy/cxy.so"]
