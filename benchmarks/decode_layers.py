@@ -14,14 +14,13 @@ ESS stack over hot pools filled by the cache manager from a pinned host pool, in
                top-k, or, `--last-chunk-prefetch off`, none: its misses go to the exact resolve); the chunks
                before the last launch on a high-priority stream, the last at once on the main stream
                (`--prefetch-indexer overlapped`, the default; `serial`: one after the other)
-    da         dual attention (hits while misses copy; then misses; merged by LSE)
     dba        dual-batch (half A's resolve + copy behind half B's indexer, half B's behind half A's attention)
     layerwise  the policy: when every token of the batch fits the pools, the all-resident path (one lookup per
                layer, new tokens into reserved slots); otherwise an overlap profile is built from the misses per
                layer the sync run of the same configuration measured (`ess_sglang.overlap_policy.build_profile`,
                the offline profile), written as YAML, read back (`layer_settings`), and each layer runs the mode it
-               names: sync / da / dba from the analytic cost model, or, with `--calibration` (the JSON of an
-               earlier run of this benchmark), whichever of sync / da / dba / prefetch / prefetch2 / prefetch3
+               names: sync / dba from the analytic cost model, or, with `--calibration` (the JSON of an
+               earlier run of this benchmark), whichever of sync / dba / prefetch / prefetch2 / prefetch3
                that run measured fastest (prefetch3 layers with the run's --prefetch-fractions, which this run must
                give too) at this batch, context and miss count (interpolated between its points);
                layerwise+spare from that run's modes with spare slots, where it measured them; with
@@ -42,7 +41,9 @@ table reports the hit rate each variant measured. Hot pools hold `--ratio` of th
 
 Correctness is checked in the same run, eagerly, on the first configuration: sync and prefetch bit-identical to the
 all-HBM stack; dba bit-identical to the all-HBM stack whose attention is split the same way (and its difference to
-whole-batch attention reported); da's max relative error against single-pass attention.
+whole-batch attention reported). Mode da (dual attention) was removed: slower than sync in every configuration this
+benchmark measured (docs/design.md, "Overlap modes"); `--modes da` is refused, and a calibration run's da rows (older
+runs hold them) are not read.
 
     python benchmarks/decode_layers.py --out benchmarks/results            (decode_layers.json / .png)
     python benchmarks/decode_layers.py --quick --out /tmp/res              (a few configurations)
@@ -64,6 +65,7 @@ import torch
 from timing import replay_us  # benchmarks/timing.py (run these files as scripts)
 
 from ess_sglang.cache_manager import MAX_REFILL_INTERVAL, Counter, HotPoolCacheManager
+from ess_sglang.config import DA_REMOVED
 from ess_sglang.decode_stack import (
     PREFETCH_INDEXER_LAUNCHES,
     DecodeBatch,
@@ -92,7 +94,7 @@ from ess_sglang.prefetch import EchoPrefetcher
 from ess_sglang.stack_calibration import CalibrationError, load_calibration
 
 HEADS, IHEADS, TOP_K = 128, 64, 2048
-MODES = ["sync", "prefetch", "da", "dba", "layerwise"]
+MODES = ["sync", "prefetch", "dba", "layerwise"]
 EXTRA_MODES = ["sync_counted",  # sync with a deferred fetch list and a persistent copy (the previous default)
                "sync_insert",  # sync with each new token inserted into a hot slot (a resolve of its own; the previous
                # default: new tokens are now written back only, and fetched when selected)
@@ -464,7 +466,7 @@ def check_correctness(pools, cfg, slots, queries, warm, spare_fraction: float = 
         want.append([o.clone() for o in hbm.step(cfg.batch_tables, cfg.inputs)])
         want_split.append([o.clone() for o in hbm_split.step(cfg.batch_tables, cfg.inputs)])
     variants = [("sync", "sync", False), ("prefetch", "sync", True), ("prefetch2", "sync", True),
-                ("da", "da", False), ("dba", "dba", False)]
+                ("dba", "dba", False)]
     if prefetch_fractions is not None and len(prefetch_fractions) > 2:  # the run's own plan of N chunks as well
         variants.insert(3, (f"prefetch{len(prefetch_fractions)}", "sync", True))
     if spare_fraction:  # the same modes with spare slots (refilled beside attention)
@@ -674,7 +676,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="32K; hit 0.95; batches 2, 64 unless --batches says")
     p.add_argument("--max-tokens", type=int, default=0, help="skip configurations with more tokens than this")
     p.add_argument("--calibration", metavar="JSON", help="layerwise: choose the modes from the exposed times this "
-                   "earlier run of the benchmark measured (sync / da / dba / prefetch / prefetch2) instead of the "
+                   "earlier run of the benchmark measured (sync / dba / prefetch / prefetch2) instead of the "
                    "analytic cost model")
     p.add_argument("--calibration-margin", metavar="JSON", help="with --calibration (a run at margin 0): a run at "
                    "--prefetch-margin m > 0, whose prefetch modes the policy may choose as prefetch_margin / "
@@ -763,6 +765,8 @@ def main(argv=None) -> int:
         except ValueError:
             return False
 
+    if "da" in args.modes:
+        p.error(f"--modes: da: {DA_REMOVED}")
     bad = [m for m in args.modes if not known(m)]
     if bad:
         p.error(f"--modes: unknown mode {bad[0]!r} (of {MODES + EXTRA_MODES}, or prefetchN)")

@@ -347,7 +347,7 @@ class HotPoolCacheManager:
         req_pool_indices: [batch], the request row of each batch entry (-1: a padding entry, whose positions are
         ignored: not read, not counted bad). seq_lens: [batch], tokens of each request.
         fetch_list: when given, the misses get their slots but are not copied: their (location, slot) pairs are written
-        to it, and `fetch(layer, fetch_list)` copies them later (dual attention overlaps that copy with attention).
+        to it, and `fetch(layer, fetch_list)` copies them later (dual-batch attention runs that copy on a side stream).
         settle_prefetch: count the layer's prefetches of this step as useful (selected) or wasted entries, after the
         resolve (`settle_prefetch(layer)` does it alone: the decode stack runs it beside attention).
         slot_offset: return slot + slot_offset instead (an engine's row numbers, where the hot pool is a region of its

@@ -20,7 +20,7 @@ SUBCOMMANDS = {
     "demo": ("ess_sglang.demo", "decode a small DSA model with and without ESS and check bit-identical outputs"),
     "plan": ("ess_sglang.capacity", "how many long-context requests fit, with and without ESS"),
     "simulate": ("ess_sglang.simulator.cli", "DeepSeek-V3.2 decode simulator: throughput and bottlenecks"),
-    "profile": ("ess_sglang.profile_cmd", "per-layer misses from a top-k trace -> overlap profile (sync / DA / DBA)"),
+    "profile": ("ess_sglang.profile_cmd", "per-layer misses from a top-k trace -> overlap profile (sync / DBA)"),
 }
 
 USAGE_ERROR = 2

@@ -5,7 +5,7 @@ Operators write the shape of their deployment guides::
     ess_config:
       enabled: true
       offload_target: cpu_memory
-      prefetch_overlap_level: auto      # auto | none | da | full
+      prefetch_overlap_level: auto      # auto | none | full
       max_gpu_buffer_size_gb: 16
       memory_pool_size_gb: 200
 
@@ -30,6 +30,7 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -81,6 +82,17 @@ NonNegativeInt = Annotated[StrictInt, _NON_NEGATIVE]
 PositiveSize = Annotated[StrictFloat, _FINITE, _POSITIVE]
 Ratio = Annotated[StrictFloat, _FINITE, _rule(lambda v: 0 < v <= 1, "in (0, 1]")]
 Fraction01 = Annotated[StrictFloat, _FINITE, _rule(lambda v: 0 <= v <= 1, "in [0, 1]")]
+
+DA_REMOVED = ("'da' was removed (dual attention was slower than sync in every measured configuration: "
+              "docs/design.md, \"Overlap modes\")")
+"""What a config, an overlap profile, a calibration or the decode harness says when it meets the removed overlap mode
+(or level) "da"."""
+
+
+def _not_da(value: Any) -> Any:
+    if value == "da":
+        raise ValueError(f"{DA_REMOVED}; use none, auto or full")
+    return value
 
 
 def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -169,12 +181,12 @@ class EssConfig(BaseModel):
     enabled: StrictBool = True
     offload_target: Literal["cpu_memory"] = "cpu_memory"
     """Where the latent cache lives: pinned host memory (the only target so far)."""
-    prefetch_overlap_level: Literal["auto", "none", "da", "full"] = "auto"
+    prefetch_overlap_level: Annotated[Literal["auto", "none", "full"], BeforeValidator(_not_da)] = "auto"
     """How decode layers hide their fetches. auto: each layer as ``overlap_profile`` says, and without a profile no
     prefetch (misses fetched after the top-k): in the decode harness's last three tables, the one-chunk ECHO prefetch
     the SGLang plugin can run was slower than that in 13, 14 and 14 of 18 configurations (benchmarks/RESULTS.md); full:
     as the profile says, and without one ECHO prefetch in every layer; none: every layer fetches its misses, then
-    attends; da: dual attention hides fetches (decode harness only)."""
+    attends (a profile's modes are not used). The level "da" (dual attention) was removed: it is refused at load."""
     max_gpu_buffer_size_gb: PositiveSize | None = None
     """GiB of GPU memory for the hot pools of all layers together."""
     memory_pool_size_gb: PositiveSize | None = None
@@ -254,7 +266,7 @@ class EssConfig(BaseModel):
     every layer's maps back). The same checks, and that everything is released, run whenever the scheduler goes idle,
     whatever this is."""
     overlap_profile: Annotated[str, _rule(lambda v: v.strip() != "", "a non-empty path")] | None = None
-    """Path to a per-layer overlap profile YAML (which layers use DA and which DBA)."""
+    """Path to a per-layer overlap profile YAML (``ess profile``: each layer's mode, e.g. sync, dba or prefetch)."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")

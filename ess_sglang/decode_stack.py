@@ -35,11 +35,6 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
              the lookup for the first 1,024 that take spare slots, by the assign kernel otherwise; on sm_90+ the
              kernels after the lookup use programmatic dependent launch), then attend
              (`sync_copy="counted"`: a separate persistent copy over the miss list). Exact.
-       da    dual attention: resolve without copying; the misses are copied on the side stream while attention
-             runs over the hits (Attn0); then attention over the misses (Attn1, a narrow table of `da_width`
-             entries per query row); the two are merged with their log-sum-exps. Rows with more misses than
-             `da_width` copy the excess before Attn0, so every entry is attended exactly once. Differs from
-             single-pass attention by rounding only.
        dba   dual-batch attention: the batch is split in two (or more chunks, `dba_split`); half A's resolve +
              copy run on the side stream while the main stream runs half B's indexer and top-k (and so on).
              Then either one attention over the whole batch once the last copy has landed
@@ -47,6 +42,8 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
              hides more, but FlashMLA's split-KV schedule depends on the batch size, so half-batch attention can
              differ from whole-batch attention by rounding; the all-HBM stack given the same split is
              bit-identical).
+       (A third, da: dual attention over the hits while the misses copy, then over the misses, merged by log-sum-exp,
+       was removed: slower than sync in every measured configuration, docs/design.md, "Overlap modes".)
     6. [spare slots] the layer's spare slots taken since its last refill are refilled when it is due: every step, or
        with the manager's `refill_interval` K every K-th step of the layer and whenever fewer than 1/K are left
        (`HotPoolCacheManager.refill_spares`: the LRU scans a resolve would otherwise run, evicting ahead; when not
@@ -55,7 +52,7 @@ One layer of one decode step, top to bottom (`EssDecodeStack.forward_layer`):
     7. the main stream waits for the side stream before the layer ends (for all of it but the refill, which nothing
        before the layer's next step reads; the step's end waits for everything).
 
-Copies that overlap compute (DA's misses, DBA's halves, prefetches) run with `overlap_programs` persistent programs of
+Copies that overlap compute (DBA's halves, prefetches) run with `overlap_programs` persistent programs of
 `overlap_copy_rows` rows in flight each, leaving the other SMs to the kernels they overlap. When the caller knows that
 every live token of the batch is resident (`step(..., all_resident=True)`: small batches whose tokens all fit the pools
 and were loaded, with slots reserved for the tokens to come), the new token goes straight to its reserved slot and step
@@ -79,14 +76,14 @@ from dataclasses import dataclass
 import torch
 
 from ess_sglang.cache_manager import FetchList, HotPoolCacheManager, positions_to_locations
-from ess_sglang.config import new_token_mode
+from ess_sglang.config import DA_REMOVED, new_token_mode
 from ess_sglang.formats import QK_HEAD_DIM
 from ess_sglang.prefetch import EchoPrefetcher, is_margin
 from ess_sglang.reference.dsa import latent_store_rows, sparse_mla_flashmla, sparse_mla_reference
 from ess_sglang.reference.dsa import topk_with_scores as reference_topk
 from ess_sglang.streams import SideStream
 
-MODES = ("sync", "da", "dba")
+MODES = ("sync", "dba")
 PREFETCH_INDEXER_LAUNCHES = ("serial", "overlapped", "chained")
 """How a layer's prefetch chunks launch their indexer (`StackOptions.prefetch_indexer`)."""
 TopK = Callable[[torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -120,7 +117,7 @@ class LayerInputs:
 
 @dataclass
 class StackOptions:
-    modes: Sequence[str]  # one per layer: "sync", "da" or "dba"
+    modes: Sequence[str]  # one per layer: "sync" or "dba"
     top_k: int = 2048
     prefetch: bool = False  # ECHO prefetch in every layer
     prefetch_chunks: int | Sequence[float] = 1  # prefetch: the indexer runs in this many equal batch chunks (or in
@@ -156,7 +153,6 @@ class StackOptions:
     # side stream beside attention, after the layer's settle: it only has to follow the layer's candidate reads, which
     # are on that stream) or "main" (one launch on the main stream at the layer's end; with the resolve's PDL, 5-7 us a
     # layer slower at batch 64-128 / 32K, benchmarks/RESULTS.md)
-    da_width: int = 256  # Attn1's table width (a multiple of 64 for FlashMLA)
     dba_split: float | Sequence[float] = 0.75  # chunk A's fraction of the batch (measured best), or every chunk's
     dba_attention: str = "whole"  # "whole": one attention over the batch (exact); "split": per half (hides more)
     overlap_programs: int = 32  # persistent programs of a copy that overlaps compute (the rest of the SMs compute)
@@ -199,10 +195,8 @@ class StackOptions:
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
         if bad:
-            raise ValueError(f"overlap modes must be one of {MODES}, got {bad[0]!r}")
-        if self.da_width <= 0 or self.da_width % 64:
-            raise ValueError(f"da_width must be a positive multiple of 64 (FlashMLA reads 64 entries a block), "
-                             f"got {self.da_width}")
+            raise ValueError(f"overlap mode 'da': {DA_REMOVED}" if bad[0] == "da" else
+                             f"overlap modes must be one of {MODES}, got {bad[0]!r}")
         fr = (self.dba_split, 1 - self.dba_split) if isinstance(self.dba_split, (int, float)) else \
             tuple(float(f) for f in self.dba_split)
         if len(fr) < 2 or any(not 0 < f < 1 for f in fr) or abs(sum(fr) - 1) > 1e-6:
@@ -316,17 +310,6 @@ def attend(kind: str, q: torch.Tensor, entries: torch.Tensor, table: torch.Tenso
         empty = (table < 0).all(dim=-1).unsqueeze(-1)
         return out, torch.where(empty, float("-inf"), lse)
     return sparse_mla_reference(q, entries, table, scale)
-
-
-def merge_attention(out0: torch.Tensor, lse0: torch.Tensor, out1: torch.Tensor,
-                    lse1: torch.Tensor) -> torch.Tensor:
-    """Combine attention over two disjoint entry sets by their log-sum-exps (lse -inf: the set was empty)."""
-    m = torch.maximum(lse0, lse1)
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    w0 = torch.exp(lse0 - m).unsqueeze(-1)
-    w1 = torch.exp(lse1 - m).unsqueeze(-1)
-    merged = (out0.float() * w0 + out1.float() * w1) / (w0 + w1).clamp_min(1e-30)
-    return merged.to(out0.dtype)
 
 
 def topk_with_scores(scores: torch.Tensor, k: int, impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
@@ -525,8 +508,7 @@ class EssDecodeStack(_StackBase):
         self._pending_thresholds: list = []
         self.streams = SideStream(manager.device)
         q_rows = max_batch * 2  # up to 2 query tokens per request (MTP)
-        self.fetch_list = manager.new_fetch_list(q_rows * options.top_k)  # DA: the deferred copies
-        self.fetch_early = manager.new_fetch_list(q_rows * options.top_k)
+        self.fetch_list = manager.new_fetch_list(q_rows * options.top_k)  # a deferred resolve's copies (DBA, counted)
         if self.prefetcher is not None:
             most_chunks = max(len(f) for f in options.layer_prefetch_fractions if f is not None)
             # by rows, the chunks' lists are the slices of their rows; by positions, each segment has a whole one
@@ -585,13 +567,10 @@ class EssDecodeStack(_StackBase):
             # 2-4. indexer, [prefetch on the side stream], top-k
             pos = self._select_and_prefetch(layer, x, batch)
             st.wait()  # the new token is in its slot, prefetches have landed: the exact resolve may start
-            # 5. resolve + fetch + attention
-            if self.options.modes[layer] == "sync":
-                slots = self._resolve_and_fetch(layer, batch, pos)
-                self._refill_beside(layer)  # 6.
-                out = self._attend(x.q, m.layer_entries(layer), slots)[0]
-            else:
-                out = self._dual_attention(layer, batch, x, pos)
+            # 5. resolve + fetch + attention (sync)
+            slots = self._resolve_and_fetch(layer, batch, pos)
+            self._refill_beside(layer)  # 6.
+            out = self._attend(x.q, m.layer_entries(layer), slots)[0]
         st.wait(self._before_refill)  # 7. (everything, where no refill was queued)
         self._before_refill = None
         self._side_inputs.clear()  # the side stream is done with them: the allocator may reuse their memory now
@@ -722,46 +701,6 @@ class EssDecodeStack(_StackBase):
             self.m.prefetch(layer, cand, record, programs=programs, chained=pf.pdl,
                             rows_per_program=opts.overlap_copy_rows)
 
-    def _dual_attention(self, layer: int, batch: DecodeBatch, x: LayerInputs, pos: torch.Tensor) -> torch.Tensor:
-        m, st, W = self.m, self.streams, self.options.da_width
-        S = m.slots_per_layer
-        fl, early = self.fetch_list, self.fetch_early
-        slots = m.resolve(layer, pos, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, fetch_list=fl)
-        # which selected entries wait for a copy: those in slots the deferred resolve just assigned
-        pending = torch.zeros(S + 1, dtype=torch.bool, device=m.device)
-        pending.scatter_(0, torch.where(fl.dst >= 0, fl.dst, S), True)
-        pending[S:].fill_(False)  # the sink (a slice: no host scalar copied during graph capture)
-        sl = slots.long()
-        at = torch.where(sl >= 0, sl, S)
-        miss = pending[at]
-        rank = miss.int().cumsum(-1) - 1
-        # a row with more than W misses: its excess is copied before Attn0 (then those slots are hits for Attn0)
-        excess = torch.zeros(S + 1, dtype=torch.bool, device=m.device)
-        excess.scatter_(0, torch.where(miss & (rank >= W), sl, S).reshape(-1), True)
-        excess[S:].fill_(False)
-        dst_at = torch.where(fl.dst >= 0, fl.dst, S)
-        now = excess[dst_at]
-        early.src.copy_(torch.where(now, fl.src, -1))
-        early.dst.copy_(torch.where(now, fl.dst, -1))
-        early.count.copy_(fl.count)
-        fl.src.masked_fill_(now, -1)
-        fl.dst.masked_fill_(now, -1)
-        m.fetch(layer, early)
-        with st.on_side():
-            m.fetch(layer, fl, self.options.overlap_programs, self.options.overlap_copy_rows)
-        late = miss & ~excess[at]
-        table0 = torch.where(late, -1, slots)
-        table1 = torch.full((*slots.shape[:-1], W + 1), -1, dtype=torch.int32, device=m.device)
-        table1.scatter_(-1, torch.where(late, rank, W).long(), slots)
-        table1 = table1[..., :W].contiguous()
-        entries = m.layer_entries(layer)
-        out0, lse0 = self._attend(x.q, entries, table0)
-        st.wait()  # the misses have landed
-        self._settle_beside(layer)  # beside Attn1 (queued after the copy, it would hold Attn1 back)
-        self._refill_beside(layer)  # 6.
-        out1, lse1 = self._attend(x.q, entries, table1)
-        return merge_attention(out0, lse0, out1, lse1)
-
     def _dual_batch(self, layer: int, batch: DecodeBatch, x: LayerInputs) -> torch.Tensor:
         m, st = self.m, self.streams
         B = batch.seq_lens.shape[0]
@@ -786,5 +725,5 @@ class EssDecodeStack(_StackBase):
 
 
 __all__ = ["MODES", "TopK", "DecodeBatch", "LayerInputs", "StackOptions", "HbmDecodeStack", "EssDecodeStack",
-           "chunk_bounds", "segment_bounds", "attend", "merge_attention", "topk_with_scores", "selection_kth_scores",
+           "chunk_bounds", "segment_bounds", "attend", "topk_with_scores", "selection_kth_scores",
            "latent_store_rows"]

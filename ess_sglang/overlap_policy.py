@@ -1,11 +1,9 @@
 """Per-layer overlap policy: which way each decode layer hides its miss fetch, chosen offline from a profile.
 
 Every decode layer resolves the indexer's exact top-k selection against its hot pool, and fetches the distinct
-misses over PCIe before attention reads them. Seven modes, chosen per layer:
+misses over PCIe before attention reads them. Six modes, chosen per layer:
 
     sync  resolve + fetch, then attention: nothing overlaps.
-    da    dual attention: attention over the hits runs while the misses are in flight on a copy stream, then a
-          small attention over the misses; the two are merged by log-sum-exp.
     dba   dual-batch: the batch is split in two halves (a fraction f = dba_split of it in half A); half A's resolve +
           fetch run on a side stream while half B's indexer + top-k run; then half B's resolve + fetch, exposed;
           then ONE attention over the whole batch once both halves are resident (`dba_attention="whole"` in
@@ -24,11 +22,16 @@ misses over PCIe before attention reads them. Seven modes, chosen per layer:
                run at that margin (`ess_sglang.stack_calibration`), whose margin the layer then runs with
                (`layer_prefetch_margins`).
 
+A seventh, da (dual attention: attention over the hits while the misses copy, then over the misses, merged by
+log-sum-exp), was removed: it was slower than sync in every configuration the decode harness measured (docs/design.md,
+"Overlap modes"). A profile, calibration or device-timings file that still names it is refused at load
+(`config.DA_REMOVED`).
+
 Where the policy gets the modes' costs: from a measured calibration of the device (`DeviceTimings.measured`, built
 by `ess profile --calibration` from a `benchmarks/decode_layers.py` run: every mode's exposed time at a grid of
 batch x context x hit rate, interpolated; `ess_sglang.stack_calibration`) wherever its grid covers the profile's
 batch and context; elsewhere, and always without a calibration, from the analytic cost model below, which covers
-sync / da / dba only (prefetch's gain depends on how long the top-k and the second chunk's indexer run beside its
+sync / dba only (prefetch's gain depends on how long the top-k and the second chunk's indexer run beside its
 candidate kernels, and on how much of what it fetches the top-k then selects: a three-constant term fitted to one
 run predicted the better of sync and prefetch in 10 of 18 configurations, docs/design.md, so it is not
 modelled).
@@ -48,66 +51,53 @@ Cost model (one layer, one decode step; all times in microseconds, constants in 
     M        distinct misses of the whole batch in the step
     B, C     batch (requests) and mean context length (tokens per request)
     T        = M x entry_bytes / h2d_gbps / 1e3          fetch time of the misses over PCIe
-    A(b)     attention of b requests: `attention_us` interpolated linearly in b (beyond the last point, the last
-             segment's slope continues; below the first point, the first segment's)
     I(b, C)  = indexer_topk_us x (b x C) / (indexer_ref_batch x indexer_ref_context)    indexer + top-k
     R        = resolve_us                                 resolve bookkeeping (lookup, dedup, eviction)
-    h_da     = da_hidden_fraction     share of the overlapped copy that DA hides beside attention
     h_dba    = dba_hidden_fraction    share of the overlapped work that DBA hides beside the indexer + top-k
              (measured: a copy on a side stream competes with the kernel beside it for SMs and HBM bandwidth)
     f        = dba_split              fraction of the batch in DBA's half A
 
     exposed time (what ESS adds to the layer's critical path, against the same layer with every latent in HBM):
     sync  = R + T
-    da    = R + T - h_da x min(T, A(B)) + da_overhead_us
     dba   = R + T - h_dba x min(f (T + R), I((1 - f) B, C)) + dba_overhead_us
             (half A's share of the resolve + fetch, f (T + R), overlaps half B's indexer + top-k; half B's share
             is exposed; f B is not rounded; dba is unavailable, None, when B < 2)
 
     mode = the one with the smallest exposed time (ties go to the earlier of MODES); M == 0 always gives "sync".
 
-Resolve is on the critical path in sync and da (DA's copy needs the resolve's miss list). In dba half A's resolve
-runs on the side stream before its copy, so it joins the overlapped work and is hidden at the same fraction h_dba
-(the overlap was measured for the copy alone); half B's resolve is exposed. The exposed times read as ESS's whole
-per-layer cost.
+Resolve is on the critical path in sync. In dba half A's resolve runs on the side stream before its copy, so it joins
+the overlapped work and is hidden at the same fraction h_dba (the overlap was measured for the copy alone); half B's
+resolve is exposed. The exposed times read as ESS's whole per-layer cost.
 
-With the H200 defaults at B = 64, C = 32K (T = 0.0156 us per miss, A(64) = 95, f = 0.75 so half B holds 16
-requests, I(16, 32K) = 75 us): sync at every miss count. DA hides at most 0.44 x 95 = 41.8 us, far less than its
-184 us overhead, so it stays at least 142.2 us behind sync. DBA hides at most 0.8 x 75 = 60 us (half B's window is
-full from 0.75 (T + 40) = 75, T = 60 us, 3,842 misses), less than its 130 us overhead (mostly the split's second
-torch.topk), so it stays at least 70 us behind sync (exactly 70 from 3,842 misses). The measured decode stack ranks
-them the same way (benchmarks/results/decode_layers/decode_layers_1454.json, 2026-11-29 14:54 UTC, H200, hit 0.95,
-per layer: all-HBM 561.5 us, sync 697.9, dba 732.1, da 917.6; the model predicts dba +70 and da +145 over sync,
-measured +34 and +220).
+With the H200 defaults at B = 64, C = 32K (T = 0.0156 us per miss, f = 0.75 so half B holds 16 requests, I(16, 32K) =
+75 us): sync at every miss count. DBA hides at most 0.8 x 75 = 60 us (half B's window is full from 0.75 (T + 40) = 75,
+T = 60 us, 3,842 misses), less than its 130 us overhead (mostly the split's second torch.topk), so it stays at least
+70 us behind sync (exactly 70 from 3,842 misses). The measured decode stack ranks them the same way
+(benchmarks/results/decode_layers/decode_layers_1454.json, 2026-11-29 14:54 UTC, H200, hit 0.95, per layer: all-HBM
+561.5 us, sync 697.9, dba 732.1; the model predicts dba +70 over sync, measured +34).
 
 DBA beats sync only where 0.8 x I((1 - f) B, C) exceeds 130 us (half B's window above 162.5 us, B x C above
 4,543,829 tokens: batch 64 from 70,998 tokens of context, batch 128 from 35,499, 32K context from batch 139), and then
-only above T = 176.7 us (11,311 misses, where 0.8 x 0.75 (T + R) passes 130 us). DA beats sync only where
-0.44 x A(B) exceeds 184 us (A(B) above 418.2 us: batch 305 and up, beyond the attention table's last point), and then
-only above T = 418.2 us (26,774 misses). At 32K context the model therefore picks sync below batch 139, dba above
-11,311 misses from batch 139, and never da: wherever DA could beat sync (batch >= 305), DBA's saving (0.6 (T + R) - 130
-until half B's window fills, 0.8 I - 130 after) exceeds DA's (0.44 min(T, A(B)) - 184). DA wins only at short contexts
-and large batches (2K or 8K context from batch 305, above 26,774 misses).
+only above T = 176.7 us (11,311 misses, where 0.8 x 0.75 (T + R) passes 130 us). At 32K context the model therefore
+picks sync below batch 139, and dba above 11,311 misses from batch 139.
 
 Checked against the measured decode stack (benchmarks/results/decode_layers/decode_layers_1454.json: 4 layers, 32K and
 128K context, batch 16 / 64 / 128, hit 0.90 / 0.95 / 0.99, dba at split 0.75): with each layer's mode chosen from the
-sync row's misses per layer, the model picks the fastest measured of sync / da / dba at 15 of the 18 configurations.
+sync row's misses per layer, the model picks the faster measured of sync / dba at 15 of the 18 configurations.
 The three misses are sync where dba was faster, at 32K: batch 128 hit 0.90 (+4.4%) and 0.95 (+4.9%), batch 64 hit 0.90
 (+0.3%); the measured DBA hides more than the linear window I((1 - f) B, C) allows (half B's torch.topk is
 latency-bound, ~120 us at any row count; dba - sync measured -63 us at 32K, batch 128, hit 0.90, predicted +10). In
 that run ECHO prefetch (then in one chunk only) was the fastest measured mode in 6 of those 18 configurations (batch
-16, and 64 at 32K), by 0.4-6.6%; the analytic model does not offer it (above), a calibration does. With the previous
-constants (da_overhead_us 45, dba_split 0.5) the same check gave 12 of 18 and a worst loss of 26.4% (da at 32K, batch
-128, hit 0.95).
+16, and 64 at 32K), by 0.4-6.6%; the analytic model does not offer it (above), a calibration does.
 
 File layout (`save_profile` writes it, `load_profile` validates it)::
 
     format_version: 1
     header:  {command, date, source, trace, slots_per_layer, ratio, batch, context, top_k, steps, ...}
-    device:  {entry_bytes, h2d_gbps, attention_us, indexer_topk_us, ..., note}
+    device:  {entry_bytes, h2d_gbps, indexer_topk_us, ..., note}
     layers:
     - {layer: 0, misses_mean, misses_p95, lookups_mean, hit_rate, model_misses, mode,
-       exposed_us: {sync, da, dba, prefetch, prefetch2, prefetch3, and their _margin modes}}
+       exposed_us: {sync, dba, prefetch, prefetch2, prefetch3, and their _margin modes}}
                                                              (null: the mode is not offered there)
     (device.measured, when calibrated: its source, points, prefetch_margin (the margin of the *_margin modes), topk
      and prefetch_chunking (how its prefetch2 / prefetch3 runs split the indexer))
@@ -118,7 +108,6 @@ This module imports pydantic, numpy and pyyaml only (no torch): the runtime read
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -137,6 +126,7 @@ from pydantic import (
     model_validator,
 )
 
+from ess_sglang.config import DA_REMOVED
 from ess_sglang.stack_calibration import CALIBRATED_MODES, MARGIN_MODES, NonNegFloat, StackCalibration
 
 MODES = CALIBRATED_MODES
@@ -151,11 +141,14 @@ plugin): ECHO prefetch in one chunk, beside the top-k, or none (`OverlapProfile.
 FORMAT_VERSION = 1
 LATER_MODE_KEYS = ("prefetch3", "prefetch3_margin")
 """Modes added to format 1 later: written only where a layer has a time for them."""
-OVERLAP_LEVELS = ("auto", "none", "da", "full")
+OVERLAP_LEVELS = ("auto", "none", "full")
 """`ess_config.prefetch_overlap_level` values that `restrict_modes` understands."""
 
-_LINE = ("ESS per-layer overlap profile: sync / da (dual attention) / dba (dual-batch) / prefetch / prefetch2 (ECHO; "
-         "_margin: with the calibration's threshold margin) per decode layer.")
+_LINE = ("ESS per-layer overlap profile: sync / dba (dual-batch) / prefetch / prefetch2 (ECHO; _margin: with the "
+         "calibration's threshold margin) per decode layer.")
+DA_DEVICE_KEYS = ("da_overhead_us", "da_hidden_fraction", "attention_us")
+"""The cost model's constants of the removed mode da (its fixed cost, the share of its copy hidden, and the attention
+table A(b) only its term read), refused with it."""
 
 
 class OverlapProfileError(ValueError):
@@ -170,27 +163,20 @@ NonNegInt = Annotated[StrictInt, Field(ge=0)]
 Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 OpenFraction = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)]
 
-H200_NOTE = ("NVIDIA H200 (PCIe Gen5 x16), docs DESIGN.md section 2, measured 2026-11-29: UVA gather of 656-B "
-             "entries 39-45 GB/s; persistent FlashTrans copy of 3,700 / 7,400 scattered 656-B entries 41-44 GB/s "
-             "(scratch measurement; 42 used; bulk memcpy 49-51 GB/s); FlashMLA sparse decode (V32 fp8, "
-             "top-k 2048, 128 heads) per layer 22 us at batch 1, 42 at 16, 95 at 64, 181 at 128; the copy on a side "
-             "stream beside FlashMLA at batch 64 ~44% hidden (FlashMLA alone 111.9 us, copy alone 59.3, together "
-             "144.9, 32 copy programs; scratch; 0.44 used); beside the Triton indexer at batch 32 and 32K "
-             "context 76-84% hidden (indexer 177 us, copy 58-64, together 188-191, 16-32 copy programs; "
-             "scratch; 0.8 used); indexer + top-k ~300 us per layer at batch 64 and 32K context, linear in batch x "
-             "context (estimate); resolve ~40 us per layer (estimate, fused Triton resolve not yet at target); DA "
-             "fixed extra 184 us per layer (second narrow FlashMLA call with its own schedule, table split, LSE "
-             "merge): the median over the decode-stack benchmark's 18 configurations with batch >= 16 of (da - sync) "
-             "+ 0.44 x min(T, A(B)), T = the sync row's H2D MB/step / 4 layers / 42 GB/s (da - sync alone: median "
-             "164, range 13-332 us; measured 2026-11-29); DBA fixed overhead 130 us: the second top-k of the split "
-             "~120 us (torch.topk, k 2048 over 32K, is ~30 small latency-bound kernels: 121 us for 48 rows, 126 us "
-             "for 16) plus extra launches (measured 2026-11-29); decode-stack timeline at batch 64 and 32K context "
-             "(benchmarks/decode_layers.py, 4 layers, CUDA-graph replay, 2026-11-29) per layer: all latents in HBM "
-             "574 us, sync 776, dba 800 (whole-batch attention, split 0.75, 16 copy programs) and 828 (split 0.5), "
-             "da 975-987; full decode-stack benchmark (an early run of benchmarks/decode_layers.py, 4 layers, dba "
-             "split 0.75, 16 copy programs, torch top-k, 2026-11-29) at hit 0.95, x all-HBM, sync / dba / da: 32K "
-             "batch 64 1.345 / 1.379 / 1.694, batch 128 1.411 / 1.309 / 1.654; 128K batch 64 1.199 / 1.208 / 1.301, "
-             "batch 128 1.201 / 1.180 / 1.263")
+H200_NOTE = ("NVIDIA H200 (PCIe Gen5 x16), docs DESIGN.md section 2, measured 2026-11-29: UVA gather of 656-B entries "
+             "39-45 GB/s; persistent FlashTrans copy of 3,700 / 7,400 scattered 656-B entries 41-44 GB/s (scratch "
+             "measurement; 42 used; bulk memcpy 49-51 GB/s); the copy on a side stream beside the Triton indexer at "
+             "batch 32 and 32K context 76-84% hidden (indexer 177 us, copy 58-64, together 188-191, 16-32 copy "
+             "programs; scratch; 0.8 used); indexer + top-k ~300 us per layer at batch 64 and 32K context, linear in "
+             "batch x context (estimate); resolve ~40 us per layer (estimate, fused Triton resolve not yet at "
+             "target); DBA fixed overhead 130 us: the second top-k of the split ~120 us (torch.topk, k 2048 over 32K, "
+             "is ~30 small latency-bound kernels: 121 us for 48 rows, 126 us for 16) plus extra launches (measured "
+             "2026-11-29); decode-stack timeline at batch 64 and 32K context (benchmarks/decode_layers.py, 4 layers, "
+             "CUDA-graph replay, 2026-11-29) per layer: all latents in HBM 574 us, sync 776, dba 800 (whole-batch "
+             "attention, split 0.75, 16 copy programs) and 828 (split 0.5); full decode-stack benchmark (an early run "
+             "of benchmarks/decode_layers.py, 4 layers, dba split 0.75, 16 copy programs, torch top-k, 2026-11-29) at "
+             "hit 0.95, x all-HBM, sync / dba: 32K batch 64 1.345 / 1.379, batch 128 1.411 / 1.309; 128K batch 64 "
+             "1.199 / 1.208, batch 128 1.201 / 1.180")
 
 
 class DeviceTimings(BaseModel):
@@ -205,24 +191,15 @@ class DeviceTimings(BaseModel):
     """Bytes one miss moves (V32 latent entry)."""
     h2d_gbps: PosFloat = 42.0
     """Achieved H2D gather bandwidth for scattered entries, GB/s (1e9 B/s)."""
-    attention_us: dict[int, PosFloat] = Field(default_factory=lambda: {1: 22.0, 16: 42.0, 64: 95.0, 128: 181.0})
-    """Sparse attention time of one layer by batch size (interpolated linearly); at least two points."""
     indexer_topk_us: NonNegFloat = 300.0
     """Indexer + top-k time of one layer at indexer_ref_batch x indexer_ref_context; linear in batch x context."""
     indexer_ref_batch: PosInt = 64
     indexer_ref_context: PosInt = 32768
     resolve_us: NonNegFloat = 40.0
     """Resolve bookkeeping per layer (lookup, dedup, eviction, slot table)."""
-    da_overhead_us: NonNegFloat = 184.0
-    """Fixed cost of DA: the second narrow attention (its own schedule), the table split and the log-sum-exp merge;
-    the median over the decode-stack benchmark's configurations with batch >= 16 of (da - sync) + h_da x min(T, A(B))
-    (183.6 us; measured 2026-11-29 in an early run of benchmarks/decode_layers.py, whose results file later runs
-    replaced)."""
     dba_overhead_us: NonNegFloat = 130.0
     """Fixed cost of DBA: the second top-k of the split ~120 us (torch.topk is latency-bound: the same time for 16
     and 48 rows) plus the split halves' extra launches and the side-stream synchronisation; measured 2026-11-29."""
-    da_hidden_fraction: Fraction = 0.44
-    """h_da: share of the copy overlapping attention that DA actually hides."""
     dba_hidden_fraction: Fraction = 0.8
     """h_dba: share of half A's resolve + copy overlapping half B's indexer + top-k that DBA actually hides."""
     dba_split: OpenFraction = 0.75
@@ -237,27 +214,10 @@ class DeviceTimings(BaseModel):
     benchmark run): inside its grid of batches x contexts it replaces the analytic model, and it is the only source
     of the prefetch modes' costs. None: the analytic model only."""
 
-    @field_validator("attention_us")
-    @classmethod
-    def _two_points(cls, v: dict[int, float]) -> dict[int, float]:
-        if len(v) < 2:
-            raise ValueError(f"needs at least two batch sizes to interpolate, got {len(v)}")
-        if any(b < 1 for b in v):
-            raise ValueError(f"batch sizes must be >= 1, got {sorted(v)}")
-        return dict(sorted(v.items()))
-
     # ---------------------------------------------------------------- the model's terms
     def fetch_us(self, misses: float) -> float:
         """T: time to fetch `misses` entries over PCIe."""
         return misses * self.entry_bytes / (self.h2d_gbps * 1e3)
-
-    def attention_time_us(self, batch: float) -> float:
-        """A(b): attention of one layer for b requests, linear between (and beyond) the table's points."""
-        xs = list(self.attention_us)
-        ys = list(self.attention_us.values())
-        i = min(max(bisect.bisect_right(xs, batch) - 1, 0), len(xs) - 2)
-        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
-        return max(y0 + (y1 - y0) * (batch - x0) / (x1 - x0), 0.0)
 
     def indexer_time_us(self, batch: float, context: float) -> float:
         """I(b, C): indexer + top-k of one layer."""
@@ -271,7 +231,6 @@ class ModeTimes(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     sync: NonNegFloat
-    da: NonNegFloat | None
     dba: NonNegFloat | None
     prefetch: NonNegFloat | None = None
     prefetch2: NonNegFloat | None = None
@@ -430,12 +389,11 @@ def exposed_times(misses: float, batch: int, context: float, device: DeviceTimin
             return ModeTimes(**{m: measured.get(m) for m in MODES})
     T, R, f = d.fetch_us(misses), d.resolve_us, d.dba_split
     sync = R + T
-    da = R + T - d.da_hidden_fraction * min(T, d.attention_time_us(batch)) + d.da_overhead_us
     dba = None
     if batch >= 2:
         window = d.indexer_time_us((1 - f) * batch, context)  # half B's indexer + top-k
         dba = R + T - d.dba_hidden_fraction * min(f * (T + R), window) + d.dba_overhead_us
-    return ModeTimes(sync=sync, da=da, dba=dba)
+    return ModeTimes(sync=sync, dba=dba)
 
 
 def best_mode(times: ModeTimes, misses: float, among: Collection[str] = MODES) -> str:
@@ -455,19 +413,19 @@ def choose_modes(misses_per_step: Sequence[float], batch: int, context: float,
 
 
 def restrict_modes(modes: Sequence[str], level: str) -> list[str]:
-    """Apply `ess_config.prefetch_overlap_level`: "none" -> all sync; "da" -> dba layers use da, prefetch layers
-    sync; "auto" and "full" -> as is (they differ only without a profile: the runtime's own default)."""
+    """Apply `ess_config.prefetch_overlap_level`: "none" -> all sync; "auto" and "full" -> as is (they differ only
+    without a profile: the runtime's own default). The removed level "da" is refused (`config.DA_REMOVED`)."""
+    if level == "da":
+        raise OverlapProfileError(f"prefetch_overlap_level: {DA_REMOVED}; use none, auto or full")
     if level not in OVERLAP_LEVELS:
         raise OverlapProfileError(f"prefetch_overlap_level: {level!r} is not one of {', '.join(OVERLAP_LEVELS)}")
     if level == "none":
         return ["sync"] * len(modes)
-    if level == "da":
-        return ["da" if m == "dba" else "sync" if m in PREFETCH_CHUNKS else m for m in modes]
     return list(modes)
 
 
 def stack_settings(modes: Sequence[str]) -> tuple[list[str], list[int]]:
-    """The decode stack's per-layer settings of policy modes: (overlap mode of each layer, "sync" / "da" / "dba";
+    """The decode stack's per-layer settings of policy modes: (overlap mode of each layer, "sync" / "dba";
     prefetch chunks of each layer, 0 = no prefetch) for `StackOptions(modes=..., prefetch_layers=...)`."""
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -536,14 +494,51 @@ def _convert(exc: ValidationError, where: str) -> OverlapProfileError:
     return OverlapProfileError("\n".join(lines))
 
 
+def _removed_da_key(data: Mapping) -> str | None:
+    """The YAML key of the first place a profile names the removed mode da, or None: a layer's mode (looked for
+    first), a layer's time, a device constant of its model, a calibration point's time."""
+    layers = data.get("layers") if isinstance(data.get("layers"), list) else []
+    for i, lp in enumerate(layers):
+        if isinstance(lp, Mapping) and lp.get("mode") == "da":
+            return f"layers[{i}].mode (layer {i})"
+    for i, lp in enumerate(layers):
+        if isinstance(lp, Mapping) and isinstance(lp.get("exposed_us"), Mapping) and "da" in lp["exposed_us"]:
+            return f"layers[{i}].exposed_us.da (layer {i})"
+    device = data.get("device")
+    if isinstance(device, Mapping):
+        key = _removed_device_key(device)
+        if key is not None:
+            return f"device.{key}"
+    return None
+
+
+def _removed_device_key(device: Mapping) -> str | None:
+    """The first key of a `device:` mapping that belongs to the removed mode da (`DA_DEVICE_KEYS`, or a calibration
+    point's da time), or None."""
+    for key in DA_DEVICE_KEYS:
+        if key in device:
+            return key
+    measured = device.get("measured")
+    points = measured.get("points") if isinstance(measured, Mapping) else None
+    for i, p in enumerate(points if isinstance(points, list) else []):
+        if isinstance(p, Mapping) and isinstance(p.get("exposed_us"), Mapping) and "da" in p["exposed_us"]:
+            return f"measured.points[{i}].exposed_us.da"
+    return None
+
+
 def profile_from_mapping(data: Any, where: str = "overlap profile") -> OverlapProfile:
-    """Validate a parsed YAML document; `where` (the file) starts every error line."""
+    """Validate a parsed YAML document; `where` (the file) starts every error line. A profile that names the removed
+    mode da anywhere (written before its removal) is refused in one line naming the first such key."""
     if not isinstance(data, Mapping):
         raise OverlapProfileError(f"{where}: expected a mapping with keys format_version, header, device, layers; "
                                   f"got {type(data).__name__}")
     if "format_version" in data and data["format_version"] != FORMAT_VERSION:
         raise OverlapProfileError(f"{where}: format_version: {data['format_version']!r} is not supported (this "
                                   f"code reads {FORMAT_VERSION})")
+    da = _removed_da_key(data)
+    if da is not None:
+        raise OverlapProfileError(f"{where}: {da}: {DA_REMOVED}; regenerate the profile with `ess profile` "
+                                  f"(header.command)")
     try:
         return OverlapProfile.model_validate(dict(data))
     except ValidationError as exc:
@@ -553,7 +548,7 @@ def profile_from_mapping(data: Any, where: str = "overlap profile") -> OverlapPr
 def device_timings_from_mapping(data: Any, where: str = "device timings") -> DeviceTimings:
     """DeviceTimings from a mapping (the `device:` section of a profile, or a bare mapping of its keys).
 
-    Keys not given keep their H200 defaults; `attention_us`, when given, replaces the whole table.
+    Keys not given keep their H200 defaults; a key of the removed mode da (`DA_DEVICE_KEYS`) is refused.
     """
     if isinstance(data, Mapping) and "device" in data:
         data, prefix = data["device"], "device."
@@ -562,6 +557,9 @@ def device_timings_from_mapping(data: Any, where: str = "device timings") -> Dev
     if not isinstance(data, Mapping):
         raise OverlapProfileError(f"{where}: {prefix or '(top level)'}: expected a mapping of device timings, got "
                                   f"{type(data).__name__}")
+    da = _removed_device_key(data)
+    if da is not None:
+        raise OverlapProfileError(f"{where}: {prefix}{da}: {DA_REMOVED}; remove the key")
     try:
         return DeviceTimings.model_validate({**DeviceTimings().model_dump(), **dict(data)})
     except ValidationError as exc:

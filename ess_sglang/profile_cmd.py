@@ -5,7 +5,7 @@ The trace (a recorded ``.npz``, a synthetic one, or the demo model's own) is rep
 warm-up, then per step `begin_step`, and per layer the resolve with the step's new tokens, as the SGLang plugin runs
 it (`new_tokens: insert`, the default: a selected new token is no miss). The manager's device counters are
 snapshotted after every step, which gives the distinct misses and the lookups of every layer in every step. The cost
-model of `ess_sglang.overlap_policy` then picks sync / da / dba per layer (and prefetch / prefetch2 / prefetch3 too,
+model of `ess_sglang.overlap_policy` then picks sync / dba per layer (and prefetch / prefetch2 / prefetch3 too,
 with a measured `--calibration`, and their threshold-margin variants with `--calibration-margin`), and the profile is
 written as YAML::
 
@@ -342,7 +342,7 @@ def print_table(profile: OverlapProfile, stderr: bool = False) -> None:
                   lp.mode)
     console.print(t)
     counts = {m: profile.modes().count(m) for m in MODES}
-    console.print("modes: " + ", ".join(f"{n} {m}" for m, n in counts.items() if n or m in ("sync", "da", "dba")),
+    console.print("modes: " + ", ".join(f"{n} {m}" for m, n in counts.items() if n or m in ("sync", "dba")),
                   highlight=False)
     console.print(f"spare slots, for a runtime that keeps them (HotPoolCacheManager(spare_slots=...)): "
                   f"{profile.spare_slots():,} per layer ({SPARE_HEADROOM:g} x the busiest layer's misses per step; K "

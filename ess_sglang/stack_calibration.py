@@ -1,6 +1,6 @@
 """Measured exposed time of each overlap mode, from a decode-stack benchmark run, for the layer-wise policy.
 
-The analytic cost model in `ess_sglang.overlap_policy` predicts sync / da / dba from a few device constants. ECHO
+The analytic cost model in `ess_sglang.overlap_policy` predicts sync / dba from a few device constants. ECHO
 prefetch (one indexer launch, or the indexer in two batch chunks) is harder to model: what it hides depends on how
 long the top-k and the second chunk's indexer take beside its candidate kernels, and on how many of its fetches the
 top-k then selects. So the policy can also read the modes' costs from a measurement of the device itself: the JSON
@@ -22,7 +22,9 @@ The exposed time of a mode for a layer with M misses per step at batch B and con
     3. the corners combined bilinearly in log batch and log context.
 
 At a measured configuration this returns the measured exposed times exactly. Modes missing from any point are left
-out of the whole calibration (a mode is offered only where every point measured it).
+out of the whole calibration (a mode is offered only where every point measured it). A run's rows of other variants
+(layerwise, or da: dual attention, removed, whose rows older runs hold) are not read; a calibration written into a
+profile that still names da is refused (`config.DA_REMOVED`).
 
 A run with `--spare` measured every mode again with spare slots (rows "mode+spare"); `spare_slots=True` reads those
 rows' times instead, for a runtime that keeps spare slots (the misses stay the sync run's without them, the measure of
@@ -49,7 +51,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
-CALIBRATED_MODES = ("sync", "da", "dba", "prefetch", "prefetch2", "prefetch3", "prefetch_margin", "prefetch2_margin",
+from ess_sglang.config import DA_REMOVED
+
+CALIBRATED_MODES = ("sync", "dba", "prefetch", "prefetch2", "prefetch3", "prefetch_margin", "prefetch2_margin",
                     "prefetch3_margin")
 """Modes a calibration may hold, in the policy's order (ties go to the earlier)."""
 MARGIN_MODES = {"prefetch_margin": "prefetch", "prefetch2_margin": "prefetch2", "prefetch3_margin": "prefetch3"}
@@ -78,6 +82,8 @@ class MeasuredPoint(BaseModel):
 
     @model_validator(mode="after")
     def _modes(self) -> MeasuredPoint:
+        if "da" in self.exposed_us:
+            raise ValueError(f"exposed_us.da: {DA_REMOVED}; regenerate the calibration without it")
         unknown = sorted(set(self.exposed_us) - set(CALIBRATED_MODES))
         if unknown:
             raise ValueError(f"exposed_us: unknown mode {unknown[0]!r}; expected some of {', '.join(CALIBRATED_MODES)}")

@@ -76,7 +76,7 @@ def test_negative_size_names_the_field():
     ("hot_slots_per_layer", 0, "must be > 0"),
     ("warmup_windows", -1, "must be >= 0 (got -1)"),
     ("prefetch_cap_min_tokens", -1, "must be >= 0"),
-    ("prefetch_overlap_level", "fast", "'auto', 'none', 'da' or 'full' (got 'fast')"),
+    ("prefetch_overlap_level", "fast", "'auto', 'none' or 'full' (got 'fast')"),
     ("offload_target", "nvme", "got 'nvme'"),
     ("top_k", True, "valid integer (got True)"),
     ("top_k", "2048", "valid integer"),

@@ -15,14 +15,12 @@ from ess_sglang.decode_stack import (
     StackOptions,
     chunk_bounds,
     latent_store_rows,
-    merge_attention,
     segment_bounds,
     topk_with_scores,
 )
 from ess_sglang.formats import INDEXER_ENTRY_BYTES, pack_indexer_key, pack_latent
 from ess_sglang.host_pool import HostTotalPool
 from ess_sglang.prefetch import EchoPrefetcher
-from ess_sglang.reference.dsa import sparse_mla_reference
 from ess_sglang.request_table import RequestTable
 from ess_sglang.streams import SideStream
 
@@ -30,7 +28,7 @@ LAYERS, HEADS, IHEADS, TOPK = 2, 8, 4, 128
 LENGTHS = (700, 450, 900)
 
 
-def build(modes, slots=512, prefetch=False, da_width=64, cap_fraction=0.1, seed=0,
+def build(modes, slots=512, prefetch=False, cap_fraction=0.1, seed=0,
           resolve_impl="torch", dba_attention="split", dba_split=0.5, spare=0, **options):
     g = torch.Generator().manual_seed(seed)
     T = sum(LENGTHS) + 64 * len(LENGTHS)
@@ -54,7 +52,7 @@ def build(modes, slots=512, prefetch=False, da_width=64, cap_fraction=0.1, seed=
         index_cache[layer] = pack_indexer_key(torch.randn(T, 128, generator=g))
     m = HotPoolCacheManager(host, slots, device="cpu", max_selected=len(LENGTHS) * TOPK, resolve_impl=resolve_impl,
                             copy_impl="triton" if resolve_impl == "triton" else "auto", spare_slots=spare)
-    opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, da_width=da_width, indexer="torch",
+    opts = StackOptions(modes=modes, top_k=TOPK, prefetch=prefetch, indexer="torch",
                         dba_attention=dba_attention, dba_split=dba_split, **options)
     pf = EchoPrefetcher(LAYERS, table.req_to_token.shape[0], max(LENGTHS) + 64, cap_fraction=cap_fraction,
                         cap_min_tokens=8) if prefetch or any(options.get("prefetch_layers") or ()) else None
@@ -386,21 +384,6 @@ def test_a_score_hook_of_the_wrong_shape_is_refused_with_chunks():
         ess.step(batch, inputs)
 
 
-@pytest.mark.parametrize("da_width,spare", [(64, 0), (128, 0), (128, 40)])
-def test_dual_attention_equals_single_pass_up_to_rounding(da_width, spare):
-    # da_width 64 is narrower than many rows' misses: their excess is copied before Attn0; `spare`: the deferred
-    # resolve takes spare slots (their fetch-list pairs come from the lookup kernel's definition)
-    ess, hbm, table, rows, locs = build(("da", "da"), da_width=da_width, slots=448, spare=spare)
-    worst = 0.0
-    for batch, inputs in steps(10, table, rows, locs):
-        got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
-        for layer in range(LAYERS):
-            worst = max(worst, float((got[layer] - want[layer]).abs().max() / want[layer].abs().max()))
-    assert worst < 1e-5, worst  # float32 reference attention: the merge differs by rounding only
-    assert ess.m.counters[:, Counter.MISSES].sum() > 0
-    ess.m.check_invariants()
-
-
 def _record_calls(ess):
     """A list that collects, in call order, "update" (a threshold update), "attend" and each layer's index as the
     layer starts."""
@@ -412,7 +395,7 @@ def _record_calls(ess):
     return events
 
 
-@pytest.mark.parametrize("modes,chunks", [(("sync", "da"), 1), (("dba", "sync"), 2), (("sync", "dba"), (0.7, 0.3))])
+@pytest.mark.parametrize("modes,chunks", [(("sync", "sync"), 1), (("dba", "sync"), 2), (("sync", "dba"), (0.7, 0.3))])
 def test_threshold_update_beside_attention_equals_the_update_at_the_layer_end(modes, chunks):
     # "side" folds each top-k's k-th best scores into the thresholds after the settle (in DBA, chunk by chunk)
     # instead of at the layer's end: the same thresholds, prefetches, counters and outputs after every step
@@ -514,27 +497,11 @@ def test_prefetch_candidates_are_above_threshold_missing_recent_first_and_capped
     assert c.view(2, -1).tolist() == [[8, 6, 5], [258, 257, -1]]
 
 
-def test_merge_attention_handles_empty_sides():
-    q = torch.randn(2, 1, 4, 576)
-    entries = pack_latent(torch.randn(64, 512), torch.randn(64, 64))
-    table = torch.randperm(64)[:32].view(1, 1, 32).expand(2, 1, 32).int().clone()
-    full, lse = sparse_mla_reference(q, entries, table, 0.05)
-    t0, t1 = table.clone(), table.clone()
-    t0[..., 20:] = -1
-    t1[..., :20] = -1
-    t1[1] = table[1]
-    t0[1] = -1  # request 1: everything on side 1
-    o0, l0 = sparse_mla_reference(q, entries, t0, 0.05)
-    o1, l1 = sparse_mla_reference(q, entries, t1, 0.05)
-    merged = merge_attention(o0, l0, o1, l1)
-    assert torch.allclose(merged, full, rtol=1e-5, atol=1e-6)
-
-
 def test_options_are_checked():
     with pytest.raises(ValueError, match="overlap modes"):
         StackOptions(modes=["sync", "fast"])
-    with pytest.raises(ValueError, match="multiple of 64"):
-        StackOptions(modes=["da"], da_width=100)
+    with pytest.raises(ValueError, match="overlap mode 'da': 'da' was removed"):
+        StackOptions(modes=["sync", "da"])
     with pytest.raises(ValueError, match="new_tokens must be 'insert' or 'on_demand', got 'later'"):
         StackOptions(modes=["sync"], new_tokens="later")
     with pytest.raises(ValueError, match="2 overlap modes for 3 layers"):
@@ -821,9 +788,9 @@ def test_a_layer_of_one_chunk_prefetches_whatever_last_chunk_prefetch_says():
 
 
 def test_overlapping_copies_take_their_rows_per_program():
-    """overlap_copy_rows reaches every copy that overlaps compute (the prefetch chunks', DA's late copy, DBA's
-    halves'), and only those; the fused path hands it to the counted copy kernel, which copies the same rows."""
-    for modes in (("sync", "da"), ("dba", "sync")):
+    """overlap_copy_rows reaches every copy that overlaps compute (the prefetch chunks', DBA's halves'), and only
+    those; the fused path hands it to the counted copy kernel, which copies the same rows."""
+    for modes in (("sync", "sync"), ("dba", "sync")):
         ess, hbm, table, rows, locs = build(modes, prefetch=True, prefetch_chunks=2, overlap_copy_rows=16,
                                             sync_copy="counted")
         seen = []  # (programs, rows_per_program) of every copy
@@ -833,8 +800,7 @@ def test_overlapping_copies_take_their_rows_per_program():
         for batch, inputs in steps(2, table, rows, locs):
             got, want = ess.step(batch, inputs), hbm.step(batch, inputs)
             for layer in range(LAYERS):
-                if modes[layer] != "da":
-                    assert torch.equal(got[layer], want[layer])
+                assert torch.equal(got[layer], want[layer])
         overlapping = [args for args in seen if args[0] == ess.options.overlap_programs]
         assert overlapping and all(args[1] == 16 for args in overlapping)
         assert all(args[1] is None for args in seen if args[0] is None)  # sync's counted copy: the whole GPU

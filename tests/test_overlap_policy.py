@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from pathlib import Path
 
@@ -41,8 +42,8 @@ B64, C32K = 64, 32768
 
 def test_h200_defaults():
     d = DeviceTimings()
-    assert (d.da_overhead_us, d.dba_overhead_us, d.dba_split) == (184.0, 130.0, 0.75)
-    assert (d.da_hidden_fraction, d.dba_hidden_fraction, d.h2d_gbps, d.resolve_us) == (0.44, 0.8, 42.0, 40.0)
+    assert (d.dba_overhead_us, d.dba_split) == (130.0, 0.75)
+    assert (d.dba_hidden_fraction, d.h2d_gbps, d.resolve_us) == (0.8, 42.0, 40.0)
 
 
 def test_modes_at_batch_64_and_32k_context():
@@ -54,8 +55,6 @@ def test_modes_at_batch_64_and_32k_context():
     assert set(choose_modes(misses, B64, C32K)) == {"sync"}
     for m in misses:
         t = exposed_times(m, B64, C32K, d)
-        # DA hides at most 0.44 x 95 = 41.8 us, far less than its 184 us overhead
-        assert t.da - t.sync >= 184 - 0.44 * 95 - 1e-9
         # DBA hides at most 0.8 x I(16, 32K) = 60 us, less than its 130 us overhead
         assert t.dba - t.sync >= 130 - 0.8 * 75 - 1e-9
     # from T = 60 us (3,842 misses) half B's indexer window is full: dba stays exactly 70 us behind sync
@@ -66,9 +65,6 @@ def test_modes_at_batch_64_and_32k_context():
     assert t.dba - t.sync > 70
     # the old 25 us overhead would have picked dba here: the 130 us (second top-k) is what keeps it sync
     assert choose_modes([10000], B64, C32K, DeviceTimings(dba_overhead_us=25.0)) == ["dba"]
-    # the old 45 us DA overhead picked da at 128K, batch 128, hit 0.95 (measured: 5% slower than sync, 7% than dba)
-    old = DeviceTimings(da_overhead_us=45.0)
-    assert choose_modes([11700], 128, 131072, old) == ["da"]
     assert choose_modes([11700], 128, 131072, d) == ["dba"]
 
     # DBA wins only where half B's window exceeds 130 / 0.8 = 162.5 us (B x C > 4,543,829), and then only above
@@ -79,58 +75,41 @@ def test_modes_at_batch_64_and_32k_context():
     assert choose_modes([11310, 11311], 128, 35499) == ["sync", "dba"]
     assert choose_modes([100000], 138, C32K) == ["sync"]
     assert choose_modes([11310, 11311], 139, C32K) == ["sync", "dba"]
-    # DA beats sync only from batch 305 (0.44 x A(B) > 184 us), above 26,774 misses; at 32K DBA always saves more
-    assert choose_modes([26773, 26774, 200000], 305, 2048) == ["sync", "da", "da"]
-    assert choose_modes([200000], 304, 2048) == ["sync"]
-    assert choose_modes([200000], 305, 8192) == ["da"]
     for b in (305, 400, 1000, 3000):
         assert set(choose_modes([11311, 26774, 50000, 400000], b, C32K)) == {"dba"}
 
 
 # Measured decode stack (an early run of benchmarks/decode_layers.py, H200, 2026-11-29, whose results file later runs
 # replaced; 4 layers, dba split 0.75, 16 copy programs, torch top-k): context, batch, target hit, per-layer us of
-# sync / da / dba, sync's H2D MB per step (4 layers), and sync's distinct misses per layer and step.
+# sync / dba, sync's H2D MB per step (4 layers), and sync's distinct misses per layer and step. (The same run measured
+# da, since removed, slower than sync in all 18.)
 MEASURED = [
-    (32768, 16, 0.9, 322.0, 466.2, 384.9, 7.91, (2945.1, 2981.1, 3097.6, 3040.9)),
-    (32768, 16, 0.95, 300.4, 453.1, 377.7, 3.74, (1394.9, 1405.5, 1460.8, 1445.4)),
-    (32768, 16, 0.99, 286.9, 451.6, 368.6, 0.72, (273.8, 266.8, 282.9, 281.6)),
-    (32768, 64, 0.9, 876.8, 998.7, 861.9, 31.53, (11925.4, 11967.8, 12020.0, 12150.1)),
-    (32768, 64, 0.95, 766.6, 965.2, 785.8, 14.95, (5631.1, 5628.9, 5688.8, 5840.9)),
-    (32768, 64, 0.99, 668.5, 887.6, 755.4, 3.00, (1122.4, 1122.0, 1156.0, 1180.0)),
-    (32768, 128, 0.9, 1672.3, 1793.2, 1539.9, 62.63, (23852.9, 24027.4, 23846.2, 23744.8)),
-    (32768, 128, 0.95, 1441.2, 1689.7, 1337.2, 31.25, (11852.6, 11967.5, 11943.6, 11875.8)),
-    (32768, 128, 0.99, 1206.7, 1532.0, 1272.6, 6.02, (2276.8, 2302.1, 2305.4, 2294.0)),
-    (131072, 16, 0.9, 646.1, 766.6, 701.5, 8.07, (3163.0, 3008.6, 3075.8, 3051.1)),
-    (131072, 16, 0.95, 609.3, 748.2, 693.0, 3.79, (1480.5, 1407.1, 1442.9, 1440.8)),
-    (131072, 16, 0.99, 578.7, 742.5, 685.5, 0.73, (285.4, 276.2, 278.1, 275.4)),
-    (131072, 64, 0.9, 2113.4, 2187.2, 1990.2, 30.83, (11785.5, 11762.0, 11711.6, 11732.0)),
-    (131072, 64, 0.95, 1944.8, 2109.6, 1959.4, 15.26, (5828.6, 5857.0, 5809.5, 5766.0)),
-    (131072, 64, 0.99, 1810.6, 2032.8, 1928.0, 2.92, (1120.0, 1125.9, 1107.0, 1095.2)),
-    (131072, 128, 0.9, 4128.1, 4140.8, 3768.1, 62.00, (23816.2, 23580.5, 23670.9, 23448.5)),
-    (131072, 128, 0.95, 3769.1, 3964.2, 3704.6, 30.74, (11842.5, 11645.0, 11725.9, 11643.2)),
-    (131072, 128, 0.99, 3480.6, 3812.4, 3647.5, 5.90, (2248.6, 2224.8, 2257.9, 2260.4)),
+    (32768, 16, 0.9, 322.0, 384.9, 7.91, (2945.1, 2981.1, 3097.6, 3040.9)),
+    (32768, 16, 0.95, 300.4, 377.7, 3.74, (1394.9, 1405.5, 1460.8, 1445.4)),
+    (32768, 16, 0.99, 286.9, 368.6, 0.72, (273.8, 266.8, 282.9, 281.6)),
+    (32768, 64, 0.9, 876.8, 861.9, 31.53, (11925.4, 11967.8, 12020.0, 12150.1)),
+    (32768, 64, 0.95, 766.6, 785.8, 14.95, (5631.1, 5628.9, 5688.8, 5840.9)),
+    (32768, 64, 0.99, 668.5, 755.4, 3.00, (1122.4, 1122.0, 1156.0, 1180.0)),
+    (32768, 128, 0.9, 1672.3, 1539.9, 62.63, (23852.9, 24027.4, 23846.2, 23744.8)),
+    (32768, 128, 0.95, 1441.2, 1337.2, 31.25, (11852.6, 11967.5, 11943.6, 11875.8)),
+    (32768, 128, 0.99, 1206.7, 1272.6, 6.02, (2276.8, 2302.1, 2305.4, 2294.0)),
+    (131072, 16, 0.9, 646.1, 701.5, 8.07, (3163.0, 3008.6, 3075.8, 3051.1)),
+    (131072, 16, 0.95, 609.3, 693.0, 3.79, (1480.5, 1407.1, 1442.9, 1440.8)),
+    (131072, 16, 0.99, 578.7, 685.5, 0.73, (285.4, 276.2, 278.1, 275.4)),
+    (131072, 64, 0.9, 2113.4, 1990.2, 30.83, (11785.5, 11762.0, 11711.6, 11732.0)),
+    (131072, 64, 0.95, 1944.8, 1959.4, 15.26, (5828.6, 5857.0, 5809.5, 5766.0)),
+    (131072, 64, 0.99, 1810.6, 1928.0, 2.92, (1120.0, 1125.9, 1107.0, 1095.2)),
+    (131072, 128, 0.9, 4128.1, 3768.1, 62.00, (23816.2, 23580.5, 23670.9, 23448.5)),
+    (131072, 128, 0.95, 3769.1, 3704.6, 30.74, (11842.5, 11645.0, 11725.9, 11643.2)),
+    (131072, 128, 0.99, 3480.6, 3647.5, 5.90, (2248.6, 2224.8, 2257.9, 2260.4)),
 ]
-
-
-def test_da_overhead_is_the_measured_median():
-    d = DeviceTimings()
-    est, diff = [], []
-    for _, batch, _, sync, da, _, mb, misses in MEASURED:
-        fetch = mb * 1e3 / 4 / d.h2d_gbps  # T from the measured H2D bytes
-        assert fetch == pytest.approx(d.fetch_us(sum(misses) / 4), rel=0.01)  # = distinct misses x 656 B
-        est.append(da - sync + d.da_hidden_fraction * min(fetch, d.attention_time_us(batch)))
-        diff.append(da - sync)
-    assert float(np.median(est)) == pytest.approx(183.6, abs=0.1)
-    assert d.da_overhead_us == round(float(np.median(est)))
-    assert float(np.median(diff)) == pytest.approx(164.2, abs=0.1) and min(diff) > 0  # DA never beat sync
 
 
 def test_choices_against_the_measured_decode_stack():
     picked_best, losses = 0, {}
-    for context, batch, hit, sync, da, dba, _, misses in MEASURED:
-        measured = {"sync": sync, "da": da, "dba": dba}
+    for context, batch, hit, sync, dba, _, misses in MEASURED:
+        measured = {"sync": sync, "dba": dba}
         modes = choose_modes(misses, batch, context)
-        assert "da" not in modes
         t = sum(measured[m] for m in modes) / len(modes)
         loss = t / min(measured.values()) - 1
         picked_best += loss == 0
@@ -138,57 +117,40 @@ def test_choices_against_the_measured_decode_stack():
     assert picked_best == 15
     worst = max(losses, key=losses.get)
     assert worst == (32768, 128, 0.9) and losses[worst] == pytest.approx(1672.3 / 1539.9 - 1)  # 8.6%
-    assert choose_modes(MEASURED[-2][-1], 128, 131072) == ["dba"] * 4  # the run's layerwise chose da here
-    # the previous constants (DA 45 us, split 0.5) picked the best at 12 of 18, da at 32K / 128 / 0.95 (+26%)
-    old = DeviceTimings(da_overhead_us=45.0, dba_split=0.5)
-    assert choose_modes(MEASURED[7][-1], 128, C32K, old) == ["da"] * 4
+    assert choose_modes(MEASURED[-2][-1], 128, 131072) == ["dba"] * 4
 
 
 def test_exposed_times_follow_the_documented_formulas():
     d = DeviceTimings()
-    A_half = 42 + 53 * 16 / 48
-    assert d.attention_time_us(32) == pytest.approx(A_half)
     assert d.indexer_time_us(32, C32K) == pytest.approx(150.0)
     assert d.indexer_time_us(16, C32K) == pytest.approx(75.0)
-    # extrapolation beyond the table continues the last segment
-    assert d.attention_time_us(256) == pytest.approx(181 + 86 * 2)
 
-    # H200 defaults: T below A(64) = 95 us with half B's window (I(16, 32K) = 75 us) not full, then above both
+    # H200 defaults: half B's window (I(16, 32K) = 75 us) not full, then full
     T = 2000 * 656 / 42e3  # 31.2 us: f (T + R) = 53.4 < 75
     t = exposed_times(2000, B64, C32K, d)
     assert t.sync == pytest.approx(40 + T)
-    assert t.da == pytest.approx(40 + T - 0.44 * T + 184)
     assert t.dba == pytest.approx(40 + T - 0.8 * 0.75 * (T + 40) + 130)
     T = 20000 * 656 / 42e3  # 312.4 us
     t = exposed_times(20000, B64, C32K, d)
     assert t.sync == pytest.approx(40 + T)
-    assert t.da == pytest.approx(40 + T - 0.44 * 95 + 184)
     assert t.dba == pytest.approx(40 + T - 0.8 * 75 + 130)
 
     # other constants, an uneven split: half A (f = 0.25) hides, half B's indexer (0.75 B, not rounded) is the window
-    o = DeviceTimings(resolve_us=10.0, da_hidden_fraction=1.0, dba_hidden_fraction=0.5, dba_split=0.25,
-                      da_overhead_us=5.0, dba_overhead_us=3.0)
+    o = DeviceTimings(resolve_us=10.0, dba_hidden_fraction=0.5, dba_split=0.25, dba_overhead_us=3.0)
     T = 10000 * 656 / 42e3  # 156.2 us
     t = exposed_times(10000, B64, C32K / 2, o)
     assert o.indexer_time_us(48, C32K / 2) == pytest.approx(112.5)
-    assert t.da == pytest.approx(10 + T - 95 + 5)
     assert t.dba == pytest.approx(10 + T - 0.5 * 0.25 * (T + 10) + 3)  # f (T + R) = 41.5 < 112.5
     t = exposed_times(10000, 10, C32K / 2, o)
     window = 300 * 7.5 * (C32K / 2) / (64 * C32K)  # I(7.5, 16K) = 17.6 us
     assert t.dba == pytest.approx(10 + T - 0.5 * window + 3)
-    assert t.da == pytest.approx(10 + T - o.attention_time_us(10) + 5)
 
-    # batch 1 cannot be split: dba is unavailable and never chosen; DA cannot pay its 184 us (0.44 x 22 = 9.7 hidden)
+    # batch 1 cannot be split: dba is unavailable and never chosen
     one = exposed_times(50000, 1, C32K, d)
     assert one.dba is None and choose_modes([50000], 1, C32K, d) == ["sync"]
-    assert choose_modes([50000], 1, C32K, DeviceTimings(da_overhead_us=5.0)) == ["da"]
 
 
-def test_zero_misses_is_sync_even_on_a_tie():
-    d = DeviceTimings(da_overhead_us=0.0)
-    t = exposed_times(0, B64, C32K, d)
-    assert t.sync == t.da == 40.0
-    assert choose_modes([0], B64, C32K, d) == ["sync"]
+def test_zero_misses_is_sync_even_where_dba_predicts_less():
     # dba hides part of half A's resolve, so with no overhead it predicts less than sync: still sync with no misses
     d = DeviceTimings(dba_overhead_us=0.0)
     t = exposed_times(0, B64, C32K, d)
@@ -199,11 +161,11 @@ def test_zero_misses_is_sync_even_on_a_tie():
 def test_best_mode_among_some_modes_and_a_profile_within_them():
     """A runtime that runs only some modes (the SGLang plugin: sync, one-chunk prefetch) takes, in a layer profiled
     with another, the fastest of its own by the layer's times; sync always counts, ties go to the earlier mode."""
-    t = ModeTimes(sync=100.0, da=50.0, dba=60.0, prefetch=90.0, prefetch2=40.0, prefetch_margin=95.0)
+    t = ModeTimes(sync=100.0, dba=60.0, prefetch=90.0, prefetch2=40.0, prefetch_margin=95.0)
     assert best_mode(t, 10) == "prefetch2"
     assert best_mode(t, 10, among=("prefetch", "prefetch_margin")) == "prefetch"
     assert best_mode(t, 10, among=()) == "sync" and best_mode(t, 0, among=("prefetch",)) == "sync"
-    assert best_mode(ModeTimes(sync=90.0, da=None, dba=None, prefetch=90.0), 10, among=("prefetch",)) == "sync"
+    assert best_mode(ModeTimes(sync=90.0, dba=None, prefetch=90.0), 10, among=("prefetch",)) == "sync"
     profile = load_profile(ROOT / "configs" / "overlap" / "smollm2-135m_ratio0.2_h200-measured.yaml")
     within = profile.modes_within(("sync", "prefetch"))
     for lp, mode in zip(profile.layers, within, strict=True):
@@ -223,9 +185,8 @@ def test_best_mode_among_some_modes_and_a_profile_within_them():
 
 
 def test_restrict_modes_by_overlap_level():
-    modes = ["sync", "da", "dba"]
-    assert restrict_modes(modes, "full") == modes
-    assert restrict_modes(modes, "da") == ["sync", "da", "da"]
+    modes = ["sync", "prefetch", "dba"]
+    assert restrict_modes(modes, "full") == restrict_modes(modes, "auto") == modes
     assert restrict_modes(modes, "none") == ["sync"] * 3
     with pytest.raises(OverlapProfileError, match="prefetch_overlap_level: 'fast'"):
         restrict_modes(modes, "fast")
@@ -275,18 +236,17 @@ def _write(tmp_path, mutate) -> Path:
 
 
 @pytest.mark.parametrize("mutate, expected", [
-    (lambda d: d["layers"][3].update(mode="dab"), ["layers[3].mode (layer 3)", "unknown mode 'dab'", "sync, da, dba"]),
+    (lambda d: d["layers"][3].update(mode="dab"), ["layers[3].mode (layer 3)", "unknown mode 'dab'", "sync, dba"]),
     (lambda d: d["layers"][2].update(mode=3), ["layers[2].mode (layer 2)", "string"]),
     (lambda d: d["layers"][1].update(layer=5), ["layers[1].layer (layer 5)", "expected layer 1"]),
     (lambda d: d["layers"][0].update(misses_mean=-1), ["layers[0].misses_mean (layer 0)", "greater than or equal"]),
-    (lambda d: d["layers"][0]["exposed_us"].pop("da"), ["layers[0].exposed_us.da (layer 0)", "missing"]),
+    (lambda d: d["layers"][0]["exposed_us"].pop("dba"), ["layers[0].exposed_us.dba (layer 0)", "missing"]),
     (lambda d: d.pop("header"), ["header: required key is missing"]),
     (lambda d: d.update(extra_key=1), ["extra_key: unknown key"]),
     (lambda d: d["header"].update(source="magic"), ["header.source"]),
-    (lambda d: d["device"].update(attention_us={64: 95.0}), ["device.attention_us", "two batch sizes"]),
     (lambda d: d["device"].update(h2d_gbps=0), ["device.h2d_gbps", "greater than 0"]),
     (lambda d: d["device"].update(dba_split=1.0), ["device.dba_split", "less than 1"]),
-    (lambda d: d["device"].update(da_hidden_fraction=1.5), ["device.da_hidden_fraction", "less than or equal to 1"]),
+    (lambda d: d["device"].update(dba_hidden_fraction=1.5), ["device.dba_hidden_fraction", "less than or equal to 1"]),
     (lambda d: d.update(layers=[]), ["layers: the profile lists no layers"]),
     (lambda d: d.update(format_version=2), ["format_version: 2 is not supported"]),
     (lambda d: "header: [unclosed\n", ["malformed YAML at line", "column"]),
@@ -300,6 +260,34 @@ def test_every_file_error_names_file_key_and_layer(tmp_path, mutate, expected):
     assert str(path) in msg
     for part in expected:
         assert part in msg, msg
+
+
+def test_da_in_a_config_or_a_profile_is_refused_at_load_in_one_line(tmp_path):
+    """DA (dual attention) was removed: a config level, a profile's layer mode or time, a device constant of its model
+    or a calibration point that still names it fails at load, in one line naming the key (docs/design.md)."""
+    from ess_sglang.config import EssConfigError, load_config
+
+    removed = "'da' was removed (dual attention was slower than sync in every measured configuration"
+    cfg = tmp_path / "ess.yaml"
+    cfg.write_text("ess_config:\n  prefetch_overlap_level: da\n")
+    with pytest.raises(EssConfigError) as e:
+        load_config(cfg)
+    assert str(e.value) == f"{cfg}: ess_config.prefetch_overlap_level: {removed}: docs/design.md, \"Overlap " \
+        f"modes\"); use none, auto or full"
+    with pytest.raises(OverlapProfileError, match=re.escape(f"prefetch_overlap_level: {removed}")):
+        restrict_modes(["sync"], "da")
+    edits = [(lambda d: d["layers"][2].update(mode="da"), "layers[2].mode (layer 2)"),
+             (lambda d: [lp["exposed_us"].update(da=300.0) for lp in d["layers"]], "layers[0].exposed_us.da (layer 0)"),
+             (lambda d: d["device"].update(da_overhead_us=184.0), "device.da_overhead_us"),
+             (lambda d: d["device"].update(attention_us={1: 22.0, 64: 95.0}), "device.attention_us")]
+    for edit, key in edits:
+        path = _write(tmp_path, edit)
+        with pytest.raises(OverlapProfileError) as e:
+            load_profile(path)
+        assert str(e.value).count("\n") == 0 and str(e.value).startswith(f"overlap profile {path}: {key}: {removed}")
+        assert "regenerate the profile with `ess profile`" in str(e.value)
+    with pytest.raises(OverlapProfileError, match=re.escape(f"gpu.yaml: device.da_hidden_fraction: {removed}")):
+        device_timings_from_mapping({"device": {"da_hidden_fraction": 0.44}}, "gpu.yaml")
 
 
 def test_wrong_layer_count_missing_file_and_bad_arguments(tmp_path):
@@ -317,12 +305,11 @@ def test_wrong_layer_count_missing_file_and_bad_arguments(tmp_path):
 
 
 def test_device_timings_overrides_keep_the_other_defaults():
-    d = device_timings_from_mapping({"h2d_gbps": 20, "attention_us": {1: 10, 8: 30}})
-    assert d.h2d_gbps == 20.0 and d.attention_us == {1: 10.0, 8: 30.0} and d.resolve_us == 40.0
+    d = device_timings_from_mapping({"h2d_gbps": 20, "indexer_topk_us": 200})
+    assert d.h2d_gbps == 20.0 and d.indexer_topk_us == 200.0 and d.resolve_us == 40.0
     assert device_timings_from_mapping({"device": {"resolve_us": 5}}).resolve_us == 5.0
     e = device_timings_from_mapping({"dba_split": 0.25})
-    assert (e.dba_split, e.dba_hidden_fraction, e.da_hidden_fraction) == (0.25, 0.8, 0.44)
-    assert (e.h2d_gbps, e.da_overhead_us, e.dba_overhead_us) == (42.0, 184.0, 130.0)
+    assert (e.dba_split, e.dba_hidden_fraction, e.h2d_gbps, e.dba_overhead_us) == (0.25, 0.8, 42.0, 130.0)
     assert device_timings_from_mapping({"h2d_gbps": 20}).dba_split == 0.75
     with pytest.raises(OverlapProfileError, match=r"my\.yaml: device\.resolv_us: unknown key"):
         device_timings_from_mapping({"device": {"resolv_us": 5}}, "my.yaml")
@@ -414,14 +401,13 @@ def test_committed_example_is_valid_and_reproducible():
     prof = load_profile(EXAMPLE)
     h = prof.header
     assert prof.device == DeviceTimings()  # written with the current H200 constants
-    # batch 64, 32K context: neither DA nor DBA wins at any miss count, so every layer is sync
+    # batch 64, 32K context: DBA wins at no miss count, so every layer is sync
     assert (h.batch, h.context) == (B64, C32K)
     assert modes == ["sync"] * 30
     assert max(lp.model_misses for lp in prof.layers) > 3842  # some layers fill DBA's window and still stay sync
     for lp in prof.layers:
         t = lp.exposed_us
-        assert t.sync < t.da and t.sync < t.dba
-        assert t.dba - t.sync >= 70 - 1e-3 and t.da - t.sync >= 184 - 0.44 * 95 - 1e-3
+        assert t.sync < t.dba and t.dba - t.sync >= 70 - 1e-3
     assert prof.modes() == modes
     assert modes == choose_modes([lp.model_misses for lp in prof.layers], h.batch, h.context, prof.device)
     with pytest.raises(OverlapProfileError, match="the model has 61"):

@@ -45,7 +45,7 @@ RUN_M001 = CALIBRATION / "h200_torch-topk_spare0.1_margin0.01.json"
 # SGLang's top-k: equal chunks by rows (2026-11-30 06:26 UTC); the shipped pair's margin-0 run (2026-12-01 02:16 UTC)
 RUN_SGLANG_EQUAL = CALIBRATION / "h200_sglang-topk_equal-chunks_margin0.json"
 RUN_SGLANG_M0 = CALIBRATION / "h200_sglang-topk_margin0.json"
-ONE_RUN_MODES = ("sync", "da", "dba", "prefetch", "prefetch2")  # what a run at one margin measures
+ONE_RUN_MODES = ("sync", "dba", "prefetch", "prefetch2")  # what a run at one margin measures
 RUN_MODES = tuple(m for m in MODES if not m.startswith("prefetch3"))  # what the committed pair measured (no prefetch3)
 
 
@@ -232,7 +232,11 @@ def test_a_run_whose_prefetch_chunks_split_otherwise_is_refused_when_the_split_i
 def test_points_from_benchmark_rows_and_exact_at_measured_points():
     cal = calibration_from_decode_layers(_run(), "run.json")
     assert cal.batches == [16, 64] and cal.contexts == [32768, 131072]  # batch 1 has one miss count only
-    assert cal.modes == ("sync", "dba", "prefetch", "prefetch2")  # da was not measured
+    assert cal.modes == ("sync", "dba", "prefetch", "prefetch2")
+    # an older run's rows of the removed mode da (and of layerwise) are not read
+    older = _run()
+    older["rows"] += [dict(r, variant=v) for r in older["rows"] if r["variant"] == "sync" for v in ("da", "layerwise")]
+    assert calibration_from_decode_layers(older, "run.json") == cal
     assert "run.json" in cal.source and "python benchmarks/decode_layers.py" in cal.source
     p = next(p for p in cal.points if (p.batch, p.context, p.misses) == (64, 131072, 1600.0))
     assert p.exposed_us == dict(sync=320.0, dba=200.0, prefetch=240.0, prefetch2=280.0)
@@ -293,22 +297,21 @@ def test_bad_benchmark_json_is_refused():
 def test_policy_takes_prefetch_modes_from_a_calibration_inside_its_grid_only():
     d = DeviceTimings(measured=calibration_from_decode_layers(_run()))
     t = exposed_times(1600.0, 64, 32768, d)  # the measured 0.9 point at batch 64: prefetch hides most
-    assert (t.sync, t.prefetch, t.prefetch2, t.dba, t.da) == (160.0, 120.0, 140.0, 200.0, None)
+    assert (t.sync, t.prefetch, t.prefetch2, t.dba, t.prefetch3) == (160.0, 120.0, 140.0, 200.0, None)
     assert choose_modes([1600.0, 160.0], 64, 32768, d) == ["prefetch", "sync"]
     # outside the grid: the analytic model, which offers no prefetch mode
     t = exposed_times(1600.0, 128, 32768, d)
     assert t == exposed_times(1600.0, 128, 32768, DeviceTimings()) and t.prefetch is None and t.prefetch2 is None
-    assert set(choose_modes([0, 1000, 20000], 128, 32768, d)) <= {"sync", "da", "dba"}
+    assert set(choose_modes([0, 1000, 20000], 128, 32768, d)) <= {"sync", "dba"}
 
 
 def test_restrict_and_stack_settings_of_prefetch_modes():
-    modes = ["sync", "da", "dba", "prefetch", "prefetch2", "prefetch3", "prefetch_margin", "prefetch2_margin",
+    modes = ["sync", "dba", "prefetch", "prefetch2", "prefetch3", "prefetch_margin", "prefetch2_margin",
              "prefetch3_margin"]
     assert tuple(modes) == MODES
     assert restrict_modes(modes, "full") == modes
-    assert restrict_modes(modes, "da") == ["sync", "da", "da"] + ["sync"] * 6  # prefetch is part of "full"
-    assert restrict_modes(modes, "none") == ["sync"] * 9
-    assert stack_settings(modes) == (["sync", "da", "dba"] + ["sync"] * 6, [0, 0, 0, 1, 2, 3, 1, 2, 3])
+    assert restrict_modes(modes, "none") == ["sync"] * 8
+    assert stack_settings(modes) == (["sync", "dba"] + ["sync"] * 6, [0, 0, 1, 2, 3, 1, 2, 3])
     with pytest.raises(ValueError, match="mode 'prefetch4' is not one of"):
         stack_settings(["prefetch4"])
 
@@ -325,7 +328,7 @@ def test_calibrated_profile_round_trip_and_layer_settings(tmp_path):
     again = load_profile(path, num_layers=3)
     assert again == prof and again.device.measured == d.measured
     assert layer_settings(path, 3) == (["sync"] * 3, [1, 0, 0])
-    assert layer_settings(path, 3, "da") == (["sync"] * 3, [0, 0, 0])
+    assert layer_settings(path, 3, "none") == (["sync"] * 3, [0, 0, 0])
 
 
 def test_the_1819_run_picks_its_fastest_mode_at_every_measured_point():
@@ -541,7 +544,7 @@ def test_a_profile_without_a_recorded_chunking_runs_the_stacks_defaults(tmp_path
 
 def test_a_run_at_a_margin_adds_the_margin_modes():
     """Two runs of one call (margin 0, then 0.01; spare 0 and 0.1): the margin run's prefetch modes join as the
-    *_margin modes, against its own all-HBM rows; everything else (sync, da, dba, the misses that place a point) is
+    *_margin modes, against its own all-HBM rows; everything else (sync, dba, the misses that place a point) is
     the first run's. The policy then picks prefetch2 with the margin at batch 64 / 32K / 0.95 (1.085 against 1.113 x
     all-HBM with spare slots, benchmarks/RESULTS.md) and without it at 0.9 (1.160 against 1.204)."""
     from ess_sglang.stack_calibration import load_calibration
@@ -610,7 +613,7 @@ def test_margin_runs_are_checked(tmp_path):
         calibration_from_decode_layers(m0, "cal", spare_slots=True, margin_run=margin_run(rows=drop))
     # its sync rows are not needed (the misses are the first run's): a run of the prefetch modes alone will do
     only_prefetch = margin_run(rows=lambda rows: [r for r in rows
-                                                  if not r["variant"].startswith(("sync", "da", "dba"))])
+                                                  if not r["variant"].startswith(("sync", "dba"))])
     cal = calibration_from_decode_layers(m0, "cal", spare_slots=True, margin_run=only_prefetch)
     assert cal.modes == RUN_MODES and cal.prefetch_margin == 0.01
     assert cal == calibration_from_decode_layers(m0, "cal", spare_slots=True, margin_run=m1)

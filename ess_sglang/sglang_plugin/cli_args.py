@@ -262,12 +262,9 @@ def check_resolved(view: Any, config: EssConfig, hf_config: Any) -> list[str]:
 def overlap_problems(config: EssConfig, num_layers: int | None) -> list[str]:
     """What the plugin cannot run of the overlap settings (echo.py plans what it can)."""
     from ess_sglang.overlap_policy import OverlapProfileError, load_profile
-    from ess_sglang.sglang_plugin.echo import DA_REFUSED
 
     p = []
-    if config.prefetch_overlap_level == "da":
-        p.append(DA_REFUSED)
-    elif config.overlap_profile is not None and config.prefetch_overlap_level in ("auto", "full"):
+    if config.overlap_profile is not None and config.prefetch_overlap_level in ("auto", "full"):
         try:
             load_profile(config.overlap_profile, num_layers if isinstance(num_layers, int) else None)
         except OverlapProfileError as exc:

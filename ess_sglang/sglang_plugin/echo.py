@@ -79,10 +79,8 @@ SMALL_BATCH_SPARE_REFILL_INTERVAL = 64
 SMALL_BATCH_SPARE_MAX_ENTRIES = MERGED_TAIL_MAX_ENTRIES
 PLUGIN_MODES = ONE_CALL_MODES
 """What the plugin runs in a decode layer: SGLang computes a layer's indexer logits in one call and its attention in
-one, so ECHO prefetch in one chunk (beside the top-k), or none. DA, DBA and the prefetch in chunks run in the decode
+one, so ECHO prefetch in one chunk (beside the top-k), or none. DBA and the prefetch in chunks run in the decode
 harness only; a profile's layer in one of those runs the fastest of these by the profile's own times."""
-DA_REFUSED = ("ess_config.prefetch_overlap_level: da needs dual attention, which the SGLang plugin does not run "
-              "(FlashMLA is called inside SGLang's DSA backend): use auto, none or full")
 
 
 @dataclass(frozen=True)
@@ -112,13 +110,11 @@ def plan(config: EssConfig, num_layers: int, top_k: int, max_running_requests: i
     measured a margin (``ess profile --calibration-margin``) sets every layer's: its *_margin layers run that margin,
     its other prefetch layers none (the policy chose them because margin 0 measured faster there), and
     ``prefetch_threshold_margin`` is then not used (a warning says so if it is set); otherwise every layer runs
-    ``prefetch_threshold_margin``. DA and DBA need SGLang's attention call split, and prefetch in chunks its indexer
-    call split, which the plugin does not do: a profile's layer in one of those modes runs the one of
+    ``prefetch_threshold_margin``. DBA needs SGLang's indexer call split in batch halves, and prefetch in chunks its
+    indexer call split, which the plugin does not do: a profile's layer in one of those modes runs the one of
     ``PLUGIN_MODES`` the profile gives the smallest exposed time (`OverlapProfile.modes_within`; exact, like every
-    mode); level ``da`` is refused at launch (``cli_args.check_resolved``)."""
+    mode)."""
     level = config.prefetch_overlap_level
-    if level == "da":
-        raise ValueError(DA_REFUSED)
     margins = [config.prefetch_threshold_margin] * num_layers
     measured = None  # the overlap profile's calibration, if it has one
     if level == "none":

@@ -68,8 +68,6 @@ def test_plan_levels_and_spare_slots():
     assert full.refill_interval == 1 and every4.refill_interval == 4
     capped = _plan(prefetch_overlap_level="full", hot=20_000)  # at most 1/8 of the hot pool, in whole pages
     assert capped.spare_slots == 2496 and "capped" in capped.note
-    with pytest.raises(ValueError, match="prefetch_overlap_level: da needs dual attention"):
-        _plan(prefetch_overlap_level="da")
 
 
 def test_plan_warns_when_the_profiles_spare_slots_were_refilled_otherwise(caplog, tmp_path):
@@ -96,12 +94,12 @@ def test_plan_warns_when_the_profiles_spare_slots_were_refilled_otherwise(caplog
 
 
 def test_plan_runs_what_the_plugin_can_of_the_overlap_profile(tmp_path):
-    """The profile's sync and prefetch layers run as profiled; a layer it gives DA, DBA or prefetch in chunks (the
-    decode harness's, which need SGLang's indexer or attention call split) runs whichever of sync and one-chunk
-    prefetch the profile's own times make fastest for that layer, and the start-up note says how many moved."""
+    """The profile's sync and prefetch layers run as profiled; a layer it gives DBA or prefetch in chunks (the
+    decode harness's, which need SGLang's indexer call split) runs whichever of sync and one-chunk prefetch the
+    profile's own times make fastest for that layer, and the start-up note says how many moved."""
     from ess_sglang.overlap_policy import load_profile
 
-    path = _profile_with(tmp_path, {0: "sync", 1: "da", 2: "dba"})
+    path = _profile_with(tmp_path, {0: "sync", 1: "dba", 2: "dba"})
     profile = load_profile(path)
     want = tuple(lp.mode == "prefetch" if lp.mode in ("sync", "prefetch") else
                  lp.exposed_us.prefetch < lp.exposed_us.sync for lp in profile.layers)
@@ -110,7 +108,7 @@ def test_plan_runs_what_the_plugin_can_of_the_overlap_profile(tmp_path):
     assert _plan(overlap_profile=path, prefetch_overlap_level="full") == p  # (p: the default level, auto)
     # (in this profile one-chunk prefetch measured faster than sync in every layer but 20 and 24)
     assert p.prefetch_layers[:4] == (False, True, True, True) and sum(p.prefetch_layers) == 27
-    assert "1 da -> prefetch, 1 dba -> prefetch, 24 prefetch2 -> prefetch, 2 prefetch2 -> sync" in p.note
+    assert "2 dba -> prefetch, 24 prefetch2 -> prefetch, 2 prefetch2 -> sync" in p.note
     three = _plan(overlap_profile=_profile_with(tmp_path, {0: "prefetch3", 1: "sync"}))
     assert three.prefetch_layers[:2] == (True, False) and "1 prefetch3 -> prefetch" in three.note
     # a layer whose one-chunk prefetch measured slower than sync (layer 20: 412.8 against 397.9 us) fetches in sync
@@ -175,8 +173,6 @@ def test_launch_checks_name_the_overlap_problem(tmp_path):
 
     assert overlap_problems(EssConfig(), 61) == []
     assert overlap_problems(EssConfig(overlap_profile=PROFILE), 30) == []
-    (da,) = overlap_problems(EssConfig(prefetch_overlap_level="da"), 61)
-    assert "da needs dual attention" in da and "use auto, none or full" in da
     for level in ("auto", "full"):  # (both run a profile's layers; none ignores it)
         (missing,) = overlap_problems(EssConfig(overlap_profile=str(tmp_path / "nope.yaml"),
                                                 prefetch_overlap_level=level), 61)
