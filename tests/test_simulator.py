@@ -237,7 +237,7 @@ def test_missing_scenario_file(tmp_path):
 def test_profile(tmp_path):
     data = paper_data()
     prof = {"source": "test", "pool_ratio": 0.2, "context_tokens": 32768, "misses_per_request": [100.0] * 61,
-            "overlap_modes": ["da"] * 61}
+            "overlap_modes": ["dba"] * 61}
     (tmp_path / "prof.json").write_text(json.dumps(prof))
     data["ess"]["miss_model"] = {"profile": "prof.json"}
     (tmp_path / "sc.yaml").write_text(yaml.safe_dump(data))
@@ -353,15 +353,14 @@ def test_ess_never_beats_unlimited_hbm(paper):
         assert sim.run_batch(b).throughput <= sim.ideal(b).throughput
 
 
-@given(fetch=st.floats(0, 1e-3), more=st.floats(0, 1e-3), attn=st.floats(1e-6, 1e-3), share=st.floats(0, 1),
-       idx=st.floats(1e-6, 1e-3), merge=st.floats(0, 1e-5))
-def test_exposed_fetch_properties(fetch, more, attn, share, idx, merge):
+@given(fetch=st.floats(0, 1e-3), more=st.floats(0, 1e-3), attn=st.floats(1e-6, 1e-3), idx=st.floats(1e-6, 1e-3))
+def test_exposed_fetch_properties(fetch, more, attn, idx):
     for mode in OVERLAP_MODES:
-        a, _ = exposed_fetch(mode, fetch, attn, share, idx, 0.19, merge)
-        b, _ = exposed_fetch(mode, fetch + more, attn, share, idx, 0.19, merge)
+        a, _ = exposed_fetch(mode, fetch, attn, idx, 0.19)
+        b, _ = exposed_fetch(mode, fetch + more, attn, idx, 0.19)
         assert 0 <= a <= b + 1e-15  # a bigger fetch never hides better
-    auto = exposed_fetch("auto", fetch, attn, share, idx, 0.19, merge)[0]
-    assert auto <= min(exposed_fetch(m, fetch, attn, share, idx, 0.19, merge)[0] for m in ("sync", "da", "dba"))
+    auto = exposed_fetch("auto", fetch, attn, idx, 0.19)[0]
+    assert auto <= min(exposed_fetch(m, fetch, attn, idx, 0.19)[0] for m in ("sync", "dba"))
 
 
 def test_sync_exposes_everything(paper):

@@ -83,7 +83,7 @@ class Hardware(BaseModel):
     attention's latents, top-k's logits, ESS's bookkeeping)."""
     kernel_floor_us: NonNegative = 2.4
     """Time of one small kernel of a decode layer (norms, RoPE, activations, quantisation, cache stores, routing
-    bookkeeping: ``calibration.SMALL_KERNELS`` counts them); also the indexer's and DA merge's fixed cost (us)."""
+    bookkeeping: ``calibration.SMALL_KERNELS`` counts them); also the indexer's fixed cost (us)."""
     flashmla_fixed_us: NonNegative = 20.4
     """Fixed cost of FlashMLA's sparse decode and its split-KV combine, per layer and micro-batch (us)."""
     topk_fixed_us: NonNegative = 9.8

@@ -47,7 +47,7 @@ from ess_sglang.entry_sizes import INDEXER_ENTRY_BYTES, LATENT_ENTRY_BYTES  # by
 from ess_sglang.simulator.calibration import FP8_WEIGHT_EFFICIENCY, SMALL_KERNELS, KernelCounts
 from ess_sglang.simulator.hardware import Hardware
 
-OVERLAP_MODES = ("sync", "da", "dba", "auto")
+OVERLAP_MODES = ("sync", "dba", "auto")
 ROUTINGS = ("uniform", "identical")
 
 
@@ -230,17 +230,15 @@ def active_experts(local: int, tokens_global: float, arch: ModelArch, routing: s
     return local * (1.0 - p_idle)
 
 
-def exposed_fetch(mode: str, fetch: float, attn: float, attn_hit_share: float, indexer: float,
-                  kappa: float, merge: float = 0.0) -> tuple[float, str]:
+def exposed_fetch(mode: str, fetch: float, attn: float, indexer: float, kappa: float) -> tuple[float, str]:
     """Time the compute stream waits for the ESS fetch of one layer (and micro-batch), and the mode used.
 
-    sync: fetch, then attend (what SGLang HiSparse does): all of it is exposed.
-    da:   dual attention: attend over the hits while the misses are in flight, then over the misses, then
-          merge the two partial results (``merge`` seconds, added to the exposed time).
+    sync: fetch, then attend (what SGLang HiSparse does, and the SGLang plugin by default): all of it is exposed.
     dba:  dual-batch attention: half A's fetch runs beside half B's indexer, half B's beside half A's attention.
-    auto: per layer, the cheapest of da, dba and sync (what ESS's offline profiling picks; sync only wins
-          when the fetch is so small that DA's merge costs more than it hides).
+    auto: per layer, the cheaper of dba and sync (what ESS's offline profiling picks between them).
     ``kappa`` of every overlapped second is lost to SM / HBM sharing (measured, hardware.overlap_interference).
+    DA (dual attention) is not modelled: ESS removed it, slower than sync in every configuration its decode harness
+    measured (docs/design.md, "Overlap modes").
     """
     if mode not in OVERLAP_MODES:
         raise ValueError(f"unknown overlap mode {mode!r} (expected one of {', '.join(OVERLAP_MODES)})")
@@ -248,16 +246,12 @@ def exposed_fetch(mode: str, fetch: float, attn: float, attn_hit_share: float, i
         return 0.0, mode
     if mode == "sync":
         return fetch, "sync"
-    hits = attn * attn_hit_share
-    da = max(0.0, fetch - hits) + kappa * min(fetch, hits) + merge
     half = fetch / 2
     dba = (max(0.0, half - indexer / 2) + kappa * min(half, indexer / 2)
            + max(0.0, half - attn / 2) + kappa * min(half, attn / 2))
-    if mode == "da":
-        return da, "da"
     if mode == "dba":
         return dba, "dba"
-    return min((da, "da"), (dba, "dba"), (fetch, "sync"))  # auto
+    return min((dba, "dba"), (fetch, "sync"))  # auto
 
 
 def layer_cost(arch: ModelArch, hw: Hardware, roof: Roofline, dep: Deployment, requests: float, tokens: float,
@@ -326,11 +320,7 @@ def layer_cost(arch: ModelArch, hw: Hardware, roof: Roofline, dep: Deployment, r
         run("ess_resolve", 0.0, t * k * 12, fixed_us=hw.ess_resolve_us + hw.ess_resolve_per_request_us * b)
     if ess and misses > 0:
         fetch = b * misses * arch.latent_bytes / hw.h2d_rate() + hw.pcie_fetch_latency_us * 1e-6
-        selected = max(1.0, dep.mtp_tokens * k)  # entries selected per request (upper bound: disjoint top-k)
-        hit_share = max(0.0, 1.0 - misses / selected)
-        # DA's log-sum-exp merge of two partial attentions: read two partial outputs, write one (one more kernel)
-        merge = roof.time(0.0, 3 * t * arch.num_heads * (arch.kv_lora_rank * 2 + 4))[0] + floor * 1e-6
-        exposed, used = exposed_fetch(mode, fetch, attn, hit_share, idx, hw.overlap_interference, merge)
+        exposed, used = exposed_fetch(mode, fetch, attn, idx, hw.overlap_interference)
         ops["ess_exposed_" + used] = exposed
     compute = sum(v for n, v in ops.items() if not n.startswith("ess_exposed_"))
     return LayerCost(compute=compute, hbm_part=hbm_part, fixed_part=fixed_part, network=network, fetch=fetch,

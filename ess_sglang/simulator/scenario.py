@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
+from ess_sglang.config import DA_REMOVED
 from ess_sglang.simulator.errors import SimulatorConfigError, read_yaml, validate
 from ess_sglang.simulator.hardware import REPO_ROOT, Hardware, load_hardware
 from ess_sglang.simulator.model import OVERLAP_MODES
@@ -92,13 +93,15 @@ class Ess(BaseModel):
 
     enabled: StrictBool = True
     overlap: StrictStr = "auto"
-    """sync (fetch then attend), da, dba, or auto (per layer the better of da and dba)."""
+    """sync (fetch then attend), dba, or auto (per layer the better of sync and dba)."""
     min_pool_ratio: Ratio | None = None
     """The smallest hot-pool ratio the operator accepts (bounds the batch); default: only the hot-pool floor."""
     miss_model: MissModelSpec = MissModelSpec()
 
     @model_validator(mode="after")
     def _mode(self) -> Ess:
+        if self.overlap == "da":
+            raise ValueError(f"overlap: {DA_REMOVED}; use sync, dba or auto (got 'da')")
         if self.overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)} (got {self.overlap!r})")
         return self

@@ -27,6 +27,7 @@ from typing import Annotated
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr
 
+from ess_sglang.config import DA_REMOVED
 from ess_sglang.simulator.errors import SimulatorConfigError, validate
 from ess_sglang.simulator.model import OVERLAP_MODES, ModelArch
 
@@ -44,6 +45,8 @@ def _non_negative(v: float) -> float:
 
 
 def _mode(v: str) -> str:
+    if v == "da":
+        raise ValueError(f"{DA_REMOVED}; use sync, dba or auto")
     if v not in OVERLAP_MODES:
         raise ValueError(f"must be one of {', '.join(OVERLAP_MODES)} (got {v!r})")
     return v
@@ -62,7 +65,7 @@ class MissProfile(BaseModel):
         pool_ratio: 0.2
         context_tokens: 32768
         misses_per_request: [...]   # one number per layer (61, or 62 with the MTP layer last)
-        overlap_modes: [...]        # optional: da / dba / sync / auto per layer
+        overlap_modes: [...]        # optional: dba / sync / auto per layer
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
