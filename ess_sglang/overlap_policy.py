@@ -24,8 +24,8 @@ misses over PCIe before attention reads them. Six modes, chosen per layer:
 
 A seventh, da (dual attention: attention over the hits while the misses copy, then over the misses, merged by
 log-sum-exp), was removed: it was slower than sync in every configuration the decode harness measured (docs/design.md,
-"Overlap modes"). A profile, calibration or device-timings file that still names it is refused at load
-(`config.DA_REMOVED`).
+"Overlap modes"). A profile or device-timings file written before then loads without da's times and constants; a
+profile with a layer that chose da is refused at load (`config.DA_REMOVED`), as is the level "da".
 
 Where the policy gets the modes' costs: from a measured calibration of the device (`DeviceTimings.measured`, built
 by `ess profile --calibration` from a `benchmarks/decode_layers.py` run: every mode's exposed time at a grid of
@@ -148,7 +148,7 @@ _LINE = ("ESS per-layer overlap profile: sync / dba (dual-batch) / prefetch / pr
          "calibration's threshold margin) per decode layer.")
 DA_DEVICE_KEYS = ("da_overhead_us", "da_hidden_fraction", "attention_us")
 """The cost model's constants of the removed mode da (its fixed cost, the share of its copy hidden, and the attention
-table A(b) only its term read), refused with it."""
+table A(b) only its term read): left out where a file written before its removal carries them."""
 
 
 class OverlapProfileError(ValueError):
@@ -494,53 +494,56 @@ def _convert(exc: ValidationError, where: str) -> OverlapProfileError:
     return OverlapProfileError("\n".join(lines))
 
 
-def _removed_da_key(data: Mapping) -> str | None:
-    """The YAML key of the first place a profile names the removed mode da, or None: a layer's mode (looked for
-    first), a layer's time, a device constant of its model, a calibration point's time."""
+def _da_layer(data: Mapping) -> str | None:
+    """The YAML key of the first layer whose chosen mode is the removed mode da, or None."""
     layers = data.get("layers") if isinstance(data.get("layers"), list) else []
     for i, lp in enumerate(layers):
         if isinstance(lp, Mapping) and lp.get("mode") == "da":
             return f"layers[{i}].mode (layer {i})"
-    for i, lp in enumerate(layers):
-        if isinstance(lp, Mapping) and isinstance(lp.get("exposed_us"), Mapping) and "da" in lp["exposed_us"]:
-            return f"layers[{i}].exposed_us.da (layer {i})"
-    device = data.get("device")
-    if isinstance(device, Mapping):
-        key = _removed_device_key(device)
-        if key is not None:
-            return f"device.{key}"
     return None
 
 
-def _removed_device_key(device: Mapping) -> str | None:
-    """The first key of a `device:` mapping that belongs to the removed mode da (`DA_DEVICE_KEYS`, or a calibration
-    point's da time), or None."""
-    for key in DA_DEVICE_KEYS:
-        if key in device:
-            return key
+def _without_da_times(device: Mapping) -> dict:
+    """A `device:` mapping without what only the removed mode da read (`DA_DEVICE_KEYS`, the calibration points' da
+    times)."""
+    device = {k: v for k, v in device.items() if k not in DA_DEVICE_KEYS}
     measured = device.get("measured")
-    points = measured.get("points") if isinstance(measured, Mapping) else None
-    for i, p in enumerate(points if isinstance(points, list) else []):
-        if isinstance(p, Mapping) and isinstance(p.get("exposed_us"), Mapping) and "da" in p["exposed_us"]:
-            return f"measured.points[{i}].exposed_us.da"
-    return None
+    if isinstance(measured, Mapping) and isinstance(measured.get("points"), list):
+        points = [{**p, "exposed_us": {m: t for m, t in p["exposed_us"].items() if m != "da"}}
+                  if isinstance(p, Mapping) and isinstance(p.get("exposed_us"), Mapping) else p
+                  for p in measured["points"]]
+        device["measured"] = {**measured, "points": points}
+    return device
+
+
+def _without_da(data: Mapping) -> dict:
+    """A profile written before da's removal, without da's times: per layer, in the device constants and the
+    calibration points. No layer chose da (`_da_layer` is checked first), so every choice stands."""
+    data = dict(data)
+    if isinstance(data.get("layers"), list):
+        data["layers"] = [{**lp, "exposed_us": {m: t for m, t in lp["exposed_us"].items() if m != "da"}}
+                          if isinstance(lp, Mapping) and isinstance(lp.get("exposed_us"), Mapping) else lp
+                          for lp in data["layers"]]
+    if isinstance(data.get("device"), Mapping):
+        data["device"] = _without_da_times(data["device"])
+    return data
 
 
 def profile_from_mapping(data: Any, where: str = "overlap profile") -> OverlapProfile:
-    """Validate a parsed YAML document; `where` (the file) starts every error line. A profile that names the removed
-    mode da anywhere (written before its removal) is refused in one line naming the first such key."""
+    """Validate a parsed YAML document; `where` (the file) starts every error line. A profile written before the mode
+    da was removed loads without da's times; one with a layer that chose da is refused in one line naming it."""
     if not isinstance(data, Mapping):
         raise OverlapProfileError(f"{where}: expected a mapping with keys format_version, header, device, layers; "
                                   f"got {type(data).__name__}")
     if "format_version" in data and data["format_version"] != FORMAT_VERSION:
         raise OverlapProfileError(f"{where}: format_version: {data['format_version']!r} is not supported (this "
                                   f"code reads {FORMAT_VERSION})")
-    da = _removed_da_key(data)
+    da = _da_layer(data)
     if da is not None:
         raise OverlapProfileError(f"{where}: {da}: {DA_REMOVED}; regenerate the profile with `ess profile` "
                                   f"(header.command)")
     try:
-        return OverlapProfile.model_validate(dict(data))
+        return OverlapProfile.model_validate(_without_da(data))
     except ValidationError as exc:
         raise _convert(exc, where) from None
 
@@ -548,7 +551,8 @@ def profile_from_mapping(data: Any, where: str = "overlap profile") -> OverlapPr
 def device_timings_from_mapping(data: Any, where: str = "device timings") -> DeviceTimings:
     """DeviceTimings from a mapping (the `device:` section of a profile, or a bare mapping of its keys).
 
-    Keys not given keep their H200 defaults; a key of the removed mode da (`DA_DEVICE_KEYS`) is refused.
+    Keys not given keep their H200 defaults; the removed mode da's constants (`DA_DEVICE_KEYS`), which files
+    written before its removal carry, are left out.
     """
     if isinstance(data, Mapping) and "device" in data:
         data, prefix = data["device"], "device."
@@ -557,11 +561,8 @@ def device_timings_from_mapping(data: Any, where: str = "device timings") -> Dev
     if not isinstance(data, Mapping):
         raise OverlapProfileError(f"{where}: {prefix or '(top level)'}: expected a mapping of device timings, got "
                                   f"{type(data).__name__}")
-    da = _removed_device_key(data)
-    if da is not None:
-        raise OverlapProfileError(f"{where}: {prefix}{da}: {DA_REMOVED}; remove the key")
     try:
-        return DeviceTimings.model_validate({**DeviceTimings().model_dump(), **dict(data)})
+        return DeviceTimings.model_validate({**DeviceTimings().model_dump(), **_without_da_times(data)})
     except ValidationError as exc:
         err = _convert(exc, where)
         if prefix:

@@ -23,8 +23,8 @@ The exposed time of a mode for a layer with M misses per step at batch B and con
 
 At a measured configuration this returns the measured exposed times exactly. Modes missing from any point are left
 out of the whole calibration (a mode is offered only where every point measured it). A run's rows of other variants
-(layerwise, or da: dual attention, removed, whose rows older runs hold) are not read; a calibration written into a
-profile that still names da is refused (`config.DA_REMOVED`).
+(layerwise, or da: dual attention, removed, whose rows older runs hold) are not read; a calibration written into an
+older profile loads without its da times (`overlap_policy.profile_from_mapping`).
 
 A run with `--spare` measured every mode again with spare slots (rows "mode+spare"); `spare_slots=True` reads those
 rows' times instead, for a runtime that keeps spare slots (the misses stay the sync run's without them, the measure of

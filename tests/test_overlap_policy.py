@@ -262,9 +262,10 @@ def test_every_file_error_names_file_key_and_layer(tmp_path, mutate, expected):
         assert part in msg, msg
 
 
-def test_da_in_a_config_or_a_profile_is_refused_at_load_in_one_line(tmp_path):
-    """DA (dual attention) was removed: a config level, a profile's layer mode or time, a device constant of its model
-    or a calibration point that still names it fails at load, in one line naming the key (docs/design.md)."""
+def test_da_level_and_da_layers_are_refused_older_da_times_are_left_out(tmp_path):
+    """DA (dual attention) was removed: a config level "da" or a profile layer that chose da fails at load, in one line
+    naming the key (docs/design.md); a profile or device-timings file written before the removal, which carries da's
+    times and constants beside the other modes', loads without them and keeps every choice."""
     from ess_sglang.config import EssConfigError, load_config
 
     removed = "'da' was removed (dual attention was slower than sync in every measured configuration"
@@ -276,18 +277,24 @@ def test_da_in_a_config_or_a_profile_is_refused_at_load_in_one_line(tmp_path):
         f"modes\"); use none, auto or full"
     with pytest.raises(OverlapProfileError, match=re.escape(f"prefetch_overlap_level: {removed}")):
         restrict_modes(["sync"], "da")
-    edits = [(lambda d: d["layers"][2].update(mode="da"), "layers[2].mode (layer 2)"),
-             (lambda d: [lp["exposed_us"].update(da=300.0) for lp in d["layers"]], "layers[0].exposed_us.da (layer 0)"),
-             (lambda d: d["device"].update(da_overhead_us=184.0), "device.da_overhead_us"),
-             (lambda d: d["device"].update(attention_us={1: 22.0, 64: 95.0}), "device.attention_us")]
-    for edit, key in edits:
-        path = _write(tmp_path, edit)
-        with pytest.raises(OverlapProfileError) as e:
-            load_profile(path)
-        assert str(e.value).count("\n") == 0 and str(e.value).startswith(f"overlap profile {path}: {key}: {removed}")
-        assert "regenerate the profile with `ess profile`" in str(e.value)
-    with pytest.raises(OverlapProfileError, match=re.escape(f"gpu.yaml: device.da_hidden_fraction: {removed}")):
-        device_timings_from_mapping({"device": {"da_hidden_fraction": 0.44}}, "gpu.yaml")
+    path = _write(tmp_path, lambda d: d["layers"][2].update(mode="da"))
+    with pytest.raises(OverlapProfileError) as e:
+        load_profile(path)
+    assert str(e.value).count("\n") == 0
+    assert str(e.value).startswith(f"overlap profile {path}: layers[2].mode (layer 2): {removed}")
+    assert "regenerate the profile with `ess profile`" in str(e.value)
+
+    current = load_profile(_write(tmp_path, lambda d: None))
+
+    def older(d):
+        for lp in d["layers"]:
+            lp["exposed_us"]["da"] = 300.0
+        d["device"].update(da_overhead_us=184.0, da_hidden_fraction=0.44, attention_us={1: 22.0, 64: 95.0})
+
+    loaded = load_profile(_write(tmp_path, older))
+    assert loaded.modes() == current.modes() and loaded == current
+    assert device_timings_from_mapping({"device": {"da_hidden_fraction": 0.44}}, "gpu.yaml") == \
+        device_timings_from_mapping({"device": {}}, "gpu.yaml")
 
 
 def test_wrong_layer_count_missing_file_and_bad_arguments(tmp_path):
