@@ -195,7 +195,7 @@ class StackOptions:
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
         if bad:
-            raise ValueError(f"overlap mode 'da': {DA_REMOVED}" if bad[0] == "da" else
+            raise ValueError(f"overlap mode 'da': {DA_REMOVED}; use {', '.join(MODES)}" if bad[0] == "da" else
                              f"overlap modes must be one of {MODES}, got {bad[0]!r}")
         fr = (self.dba_split, 1 - self.dba_split) if isinstance(self.dba_split, (int, float)) else \
             tuple(float(f) for f in self.dba_split)

@@ -108,6 +108,7 @@ This module imports pydantic, numpy and pyyaml only (no torch): the runtime read
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -128,6 +129,8 @@ from pydantic import (
 
 from ess_sglang.config import DA_REMOVED
 from ess_sglang.stack_calibration import CALIBRATED_MODES, MARGIN_MODES, NonNegFloat, StackCalibration
+
+logger = logging.getLogger(__name__)
 
 MODES = CALIBRATED_MODES
 """What a layer may run, in the policy's order (ties go to the earlier). prefetch / prefetch2 / prefetch3 are sync with
@@ -552,7 +555,7 @@ def device_timings_from_mapping(data: Any, where: str = "device timings") -> Dev
     """DeviceTimings from a mapping (the `device:` section of a profile, or a bare mapping of its keys).
 
     Keys not given keep their H200 defaults; the removed mode da's constants (`DA_DEVICE_KEYS`), which files
-    written before its removal carry, are left out.
+    written before its removal carry, are left out with a warning naming them.
     """
     if isinstance(data, Mapping) and "device" in data:
         data, prefix = data["device"], "device."
@@ -561,6 +564,10 @@ def device_timings_from_mapping(data: Any, where: str = "device timings") -> Dev
     if not isinstance(data, Mapping):
         raise OverlapProfileError(f"{where}: {prefix or '(top level)'}: expected a mapping of device timings, got "
                                   f"{type(data).__name__}")
+    dropped = [k for k in DA_DEVICE_KEYS if k in data]
+    if dropped:
+        logger.warning("%s: %s left out: constants of the removed overlap mode da, which nothing reads", where,
+                       ", ".join(prefix + k for k in dropped))
     try:
         return DeviceTimings.model_validate({**DeviceTimings().model_dump(), **_without_da_times(data)})
     except ValidationError as exc:

@@ -262,7 +262,7 @@ def test_every_file_error_names_file_key_and_layer(tmp_path, mutate, expected):
         assert part in msg, msg
 
 
-def test_da_level_and_da_layers_are_refused_older_da_times_are_left_out(tmp_path):
+def test_da_level_and_da_layers_are_refused_older_da_times_are_left_out(tmp_path, caplog):
     """DA (dual attention) was removed: a config level "da" or a profile layer that chose da fails at load, in one line
     naming the key (docs/design.md); a profile or device-timings file written before the removal, which carries da's
     times and constants beside the other modes', loads without them and keeps every choice."""
@@ -293,8 +293,19 @@ def test_da_level_and_da_layers_are_refused_older_da_times_are_left_out(tmp_path
 
     loaded = load_profile(_write(tmp_path, older))
     assert loaded.modes() == current.modes() and loaded == current
-    assert device_timings_from_mapping({"device": {"da_hidden_fraction": 0.44}}, "gpu.yaml") == \
-        device_timings_from_mapping({"device": {}}, "gpu.yaml")
+    # a calibrated profile (the shipped H200 one) with DA times in its calibration points too
+    shipped = Path(__file__).resolve().parents[1] / "configs/overlap/smollm2-135m_ratio0.2_h200-sglang-topk.yaml"
+    data = yaml.safe_load(shipped.read_text())
+    assert data["device"]["measured"]["points"]
+    older(data)
+    for point in data["device"]["measured"]["points"]:
+        point["exposed_us"]["da"] = 900.0
+    (tmp_path / "calibrated.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    assert load_profile(tmp_path / "calibrated.yaml") == load_profile(shipped)
+    with caplog.at_level("WARNING", logger="ess_sglang.overlap_policy"):
+        assert device_timings_from_mapping({"device": {"da_hidden_fraction": 0.44}}, "gpu.yaml") == \
+            device_timings_from_mapping({"device": {}}, "gpu.yaml")
+    assert "gpu.yaml: device.da_hidden_fraction left out" in caplog.text
 
 
 def test_wrong_layer_count_missing_file_and_bad_arguments(tmp_path):

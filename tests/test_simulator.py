@@ -234,7 +234,7 @@ def test_missing_scenario_file(tmp_path):
         load_scenario(tmp_path / "nope.yaml")
 
 
-def test_profile(tmp_path):
+def test_profile(tmp_path, capsys):
     data = paper_data()
     prof = {"source": "test", "pool_ratio": 0.2, "context_tokens": 32768, "misses_per_request": [100.0] * 61,
             "overlap_modes": ["dba"] * 61}
@@ -250,6 +250,16 @@ def test_profile(tmp_path):
     (tmp_path / "prof.json").write_text(json.dumps(prof))
     with pytest.raises(SimulatorConfigError, match=r"profile\.misses_per_request: needs 61 or 62"):
         Simulator(load_scenario(tmp_path / "sc.yaml"))
+
+    # a miss profile is read when the simulator is built: `ess simulate` still answers a bad one in its error lines
+    prof["misses_per_request"], prof["overlap_modes"] = [100.0] * 61, ["dba"] * 60 + ["da"]
+    (tmp_path / "prof.json").write_text(json.dumps(prof))
+    parser = __import__("argparse").ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--scenario", str(tmp_path / "sc.yaml"), "--out", str(tmp_path / "out"), "--no-plot"])
+    assert cli.run(args) == 2
+    err = capsys.readouterr().err
+    assert "invalid configuration" in err and "overlap_modes[60]: 'da' was removed" in err and "Traceback" not in err
 
 
 # ------------------------------------------------------------------------------------------- monotonic sanity

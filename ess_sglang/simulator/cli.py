@@ -95,14 +95,14 @@ def run(args: argparse.Namespace) -> int:
     from ess_sglang.simulator.scenario import load_scenario
     from ess_sglang.simulator.simulate import run_scenario
 
-    try:
+    try:  # the scenario's files, then its miss profile (read when the simulator is built)
         loaded = load_scenario(args.scenario)
+        if args.batches:
+            loaded.scenario = loaded.scenario.model_copy(update={"batches": args.batches})
+        result = run_scenario(loaded)
     except SimulatorConfigError as exc:
         print(f"ess simulate: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    if args.batches:
-        loaded.scenario = loaded.scenario.model_copy(update={"batches": args.batches})
-    result = run_scenario(loaded)
     print_report(result, plain=args.plain)
 
     out: Path = args.out
