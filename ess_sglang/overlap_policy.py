@@ -506,16 +506,20 @@ def _da_layer(data: Mapping) -> str | None:
     return None
 
 
+def _without_da_time(entry: Any) -> Any:
+    """A profile layer or calibration point without its da time in ``exposed_us`` (anything else as it is)."""
+    if not (isinstance(entry, Mapping) and isinstance(entry.get("exposed_us"), Mapping)):
+        return entry
+    return {**entry, "exposed_us": {m: t for m, t in entry["exposed_us"].items() if m != "da"}}
+
+
 def _without_da_times(device: Mapping) -> dict:
     """A `device:` mapping without what only the removed mode da read (`DA_DEVICE_KEYS`, the calibration points' da
     times)."""
     device = {k: v for k, v in device.items() if k not in DA_DEVICE_KEYS}
     measured = device.get("measured")
     if isinstance(measured, Mapping) and isinstance(measured.get("points"), list):
-        points = [{**p, "exposed_us": {m: t for m, t in p["exposed_us"].items() if m != "da"}}
-                  if isinstance(p, Mapping) and isinstance(p.get("exposed_us"), Mapping) else p
-                  for p in measured["points"]]
-        device["measured"] = {**measured, "points": points}
+        device["measured"] = {**measured, "points": [_without_da_time(p) for p in measured["points"]]}
     return device
 
 
@@ -524,9 +528,7 @@ def _without_da(data: Mapping) -> dict:
     calibration points. No layer chose da (`_da_layer` is checked first), so every choice stands."""
     data = dict(data)
     if isinstance(data.get("layers"), list):
-        data["layers"] = [{**lp, "exposed_us": {m: t for m, t in lp["exposed_us"].items() if m != "da"}}
-                          if isinstance(lp, Mapping) and isinstance(lp.get("exposed_us"), Mapping) else lp
-                          for lp in data["layers"]]
+        data["layers"] = [_without_da_time(lp) for lp in data["layers"]]
     if isinstance(data.get("device"), Mapping):
         data["device"] = _without_da_times(data["device"])
     return data
